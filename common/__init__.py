@@ -1,0 +1,4 @@
+"""Tokenmill's shared library: model runtime, paged KV cache, scheduler, sampling, hashing.
+
+Nothing here imports ``services``: services wrap this library, never the reverse.
+"""

@@ -1,0 +1,155 @@
+"""Paged KV blocks: allocation, reference counts, and the prefix cache.
+
+Full blocks are content-addressed by ``common.hashing``'s chained hash. A block whose reference count drops to
+zero goes to the free LRU but keeps its hash, so a later request with the same prefix can take it back; it loses
+the hash only when the allocator reuses it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from common.hashing import ROOT_HASH, HashKeys, block_hash
+from common.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    tokens: tuple[int, ...] | None = None  # kept to confirm a hash hit
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which served from the cache
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by ``allocate`` when the pool cannot cover the request (callers check ``can_allocate`` first)."""
+
+
+class BlockManager:
+    """Owns the block pool. Not thread-safe: only the engine loop calls it."""
+
+    def __init__(self, num_blocks: int, block_size: int, model_id: str, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.model_id = model_id
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def cached_block_hashes(self) -> set[int]:
+        return set(self._by_hash)
+
+    # -- prefix cache ----------------------------------------------------------------------------------
+    def _keys(self, seq: Sequence) -> HashKeys:
+        return HashKeys(self.model_id, cache_salt=seq.cache_salt)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq``'s tokens, leaving ≥ 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        keys = self._keys(seq)
+        parent = ROOT_HASH
+        hit: list[int] = []
+        for i in range(max_blocks):
+            toks = tuple(seq.tokens_range(i * bs, (i + 1) * bs))
+            h = block_hash(parent, toks, keys)
+            bid = self._by_hash.get(h)
+            if bid is None or self.blocks[bid].tokens != toks:
+                break
+            hit.append(bid)
+            parent = h
+        return hit
+
+    def admit(self, seq: Sequence) -> None:
+        """First admission: take the cached prefix (refs++), count the lookup."""
+        hit = self.match_prefix(seq)
+        for bid in hit:
+            self._take(bid)
+        seq.block_ids = list(hit)
+        seq.block_hashes = [self.blocks[b].hash for b in hit]  # type: ignore[misc]
+        seq.num_computed_tokens = len(hit) * self.block_size
+        if not seq.admitted:
+            self.stats.queries += seq.num_prompt_tokens
+            self.stats.hits += seq.num_computed_tokens
+            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.admitted = True
+
+    def num_new_blocks(self, seq: Sequence, num_tokens_after: int, hit_blocks: int = 0) -> int:
+        return max(0, self.blocks_needed(num_tokens_after) - max(len(seq.block_ids), hit_blocks))
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def _take(self, bid: int) -> None:
+        b = self.blocks[bid]
+        if b.ref_count == 0:
+            del self._free[bid]
+        b.ref_count += 1
+
+    def allocate(self, seq: Sequence, num_tokens_after: int) -> None:
+        """Grow ``seq``'s block table to hold ``num_tokens_after`` tokens."""
+        need = self.blocks_needed(num_tokens_after) - len(seq.block_ids)
+        if need > len(self._free):
+            raise NoFreeBlocksError(f"need {need} blocks, {len(self._free)} free")
+        for _ in range(need):
+            bid, _ = self._free.popitem(last=False)  # least recently freed
+            b = self.blocks[bid]
+            if b.hash is not None:
+                if self._by_hash.get(b.hash) == bid:
+                    del self._by_hash[b.hash]
+                b.hash = None
+                b.tokens = None
+            b.ref_count = 1
+            seq.block_ids.append(bid)
+
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Register the hashes of blocks that became full with computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = seq.num_computed_tokens // bs
+        keys = self._keys(seq)
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+            toks = tuple(seq.tokens_range(i * bs, (i + 1) * bs))
+            h = block_hash(parent, toks, keys)
+            seq.block_hashes.append(h)
+            b = self.blocks[seq.block_ids[i]]
+            if h not in self._by_hash:
+                self._by_hash[h] = b.block_id
+                b.hash = h
+                b.tokens = toks
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; tail blocks are freed first so they are reused first."""
+        for bid in reversed(seq.block_ids):
+            b = self.blocks[bid]
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                self._free[bid] = None
+        seq.block_ids = []
+        seq.block_hashes = []

@@ -1,0 +1,47 @@
+"""Engine options shared by every command that runs a model (``generate``, benchmarks, the workers)."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.config import EngineConfig, parse_bytes
+from common.loader import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a .gguf file, a Hugging Face directory, dummy:CONFIG, or '{DEFAULT_MODEL}' (the embedded "
+                        "SmolLM2-135M-Instruct; default)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="weights and KV dtype (default float32 on cpu, bfloat16 on cuda)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="bytes for the KV pool, e.g. 2GiB (default: 1GiB on cpu; on cuda what "
+                        "--gpu-memory-utilization leaves after weights and activations)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory Tokenmill may use (default 0.9)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step (default 64)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    g.add_argument("--no-chunked-prefill", action="store_true", help="never split a prompt across steps")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default 0)")
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    return EngineConfig(
+        device=a.device,
+        dtype=dtype,
+        block_size=a.block_size,
+        kv_cache_memory=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_model_len,
+        enable_prefix_caching=not a.no_prefix_caching,
+        enable_chunked_prefill=not a.no_chunked_prefill,
+        seed=a.seed,
+    )

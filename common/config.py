@@ -1,0 +1,160 @@
+"""Frozen configuration objects, loaded once at start-up and never mutated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """RoPE frequency scaling (Llama-3 style ``llama3``, ``linear``, or none)."""
+
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = (2,)
+    sliding_window: int | None = None  # Mistral v0.1; honoured only by rejecting longer contexts
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count, embeddings included once if tied."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "model") -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dictionary."""
+        archs = cfg.get("architectures") or []
+        supported = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+        if archs and not supported.intersection(archs):
+            raise ValueError(f"unsupported architecture {archs}; Tokenmill runs {sorted(supported)}")
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        rtype = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
+        if rtype not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_scaling type {rtype!r}")
+        scaling = RopeScaling(
+            rope_type=rtype,
+            factor=float(rs.get("factor", 1.0)),
+            low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(rs.get("original_max_position_embeddings", 8192)),
+        )
+        eos = cfg.get("eos_token_id", 2)
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
+        is_qwen2 = "Qwen2ForCausalLM" in archs or cfg.get("model_type") == "qwen2"
+        theta = cfg.get("rope_theta", rs.get("rope_theta", 10000.0) if rs else 10000.0)
+        return cls(
+            name=name,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
+        p = Path(path)
+        return cls.from_hf_dict(json.loads(p.read_text()), name=p.stem)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine runs: device, dtype, KV pool, batching budgets."""
+
+    device: Device = "cpu"
+    dtype: DType = "float32"
+    block_size: int = 16
+    # KV pool size: an explicit byte count wins; otherwise (CUDA) the memory left under
+    # gpu_memory_utilization after weights and the measured activation peak.
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device == "cpu" and self.dtype == "float16":
+            raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M KV in float32
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``4GiB``, ``512MB``, ``1e9`` or a plain integer into bytes."""
+    t = text.strip().lower().replace("ib", "").replace("b", "")
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    if t and t[-1] in mult:
+        return int(float(t[:-1]) * mult[t[-1]])
+    return int(float(t))

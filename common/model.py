@@ -1,0 +1,270 @@
+"""A Llama-family decoder over a paged KV cache, in plain PyTorch (the portable path).
+
+One forward runs a flat batch of tokens from many sequences (prefill chunks and decodes mixed): the matmuls see
+all tokens at once, attention is per sequence over its block table. The same code runs on ``cpu`` and ``cuda``.
+
+Weights are taken with Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) and fused here
+(q/k/v into one projection, gate/up into one), so every loader only has to speak one naming scheme.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.config import ModelConfig
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where the tokens of one step come from and where their K/V go.
+
+    Tokens are laid out prefill sequences first, then decode sequences (one token each).
+    """
+
+    slot_blocks: torch.Tensor  # [T] block id of each new token's KV slot
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    # prefill (or chunked-prefill) sequences, one entry each
+    prefill_query_lens: list[int]
+    prefill_context_lens: list[int]  # tokens in the cache after this step (prefix + chunk)
+    prefill_block_tables: list[torch.Tensor]  # [ceil(context_len / block_size)] each
+    # decode sequences, batched
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks]
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool: key is visible
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(self.prefill_query_lens)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies with the config's theta and scaling (computed in float64, returned float32)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling
+    if rs.rope_type == "linear":
+        inv = inv / rs.factor
+    elif rs.rope_type == "llama3":
+        old = rs.original_max_position_embeddings
+        low_wl = old / rs.low_freq_factor
+        high_wl = old / rs.high_freq_factor
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > low_wl, inv / rs.factor, inv)
+        smooth = (old / wl - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wl >= high_wl) & (wl <= low_wl)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv.to(torch.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as the reference does, returned in the input dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel(torch.nn.Module):
+    """The decoder. ``forward`` returns final hidden states; ``compute_logits`` projects the chosen rows."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+
+        def empty(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=self.device), requires_grad=False)
+
+        self.embed_tokens = empty(cfg.vocab_size, h)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(cfg.num_layers):
+            layer = torch.nn.Module()
+            layer.input_norm = empty(h)
+            layer.qkv = empty(q + 2 * kv, h)
+            layer.qkv_bias = empty(q + 2 * kv) if cfg.attention_bias else None
+            layer.o_proj = empty(h, q)
+            layer.post_norm = empty(h)
+            layer.gate_up = empty(2 * i, h)
+            layer.down = empty(h, i)
+            self.layers.append(layer)
+        self.norm = empty(h)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else empty(cfg.vocab_size, h)
+        inv = rope_inv_freq(cfg).to(self.device)
+        t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=self.device)
+        freqs = torch.outer(t, inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # RoPE is applied in float32 and cast, as the reference computes cos/sin in float32.
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    # ---- weights -------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the fused parameters. Raises on missing or unknown names."""
+        cfg = self.cfg
+        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        seen: set[str] = set()
+        for name, w in weights:
+            name = name.removeprefix("model.")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            seen.add(name)
+            w = w.to(dtype=self.dtype)
+            if name == "embed_tokens.weight":
+                self.embed_tokens.data.copy_(w)
+                continue
+            if name == "norm.weight":
+                self.norm.data.copy_(w)
+                continue
+            if name == "lm_head.weight":
+                if not cfg.tie_word_embeddings:
+                    self.lm_head.data.copy_(w)
+                continue
+            parts = name.split(".")
+            if parts[0] != "layers":
+                raise ValueError(f"unexpected weight {name!r}")
+            layer = self.layers[int(parts[1])]
+            rest = ".".join(parts[2:])
+            targets = {
+                "input_layernorm.weight": (layer.input_norm, None),
+                "post_attention_layernorm.weight": (layer.post_norm, None),
+                "self_attn.q_proj.weight": (layer.qkv, (0, q)),
+                "self_attn.k_proj.weight": (layer.qkv, (q, q + kv)),
+                "self_attn.v_proj.weight": (layer.qkv, (q + kv, q + 2 * kv)),
+                "self_attn.o_proj.weight": (layer.o_proj, None),
+                "mlp.gate_proj.weight": (layer.gate_up, (0, i)),
+                "mlp.up_proj.weight": (layer.gate_up, (i, 2 * i)),
+                "mlp.down_proj.weight": (layer.down, None),
+            }
+            if cfg.attention_bias:
+                targets["self_attn.q_proj.bias"] = (layer.qkv_bias, (0, q))
+                targets["self_attn.k_proj.bias"] = (layer.qkv_bias, (q, q + kv))
+                targets["self_attn.v_proj.bias"] = (layer.qkv_bias, (q + kv, q + 2 * kv))
+            if rest not in targets:
+                raise ValueError(f"unexpected weight {name!r}")
+            param, rows = targets[rest]
+            dst = param.data if rows is None else param.data[rows[0] : rows[1]]
+            if dst.shape != w.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(w)
+        missing = self.expected_weight_names() - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+
+    def expected_weight_names(self) -> set[str]:
+        names = {"embed_tokens.weight", "norm.weight"}
+        if not self.cfg.tie_word_embeddings:
+            names.add("lm_head.weight")
+        per = [
+            "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        ]
+        if self.cfg.attention_bias:
+            per += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        for li in range(self.cfg.num_layers):
+            names.update(f"layers.{li}.{p}" for p in per)
+        return names
+
+    def init_random(self, seed: int = 0) -> None:
+        """Random weights at the real size (for benchmarks): N(0, 0.02) matrices, unit norms.
+
+        Drawn on the weights' own device, so an 8B model fills in seconds on a GPU."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.data.fill_(1.0) if "norm" in name else p.data.zero_()
+            else:
+                p.data.normal_(0.0, 0.02, generator=g)
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run T tokens. ``kv_cache`` is ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``
+        and is written in place at ``meta``'s slots. Returns hidden states ``[T, hidden]`` after the final norm."""
+        cfg = self.cfg
+        x = F.embedding(input_ids, self.embed_tokens)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        q_sz, kv_sz = cfg.q_size, cfg.kv_size
+        t = x.shape[0]
+        for li, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q = qkv[:, :q_sz].view(t, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_sz : q_sz + kv_sz].view(t, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, q_sz + kv_sz :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            q = apply_rope(q.float(), cos, sin).to(x.dtype)
+            k = apply_rope(k.float(), cos, sin).to(x.dtype)
+            attn = paged_attention(q, k, v, kv_cache[:, li], meta)
+            x = x + F.linear(attn.reshape(t, q_sz), layer.o_proj)
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gu = F.linear(h, layer.gate_up)
+            g, u = gu.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, layer.down)
+        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project hidden rows to float32 vocabulary logits."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Write this step's K/V into the paged cache, then attend. Portable PyTorch path.
+
+    q: [T, heads, d]; k, v: [T, kv_heads, d]; layer_cache: [num_blocks, 2, block_size, kv_heads, d] (a view).
+    Returns [T, heads, d].
+    """
+    k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
+    k_cache[meta.slot_blocks, meta.slot_offsets] = k
+    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    heads, d = q.shape[1], q.shape[2]
+    kvh = k.shape[1]
+    group = heads // kvh
+    outs: list[torch.Tensor] = []
+    start = 0
+    for qlen, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
+        qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if ctx == qlen:
+            # no cached prefix: the chunk's own K/V are the whole context
+            ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0)
+            vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            ks = k_cache[table].reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            vs = v_cache[table].reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            qpos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(1)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+        outs.append(o.squeeze(0).transpose(0, 1))
+        start += qlen
+    if meta.num_decode_tokens:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        b = meta.num_decode_tokens
+        qd = q[start:].view(b, kvh, group, d)  # the group's query heads act as query rows of one KV head
+        kd = k_cache[meta.decode_block_tables].view(b, -1, kvh, d).transpose(1, 2)  # [B, kvh, L, d]
+        vd = v_cache[meta.decode_block_tables].view(b, -1, kvh, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+        outs.append(o.reshape(b, heads, d))
+    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]

@@ -1,0 +1,185 @@
+"""Turns a scheduler step into tensors, runs the model, and returns the logits of the rows that sample.
+
+Owns the model weights and the KV pool: one preallocated tensor
+``[num_blocks, num_layers, 2 (k/v), block_size, kv_heads, head_dim]``. The layout is block-major so one block of
+every layer is one contiguous region: a KV transfer moves a block with a single descriptor.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from common.loader import ModelSource
+from common.model import AttentionMetadata, LlamaModel
+from common.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUT = "block-major:[blocks,layers,kv,block_size,kv_heads,head_dim]"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_indices: list[int]  # row of each sampling sequence in the flat batch
+
+
+class ModelRunner:
+    """Loads weights onto the device, sizes and allocates the KV pool, and executes steps."""
+
+    def __init__(self, source: ModelSource, cfg: EngineConfig) -> None:
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device 'cuda' requested but torch sees no CUDA device; use --device cpu")
+        self.cfg = cfg
+        self.model_cfg: ModelConfig = source.config
+        self.device = torch.device(cfg.device)
+        self.dtype = torch_dtype(cfg.dtype)
+        t0 = time.perf_counter()
+        self.model = LlamaModel(self.model_cfg, self.dtype, self.device)
+        if source.weights is None:
+            self.model.init_random(cfg.seed)
+        else:
+            self.model.load_weights(source.weights())
+        self.load_seconds = time.perf_counter() - t0
+        self.block_size = cfg.block_size
+        self.num_blocks = self._num_blocks()
+        m = self.model_cfg
+        self.kv_cache = torch.zeros(
+            (self.num_blocks, m.num_layers, 2, cfg.block_size, m.num_kv_heads, m.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        m = self.model_cfg
+        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+
+    def _num_blocks(self) -> int:
+        if self.cfg.num_gpu_blocks_override:
+            return self.cfg.num_gpu_blocks_override
+        if self.cfg.kv_cache_memory is not None:
+            return max(1, self.cfg.kv_cache_memory // self.bytes_per_block)
+        if self.device.type == "cpu":
+            return max(1, DEFAULT_CPU_KV_CACHE_BYTES // self.bytes_per_block)
+        # CUDA: what is left under the utilization cap after weights and a measured activation peak
+        peak = self._profile_activation_peak()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.cfg.gpu_memory_utilization) - used_by_others
+        budget -= torch.cuda.memory_allocated(self.device) + peak
+        if budget < self.bytes_per_block:
+            raise RuntimeError(
+                f"no memory left for the KV cache: {total / 2**30:.1f} GiB × {self.cfg.gpu_memory_utilization} "
+                f"minus weights and a {peak / 2**30:.2f} GiB activation peak; raise --gpu-memory-utilization"
+            )
+        return budget // self.bytes_per_block
+
+    def _profile_activation_peak(self) -> int:
+        """Run one forward of ``max_num_batched_tokens`` tokens on a scratch cache and return its peak."""
+        m = self.model_cfg
+        n = min(self.cfg.max_num_batched_tokens, m.max_position_embeddings)
+        blocks = -(-n // self.block_size)
+        scratch = torch.zeros(
+            (blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        table = torch.arange(blocks, device=self.device)
+        meta = AttentionMetadata(
+            slot_blocks=pos // self.block_size, slot_offsets=pos % self.block_size,
+            prefill_query_lens=[n], prefill_context_lens=[n], prefill_block_tables=[table],
+            num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
+        )
+        with torch.inference_mode():
+            h = self.model(ids, pos, meta, scratch)
+            self.model.compute_logits(h[-self.cfg.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del scratch, h
+        torch.cuda.empty_cache()
+        return peak
+
+    # -- a step ----------------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_b: list[int] = []
+        slot_o: list[int] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[torch.Tensor] = []
+        sample_idx: list[int] = []
+        for item in out.prefills:
+            s, n = item.seq, item.num_tokens
+            c = s.num_computed_tokens
+            ids.extend(s.tokens_range(c, c + n))
+            rng = range(c, c + n)
+            pos.extend(rng)
+            slot_b.extend(s.block_ids[p // bs] for p in rng)
+            slot_o.extend(p % bs for p in rng)
+            q_lens.append(n)
+            ctx_lens.append(c + n)
+            tables.append(torch.tensor(s.block_ids[: -(-(c + n) // bs)], dtype=torch.long, device=self.device))
+            if item.samples:
+                sample_idx.append(len(ids) - 1)
+        dec_tables = dec_mask = None
+        if out.decodes:
+            width = max(len(d.seq.block_ids) for d in out.decodes)
+            rows = []
+            ctx = []
+            for d in out.decodes:
+                s = d.seq
+                c = s.num_computed_tokens
+                ids.append(s.token_at(c))
+                pos.append(c)
+                slot_b.append(s.block_ids[c // bs])
+                slot_o.append(c % bs)
+                rows.append(s.block_ids + [0] * (width - len(s.block_ids)))
+                ctx.append(c + 1)
+                sample_idx.append(len(ids) - 1)
+            dec_tables = torch.tensor(rows, dtype=torch.long, device=self.device)
+            ctx_t = torch.tensor(ctx, device=self.device)
+            dec_mask = (torch.arange(width * bs, device=self.device).unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_b, dtype=torch.long, device=self.device),
+            slot_offsets=torch.tensor(slot_o, dtype=torch.long, device=self.device),
+            prefill_query_lens=q_lens,
+            prefill_context_lens=ctx_lens,
+            prefill_block_tables=tables,
+            num_decode_tokens=len(out.decodes),
+            decode_block_tables=dec_tables,
+            decode_mask=dec_mask,
+        )
+        return StepInputs(
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(pos, dtype=torch.long, device=self.device),
+            meta,
+            sample_idx,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Run the step; return float32 logits ``[num_sampling_rows, vocab]`` on the CPU (or None)."""
+        inp = self.prepare(out)
+        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
+        if not inp.sample_indices:
+            return None
+        idx = torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[idx]).cpu()

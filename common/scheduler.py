@@ -1,0 +1,146 @@
+"""Continuous batching by token budget, chunked prefill, priorities, preemption by recompute.
+
+Every step the scheduler hands out at most ``max_num_batched_tokens`` tokens: running sequences first (a decode
+takes one token, an unfinished prefill takes a chunk), then waiting sequences in (priority, arrival) order while
+their blocks fit. When a running sequence cannot get a block, the lowest-priority, latest-arrived running
+sequence is preempted: its blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting,
+to be recomputed later with its generated tokens — it finishes with the same output.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from common.block_manager import BlockManager
+from common.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed for it this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence's known tokens, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What to run this step: prefill chunks first, then decodes."""
+
+    prefills: list[ScheduledSeq]
+    decodes: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.prefills) + len(self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """Owns the waiting and running queues. Not thread-safe: only the engine loop calls it."""
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Sequence] = []  # sorted by order_key
+        self.running: list[Sequence] = []  # sorted by order_key
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.order_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out of whichever queue holds it and free its blocks (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free(seq)
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self.bm.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        prefills: list[ScheduledSeq] = []
+        decodes: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        scheduled: set[int] = set()
+
+        # 1. running sequences, highest priority first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.can_allocate(self.bm.num_new_blocks(seq, seq.num_computed_tokens + n)):
+                victim = self.running[-1]
+                if id(victim) in scheduled:  # never preempt what this step already runs
+                    victim = seq
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.bm.allocate(seq, seq.num_computed_tokens + n)
+                item = ScheduledSeq(seq, n)
+                (decodes if n == 1 and seq.output_ids else prefills).append(item)
+                scheduled.add(id(seq))
+                budget -= n
+                i += 1
+                continue
+            if victim is seq:
+                continue  # seq left the running list; the index now points at the next one
+
+        # 2. waiting sequences, unless this step had to preempt (no room to spare)
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hit = self.bm.match_prefix(seq) if not seq.block_ids else []
+            computed = len(hit) * self.bm.block_size
+            remaining = seq.num_tokens - computed
+            n = min(remaining, budget)
+            if n < remaining and not self.enable_chunked_prefill:
+                break
+            # blocks to add beyond the cached hit; hit blocks that sit in the free list are taken from it too
+            need = self.bm.blocks_needed(computed + n) - len(hit)
+            need += sum(1 for b in hit if self.bm.blocks[b].ref_count == 0)
+            if not self.bm.can_allocate(need):
+                break
+            self.waiting.pop(0)
+            self.bm.admit(seq)
+            self.bm.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.order_key)
+            prefills.append(ScheduledSeq(seq, n))
+            budget -= n
+        return SchedulerOutput(prefills, decodes, preempted)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance ``num_computed_tokens`` for everything that ran, and register newly full blocks."""
+        for item in (*out.prefills, *out.decodes):
+            item.seq.num_computed_tokens += item.num_tokens
+            self.bm.commit_full_blocks(item.seq)

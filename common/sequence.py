@@ -1,0 +1,76 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """A request as the scheduler sees it: ``num_computed_tokens`` catches up to ``num_tokens``.
+
+    Prefill, chunked prefill and decode are the same thing with different gaps between the two.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_tokens: int
+    priority: int = 0  # lower runs first
+    arrival: float = field(default_factory=time.monotonic)
+    arrival_seq: int = 0  # tie-break for equal arrival times
+    cache_salt: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks registered so far
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    admitted: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < p else self.output_ids[i - p]
+
+    def tokens_range(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def order_key(self) -> tuple[int, float, int]:
+        return (self.priority, self.arrival, self.arrival_seq)

@@ -1,0 +1,13 @@
+"""``tokenmill bench …``: the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (offline engine throughput, serving load)")
+    bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    from loadgen import bench_offline
+
+    bench_offline.add_parser(bsub)

@@ -1,0 +1,1 @@
+"""Tokenmill's services (one package per pool) and the ``tokenmill`` command line."""

@@ -1,0 +1,32 @@
+"""The ``tokenmill`` command: one entry point, a subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from services import generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tokenmill",
+        description="Tokenmill: a token-level LLM inference-serving cluster.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    generate.add_parser(sub)
+    from loadgen import cli as bench_cli
+
+    bench_cli.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
