@@ -86,6 +86,10 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((int(eos),) if eos is not None else ())
         is_qwen2 = "Qwen2ForCausalLM" in archs or cfg.get("model_type") == "qwen2"
         theta = cfg.get("rope_theta", rs.get("rope_theta", 10000.0) if rs else 10000.0)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        max_pos = int(cfg.get("max_position_embeddings", 4096))
+        if window:  # attention here is always full: refuse contexts the window would have cut
+            max_pos = min(max_pos, int(window))
         return cls(
             name=name,
             vocab_size=int(cfg["vocab_size"]),
@@ -95,7 +99,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_pos,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -103,7 +107,7 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", is_qwen2)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            sliding_window=window,
         )
 
     @classmethod

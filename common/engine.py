@@ -9,7 +9,8 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from common.block_manager import BlockManager
@@ -221,9 +222,7 @@ class LLMEngine:
         if lp is not None and st.logprobs is not None:
             st.logprobs.append(TokenLogprob(tok, lp[0], lp[1]))
         reason: FinishReason | None = None
-        if not p.ignore_eos and tok in self.model_cfg.eos_token_ids:
-            reason = FinishReason.STOP
-        elif tok in p.stop_token_ids:
+        if (not p.ignore_eos and tok in self.model_cfg.eos_token_ids) or tok in p.stop_token_ids:
             reason = FinishReason.STOP
         text_end: int | None = None
         if st.detok is not None:

@@ -52,7 +52,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         with open(self.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         self._pos = 0
         if self._read(4) != GGUF_MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (bad magic)")

@@ -88,7 +88,11 @@ def _from_hf_dir(path: Path, spec: str) -> ModelSource:
     from safetensors import safe_open
 
     cfg = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()), name=path.name)
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # only the shards the index names (Mistral repos also ship consolidated.safetensors)
+        files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
 

@@ -43,9 +43,10 @@ class AttentionMetadata:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies with the config's theta and scaling (computed in float64, returned float32)."""
+    """Inverse frequencies with the config's theta and scaling, in float32 with transformers' exact operations
+    (the precision the models were trained with), so the cos/sin tables match the reference bit for bit."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = cfg.rope_scaling
     if rs.rope_type == "linear":
         inv = inv / rs.factor

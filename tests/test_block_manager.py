@@ -1,0 +1,101 @@
+"""Block manager and scheduler on their own: reference counts, the prefix cache, LRU reuse, preemption."""
+
+from __future__ import annotations
+
+from common.block_manager import BlockManager
+from common.hashing import HashKeys, prefix_block_hashes
+from common.sampling import SamplingParams
+from common.scheduler import Scheduler
+from common.sequence import Sequence
+
+
+def seq(rid: str, tokens: list[int], salt: str = "", priority: int = 0) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(), seed=0, max_tokens=16, cache_salt=salt, priority=priority)
+
+
+def run_prefill(bm: BlockManager, s: Sequence) -> None:
+    bm.admit(s)
+    bm.allocate(s, s.num_tokens)
+    s.num_computed_tokens = s.num_tokens
+    bm.commit_full_blocks(s)
+
+
+def test_prefix_hit_shares_blocks_and_counts():
+    bm = BlockManager(16, 4, "m")
+    a = seq("a", list(range(10)))
+    run_prefill(bm, a)
+    assert len(a.block_ids) == 3 and bm.num_free_blocks == 13
+    b = seq("b", [*range(8), 99, 98, 97])
+    bm.admit(b)
+    assert b.block_ids == a.block_ids[:2]  # two full blocks shared
+    assert all(bm.blocks[i].ref_count == 2 for i in b.block_ids)
+    assert b.num_computed_tokens == 8
+    assert bm.stats.hits == 8 and bm.stats.queries == 21
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_salt_and_model_separate_caches():
+    bm = BlockManager(16, 4, "m")
+    run_prefill(bm, seq("a", list(range(10))))
+    s = seq("b", list(range(10)), salt="tenant-2")
+    assert bm.match_prefix(s) == []
+    keys = HashKeys("m")
+    assert prefix_block_hashes(list(range(10)), 4, keys) != prefix_block_hashes(list(range(10)), 4, HashKeys("m2"))
+
+
+def test_freed_blocks_keep_their_hash_until_reused():
+    bm = BlockManager(4, 4, "m")
+    a = seq("a", list(range(9)))
+    run_prefill(bm, a)
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    again = seq("a2", list(range(9)))
+    assert len(bm.match_prefix(again)) == 2  # still cached while free
+    c = seq("c", [50 + i for i in range(16)])  # needs all four blocks: evicts the cached ones
+    run_prefill(bm, c)
+    assert bm.match_prefix(seq("a3", list(range(9)))) == []
+    bm.free(c)
+
+
+def test_whole_prompt_cached_still_computes_one_token():
+    bm = BlockManager(8, 4, "m")
+    a = seq("a", list(range(8)))
+    run_prefill(bm, a)
+    b = seq("b", list(range(8)))
+    assert len(bm.match_prefix(b)) == 1  # the last block is recomputed so a token gets sampled
+
+
+def test_scheduler_respects_token_budget_and_chunks():
+    bm = BlockManager(64, 4, "m", enable_prefix_caching=False)
+    sch = Scheduler(bm, max_num_batched_tokens=10, max_num_seqs=8)
+    s1, s2 = seq("1", list(range(25))), seq("2", list(range(100, 104)))
+    sch.add(s1)
+    sch.add(s2)
+    out = sch.schedule()
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("1", 10)]
+    sch.update_after_step(out)
+    out = sch.schedule()
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("1", 10)]
+    sch.update_after_step(out)
+    out = sch.schedule()  # the last 5 tokens of s1 and all 4 of s2 share a step
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("1", 5), ("2", 4)]
+    assert all(i.samples for i in out.prefills)
+
+
+def test_scheduler_preempts_lowest_priority_latest():
+    bm = BlockManager(4, 4, "m", enable_prefix_caching=False)
+    sch = Scheduler(bm, max_num_batched_tokens=64, max_num_seqs=8)
+    hi, lo = seq("hi", list(range(8)), priority=0), seq("lo", list(range(100, 108)), priority=1)
+    sch.add(lo)
+    sch.add(hi)
+    out = sch.schedule()
+    assert [i.seq.request_id for i in out.prefills] == ["hi", "lo"]
+    sch.update_after_step(out)
+    for s in (hi, lo):
+        s.output_ids.append(7)
+    out = sch.schedule()  # hi needs a third block: lo is preempted, its blocks freed
+    assert [s.request_id for s in out.preempted] == ["lo"]
+    assert [i.seq.request_id for i in out.decodes] == ["hi"]
+    assert lo.num_computed_tokens == 0 and lo in sch.waiting and lo.block_ids == []

@@ -1,0 +1,157 @@
+"""Engine behaviour on the real model: sampling controls, stops, priorities, aborts, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.engine import RequestError
+from common.loader import load_model_source
+from common.sampling import SamplingParams
+
+
+def chat(engine, text: str) -> list[int]:
+    tk = engine.tokenizer
+    return tk.encode(tk.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def france(engine):
+    return chat(engine, "What is the capital of France?")
+
+
+def test_greedy_answer_and_eos(engine, france):
+    [r] = engine.generate([france], SamplingParams(max_tokens=32, temperature=0))
+    assert r.text == "The capital of France is Paris."
+    assert r.finish_reason == "stop"
+    assert r.token_ids[-1] == 2  # <|im_end|> ends it and is reported among the ids
+
+
+def test_max_tokens_and_ignore_eos(engine, france):
+    [r] = engine.generate([france], SamplingParams(max_tokens=5, temperature=0))
+    assert len(r.token_ids) == 5 and r.finish_reason == "length"
+    [r] = engine.generate([france], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert len(r.token_ids) == 20 and r.finish_reason == "length"
+    assert 2 in r.token_ids  # ran through EOS
+
+
+def test_stop_strings(engine, france):
+    [r] = engine.generate([france], SamplingParams(max_tokens=32, temperature=0, stop=("Paris",)))
+    assert r.text == "The capital of France is " and r.finish_reason == "stop"
+    [r] = engine.generate(
+        [france], SamplingParams(max_tokens=32, temperature=0, stop=("Paris",), include_stop_str_in_output=True)
+    )
+    assert r.text == "The capital of France is Paris"
+    [r] = engine.generate([france], SamplingParams(max_tokens=32, temperature=0, stop=("of Fr",)))
+    assert r.text == "The capital " and r.finish_reason == "stop"  # a stop string spanning tokens
+
+
+def test_stop_token_ids(engine, france):
+    [full] = engine.generate([france], SamplingParams(max_tokens=32, temperature=0))
+    stop_tok = full.token_ids[3]
+    [r] = engine.generate([france], SamplingParams(max_tokens=32, temperature=0, stop_token_ids=(stop_tok,)))
+    assert r.token_ids == full.token_ids[:4] and r.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine, make_engine, france):
+    p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+    [alone] = engine.generate([france], p)
+    others = [chat(engine, q) for q in ("Tell me a joke.", "Name a color.", "Count to five.")]
+    batch = engine.generate([*others, france], [SamplingParams(max_tokens=24, temperature=1.0)] * 3 + [p])
+    assert batch[-1].token_ids == alone.token_ids
+    small = make_engine(dtype="float32", max_num_seqs=4, num_gpu_blocks_override=6)  # forces preemption
+    again = small.generate([*others, france], [SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)] * 3 + [p])
+    assert small.scheduler.num_preemptions > 0
+    assert again[-1].token_ids == alone.token_ids
+    [other_seed] = engine.generate([france], SamplingParams(max_tokens=24, temperature=1.0, seed=99, ignore_eos=True))
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_truncation_knobs_reduce_to_greedy(engine, france):
+    [greedy] = engine.generate([france], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for p in (
+        SamplingParams(max_tokens=12, temperature=1.0, top_k=1, seed=1, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, top_p=1e-6, seed=2, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True),
+    ):
+        [r] = engine.generate([france], p)
+        assert r.token_ids == greedy.token_ids, p
+
+
+def test_penalties_change_a_repetitive_continuation(engine):
+    ids = engine.tokenizer.encode("one-to-many, many-to-many, one-to-one, many-to-one, one-to-many")
+    [plain] = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    top = max(set(plain.token_ids), key=plain.token_ids.count)
+    assert plain.token_ids.count(top) >= 2, plain.text
+    for kw in ({"repetition_penalty": 1.8},):  # the exact penalty arithmetic is in test_sampling.py
+        [r] = engine.generate([ids], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **kw))
+        assert r.token_ids.count(top) < plain.token_ids.count(top), (kw, r.text)
+
+
+def test_min_tokens_masks_eos(engine, france):
+    [r] = engine.generate([france], SamplingParams(max_tokens=20, min_tokens=12, temperature=0))
+    assert len(r.token_ids) >= 12 and 2 not in r.token_ids[:12]
+
+
+def test_logprobs_with_alternatives(engine, france):
+    [r] = engine.generate([france], SamplingParams(max_tokens=6, temperature=0, logprobs=3))
+    assert r.logprobs is not None and len(r.logprobs) == 6
+    for lp in r.logprobs:
+        assert len(lp.top) == 3
+        assert lp.top[0][0] == lp.token_id  # greedy: the sampled token is the most likely
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
+        assert lp.logprob <= 0.0
+
+
+def test_priority_orders_waiting_requests(make_engine, france):
+    eng = make_engine(dtype="float32", max_num_seqs=1)
+    p = SamplingParams(max_tokens=3, temperature=0)
+    eng.add_request("low", france, p, priority=5)
+    eng.add_request("high", france, p, priority=0)
+    order = []
+    while eng.has_unfinished():
+        order += [o.request_id for o in eng.step() if o.finished]
+    assert order == ["high", "low"]
+
+
+def test_abort_frees_blocks(make_engine, france):
+    eng = make_engine(dtype="float32")
+    eng.add_request("a", france, SamplingParams(max_tokens=50, temperature=0))
+    eng.step()
+    eng.step()
+    assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks
+    assert eng.abort("a")
+    assert not eng.abort("a")
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert not eng.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    ("ids", "params", "message"),
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        ([1] * 8192, SamplingParams(max_tokens=1), "8192 tokens; this model accepts at most 8192"),
+        ([1] * 8000, SamplingParams(max_tokens=500), "8500 exceeds this model's context of 8192"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be at least 1, got 0"),
+        ([1, 2], SamplingParams(max_tokens=-3), "max_tokens must be at least 1, got -3"),
+        ([1, 2], SamplingParams(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+        ([1, 2], SamplingParams(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+        ([1, 2], SamplingParams(temperature=-1), "temperature must be in [0, 100], got -1"),
+        ([1, 99999], SamplingParams(), "token id 99999 is outside the vocabulary [0, 49152)"),
+        ([1, 2], SamplingParams(logprobs=50), "logprobs must be in [0, 20], got 50"),
+    ],
+)
+def test_bad_requests_are_refused_with_the_value_and_the_limit(engine, ids, params, message):
+    free = engine.block_manager.num_free_blocks
+    with pytest.raises(RequestError) as e:
+        engine.add_request("bad", ids, params)
+    assert message in str(e.value)
+    assert engine.block_manager.num_free_blocks == free
+    assert not engine.has_unfinished()
+
+
+def test_unknown_model_path_names_it():
+    with pytest.raises(FileNotFoundError, match=r"model '/nonexistent/model.gguf' not found"):
+        load_model_source("/nonexistent/model.gguf")
+    with pytest.raises(FileNotFoundError, match="dummy config 'nope' not found"):
+        load_model_source("dummy:nope")
