@@ -23,23 +23,33 @@ from common.config import ModelConfig
 class AttentionMetadata:
     """Where the tokens of one step come from and where their K/V go.
 
-    Tokens are laid out prefill sequences first, then decode sequences (one token each).
+    Tokens are laid out prefill sequences first, then decode sequences (one token each). KV positions are
+    rows of the cache viewed as ``[-1, kv_heads, head_dim]``; the runner gives them for layer 0's K, and the
+    attention adds ``layer * layer_stride`` (and ``kv_stride`` for V).
     """
 
-    slot_blocks: torch.Tensor  # [T] block id of each new token's KV slot
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    slot_rows: torch.Tensor  # [T] row of each new token's K in layer 0
     # prefill (or chunked-prefill) sequences, one entry each
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]  # tokens in the cache after this step (prefix + chunk)
-    prefill_block_tables: list[torch.Tensor]  # [ceil(context_len / block_size)] each
+    prefill_rows: list[torch.Tensor | None]  # [context_len] rows of the whole context; None: no cached prefix
     # decode sequences, batched
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor | None  # [B, max_blocks]
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool: key is visible
+    decode_rows: torch.Tensor | None  # [B, L] rows of each context, padded to the longest
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool: key is visible
+    layer_stride: int
+    kv_stride: int
 
     @property
     def num_prefill_tokens(self) -> int:
         return sum(self.prefill_query_lens)
+
+
+def cache_rows(block_ids: torch.Tensor, block_size: int, num_layers: int) -> torch.Tensor:
+    """Layer-0 K rows of every slot of ``block_ids`` (``[..., n]`` → ``[..., n * block_size]``)."""
+    per_block = num_layers * 2 * block_size
+    rows = block_ids.unsqueeze(-1) * per_block + torch.arange(block_size, device=block_ids.device)
+    return rows.flatten(-2)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -204,19 +214,20 @@ class LlamaModel(torch.nn.Module):
         and is written in place at ``meta``'s slots. Returns hidden states ``[T, hidden]`` after the final norm."""
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed_tokens)
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        # cos/sin in the activation dtype, as the reference applies them
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         q_sz, kv_sz = cfg.q_size, cfg.kv_size
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = x.shape[0]
+        kv_rows = kv_cache.view(-1, nkv, d)
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q = qkv[:, :q_sz].view(t, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, q_sz : q_sz + kv_sz].view(t, cfg.num_kv_heads, cfg.head_dim)
-            v = qkv[:, q_sz + kv_sz :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            q = apply_rope(q.float(), cos, sin).to(x.dtype)
-            k = apply_rope(k.float(), cos, sin).to(x.dtype)
-            attn = paged_attention(q, k, v, kv_cache[:, li], meta)
+            qk = apply_rope(qkv[:, : q_sz + kv_sz].view(t, nh + nkv, d), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
+            attn = paged_attention(q, k, v, kv_rows, li * meta.layer_stride, meta)
             x = x + F.linear(attn.reshape(t, q_sz), layer.o_proj)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gu = F.linear(h, layer.gate_up)
@@ -230,42 +241,44 @@ class LlamaModel(torch.nn.Module):
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor, layer_offset: int,
+    meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend. Portable PyTorch path.
 
-    q: [T, heads, d]; k, v: [T, kv_heads, d]; layer_cache: [num_blocks, 2, block_size, kv_heads, d] (a view).
+    q: [T, heads, d]; k, v: [T, kv_heads, d]; kv_rows: the whole cache as [-1, kv_heads, d].
     Returns [T, heads, d].
     """
-    k_cache, v_cache = layer_cache[:, 0], layer_cache[:, 1]
-    k_cache[meta.slot_blocks, meta.slot_offsets] = k
-    v_cache[meta.slot_blocks, meta.slot_offsets] = v
+    k_off = layer_offset
+    v_off = layer_offset + meta.kv_stride
+    kv_rows.index_copy_(0, meta.slot_rows + k_off, k)
+    kv_rows.index_copy_(0, meta.slot_rows + v_off, v)
     heads, d = q.shape[1], q.shape[2]
     kvh = k.shape[1]
-    group = heads // kvh
     outs: list[torch.Tensor] = []
     start = 0
-    for qlen, ctx, table in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_block_tables):
+    for qlen, ctx, rows in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_rows):
         qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        if ctx == qlen:
+        if rows is None:
             # no cached prefix: the chunk's own K/V are the whole context
             ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0)
             vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         else:
-            ks = k_cache[table].reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
-            vs = v_cache[table].reshape(-1, kvh, d)[:ctx].transpose(0, 1).unsqueeze(0)
+            ks = kv_rows.index_select(0, rows + k_off).transpose(0, 1).unsqueeze(0)
+            vs = kv_rows.index_select(0, rows + v_off).transpose(0, 1).unsqueeze(0)
             qpos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(1)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
         outs.append(o.squeeze(0).transpose(0, 1))
         start += qlen
     if meta.num_decode_tokens:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        assert meta.decode_rows is not None and meta.decode_mask is not None
         b = meta.num_decode_tokens
-        qd = q[start:].view(b, kvh, group, d)  # the group's query heads act as query rows of one KV head
-        kd = k_cache[meta.decode_block_tables].view(b, -1, kvh, d).transpose(1, 2)  # [B, kvh, L, d]
-        vd = v_cache[meta.decode_block_tables].view(b, -1, kvh, d).transpose(1, 2)
+        width = meta.decode_rows.shape[1]
+        qd = q[start:].reshape(b, kvh, heads // kvh, d)  # a KV head's query heads act as its query rows
+        kd = kv_rows.index_select(0, (meta.decode_rows + k_off).view(-1)).view(b, width, kvh, d).transpose(1, 2)
+        vd = kv_rows.index_select(0, (meta.decode_rows + v_off).view(-1)).view(b, width, kvh, d).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
         outs.append(o.reshape(b, heads, d))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]

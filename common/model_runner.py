@@ -15,7 +15,7 @@ import torch
 
 from common.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from common.loader import ModelSource
-from common.model import AttentionMetadata, LlamaModel
+from common.model import AttentionMetadata, LlamaModel, cache_rows
 from common.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,11 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
-        table = torch.arange(blocks, device=self.device)
+        rows = cache_rows(torch.arange(blocks, device=self.device), self.block_size, m.num_layers)[:n]
         meta = AttentionMetadata(
-            slot_blocks=pos // self.block_size, slot_offsets=pos % self.block_size,
-            prefill_query_lens=[n], prefill_context_lens=[n], prefill_block_tables=[table],
-            num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
+            slot_rows=rows, prefill_query_lens=[n], prefill_context_lens=[n], prefill_rows=[None],
+            num_decode_tokens=0, decode_rows=None, decode_mask=None,
+            layer_stride=2 * self.block_size, kv_stride=self.block_size,
         )
         with torch.inference_mode():
             h = self.model(ids, pos, meta, scratch)
@@ -118,61 +118,98 @@ class ModelRunner:
     # -- a step ----------------------------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         bs = self.block_size
+        per_block = self.model_cfg.num_layers * 2 * bs
+        dev = self.device
         ids: list[int] = []
         pos: list[int] = []
-        slot_b: list[int] = []
-        slot_o: list[int] = []
+        slots: list[int] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
-        tables: list[torch.Tensor] = []
+        rows: list[torch.Tensor | None] = []
         sample_idx: list[int] = []
+        layers = self.model_cfg.num_layers
         for item in out.prefills:
             s, n = item.seq, item.num_tokens
             c = s.num_computed_tokens
             ids.extend(s.tokens_range(c, c + n))
             rng = range(c, c + n)
             pos.extend(rng)
-            slot_b.extend(s.block_ids[p // bs] for p in rng)
-            slot_o.extend(p % bs for p in rng)
+            slots.extend(s.block_ids[p // bs] * per_block + p % bs for p in rng)
             q_lens.append(n)
             ctx_lens.append(c + n)
-            tables.append(torch.tensor(s.block_ids[: -(-(c + n) // bs)], dtype=torch.long, device=self.device))
+            if c == 0:
+                rows.append(None)
+            else:
+                table = torch.tensor(s.block_ids[: -(-(c + n) // bs)], dtype=torch.long, device=dev)
+                rows.append(cache_rows(table, bs, layers)[: c + n])
             if item.samples:
                 sample_idx.append(len(ids) - 1)
-        dec_tables = dec_mask = None
+        dec_rows = dec_mask = None
         if out.decodes:
             width = max(len(d.seq.block_ids) for d in out.decodes)
-            rows = []
+            tables = []
             ctx = []
             for d in out.decodes:
                 s = d.seq
                 c = s.num_computed_tokens
                 ids.append(s.token_at(c))
                 pos.append(c)
-                slot_b.append(s.block_ids[c // bs])
-                slot_o.append(c % bs)
-                rows.append(s.block_ids + [0] * (width - len(s.block_ids)))
+                slots.append(s.block_ids[c // bs] * per_block + c % bs)
+                tables.append(s.block_ids + [0] * (width - len(s.block_ids)))
                 ctx.append(c + 1)
                 sample_idx.append(len(ids) - 1)
-            dec_tables = torch.tensor(rows, dtype=torch.long, device=self.device)
-            ctx_t = torch.tensor(ctx, device=self.device)
-            dec_mask = (torch.arange(width * bs, device=self.device).unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
+            dec_rows = cache_rows(torch.tensor(tables, dtype=torch.long, device=dev), bs, layers)
+            ctx_t = torch.tensor(ctx, device=dev)
+            dec_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
         meta = AttentionMetadata(
-            slot_blocks=torch.tensor(slot_b, dtype=torch.long, device=self.device),
-            slot_offsets=torch.tensor(slot_o, dtype=torch.long, device=self.device),
+            slot_rows=torch.tensor(slots, dtype=torch.long, device=dev),
             prefill_query_lens=q_lens,
             prefill_context_lens=ctx_lens,
-            prefill_block_tables=tables,
+            prefill_rows=rows,
             num_decode_tokens=len(out.decodes),
-            decode_block_tables=dec_tables,
+            decode_rows=dec_rows,
             decode_mask=dec_mask,
+            layer_stride=2 * bs,
+            kv_stride=bs,
         )
         return StepInputs(
-            torch.tensor(ids, dtype=torch.long, device=self.device),
-            torch.tensor(pos, dtype=torch.long, device=self.device),
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
             meta,
             sample_idx,
         )
+
+    @torch.inference_mode()
+    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Float32 logits at every position of each prompt (one flat prefill on a scratch cache).
+
+        Leaves the KV pool untouched; for prompt scoring and for checks against a reference."""
+        m, bs = self.model_cfg, self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[torch.Tensor] = []
+        next_block = 0
+        for p in prompts:
+            nb = -(-len(p) // bs)
+            slots.append(cache_rows(torch.arange(next_block, next_block + nb), bs, m.num_layers)[: len(p)])
+            next_block += nb
+            ids += p
+            pos += range(len(p))
+        cache = torch.zeros(
+            (next_block, m.num_layers, 2, bs, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device
+        )
+        meta = AttentionMetadata(
+            slot_rows=torch.cat(slots).to(self.device),
+            prefill_query_lens=[len(p) for p in prompts],
+            prefill_context_lens=[len(p) for p in prompts],
+            prefill_rows=[None] * len(prompts),
+            num_decode_tokens=0, decode_rows=None, decode_mask=None,
+            layer_stride=2 * bs, kv_stride=bs,
+        )
+        hidden = self.model(
+            torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta, cache
+        )
+        return list(self.model.compute_logits(hidden).cpu().split([len(p) for p in prompts]))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:

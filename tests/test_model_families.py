@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from common.config import EngineConfig, ModelConfig
 from common.engine import LLMEngine
 from common.loader import ModelSource, available_dummy_configs, load_model_source
-from common.model import AttentionMetadata, LlamaModel, rope_inv_freq
+from common.model import LlamaModel, rope_inv_freq
 from common.sampling import SamplingParams
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "common" / "model_configs"
@@ -155,31 +155,7 @@ def _assert_close_rel(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 def _our_prefill_logits(engine: LLMEngine, prompts: list[list[int]]) -> list[torch.Tensor]:
     """One flat-batch prefill of every prompt through our model on a scratch cache; logits of every position."""
-    model, bs, m = engine.runner.model, engine.runner.block_size, engine.model_cfg
-    ids: list[int] = []
-    pos: list[int] = []
-    blocks: list[int] = []
-    offsets: list[int] = []
-    tables: list[torch.Tensor] = []
-    next_block = 0
-    for p in prompts:
-        n, nb = len(p), -(-len(p) // bs)
-        table = list(range(next_block, next_block + nb))
-        next_block += nb
-        ids += p
-        pos += range(n)
-        blocks += [table[i // bs] for i in range(n)]
-        offsets += [i % bs for i in range(n)]
-        tables.append(torch.tensor(table))
-    cache = torch.zeros((next_block, m.num_layers, 2, bs, m.num_kv_heads, m.head_dim), dtype=torch.float32)
-    meta = AttentionMetadata(
-        slot_blocks=torch.tensor(blocks), slot_offsets=torch.tensor(offsets),
-        prefill_query_lens=[len(p) for p in prompts], prefill_context_lens=[len(p) for p in prompts],
-        prefill_block_tables=tables, num_decode_tokens=0, decode_block_tables=None, decode_mask=None,
-    )
-    with torch.inference_mode():
-        logits = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos), meta, cache))
-    return list(logits.split([len(p) for p in prompts]))
+    return engine.runner.score(prompts)
 
 
 def _hf_generate(hf: torch.nn.Module, prompt: list[int]) -> tuple[list[int], torch.Tensor]:

@@ -38,12 +38,7 @@ def reference(hf_model, prompts):
 
 
 def _prefill_logits(engine, ids: list[int]) -> torch.Tensor:
-    engine.add_request("logits-probe", ids, SamplingParams(max_tokens=1, temperature=0.0))
-    out = engine.scheduler.schedule()
-    logits = engine.runner.execute(out)
-    engine.abort("logits-probe")
-    assert logits is not None
-    return logits[0]
+    return engine.runner.score([ids])[0][-1]
 
 
 def test_first_forward_logits_match_transformers(engine, hf_model, prompts):
