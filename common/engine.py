@@ -13,14 +13,17 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+import torch
+
 from common.block_manager import BlockManager
 from common.config import EngineConfig
 from common.loader import ModelSource, load_model_source
 from common.model_runner import ModelRunner
+from common.output_processor import OutputProcessor
 from common.sampling import SampleRow, SamplingParams, sample
 from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import FinishReason, Sequence, SequenceStatus
-from common.tokenizer import IncrementalDetokenizer, TextTokenizer
+from common.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +41,30 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request (a streaming delta; ``finished`` on the last one)."""
+    """What one step produced for one request, in token ids (text is the OutputProcessor's job)."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str
     logprobs: list[TokenLogprob] | None
     finished: bool
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    # prefill-only requests: the blocks holding the prompt's KV, now leased (see ``release``)
+    kv_block_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class KvImport:
+    """Where a prefilled request's KV goes on this worker.
+
+    ``local_block_ids[i]`` receives the remote prompt block ``num_cached_blocks + i``; the first
+    ``num_cached_blocks`` blocks were already in this worker's prefix cache and are not pulled."""
+
+    request_id: str
+    local_block_ids: list[int]
+    num_cached_blocks: int
 
 
 @dataclass(slots=True)
@@ -65,18 +81,8 @@ class CompletionResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class _TextState:
-    """Incremental text of one request and how much of it has been streamed."""
-
-    detok: IncrementalDetokenizer | None
-    emitted: int = 0
-    holdback: int = 0  # characters kept back while they could still start a stop string
-    logprobs: list[TokenLogprob] | None = None
-
-
 class LLMEngine:
-    """Paged-KV, continuously batched inference over one model."""
+    """Paged-KV, continuously batched inference over one model. Token ids in, token ids out."""
 
     def __init__(self, source: ModelSource, cfg: EngineConfig | None = None) -> None:
         self.cfg = cfg or EngineConfig()
@@ -92,11 +98,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs, self.cfg.enable_chunked_prefill
         )
-        self._seqs: dict[str, Sequence] = {}
-        self._text: dict[str, _TextState] = {}
+        self._seqs: dict[str, Sequence] = {}  # waiting or running
+        self._pending_kv: dict[str, Sequence] = {}  # prefilled elsewhere, KV on its way
+        self._leased: dict[str, Sequence] = {}  # prefill-only, done: blocks held for a decode worker
+        self._prefill_only: set[str] = set()
         self._counter = itertools.count()
         self._rng = random.Random(self.cfg.seed)
         self.num_steps = 0
+        self.num_generated_tokens = 0
 
     @classmethod
     def from_spec(cls, model: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
@@ -137,19 +146,13 @@ class LLMEngine:
             raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         return max_tokens
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_ids: Seq[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str = "",
-    ) -> None:
-        """Queue a request. Raises RequestError for invalid input, ValueError for a duplicate id."""
-        if request_id in self._seqs:
+    def _new_seq(
+        self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, priority: int, cache_salt: str
+    ) -> Sequence:
+        if request_id in self._seqs or request_id in self._pending_kv or request_id in self._leased:
             raise ValueError(f"request id {request_id!r} is already running")
         max_tokens = self.validate(prompt_ids, params)
-        seq = Sequence(
+        return Sequence(
             request_id=request_id,
             prompt_ids=[int(t) for t in prompt_ids],
             params=params,
@@ -159,23 +162,91 @@ class LLMEngine:
             arrival_seq=next(self._counter),
             cache_salt=cache_salt,
         )
-        detok = None
-        if self.tokenizer is not None:
-            detok = self.tokenizer.detokenizer(seq.prompt_ids, params.skip_special_tokens)
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        self._text[request_id] = _TextState(detok, holdback=hold, logprobs=[] if params.logprobs is not None else None)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
+        prefill_only: bool = False,
+    ) -> None:
+        """Queue a request. Raises RequestError for invalid input, ValueError for a duplicate id.
+
+        ``prefill_only``: compute the prompt, sample the first token, then keep the prompt's blocks under a lease
+        (the output carries ``kv_block_ids``) until ``release``."""
+        seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt)
+        self._seqs[request_id] = seq
+        if prefill_only:
+            self._prefill_only.add(request_id)
+        self.scheduler.add(seq)
+
+    def add_prefilled(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        first_token: int,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str = "",
+        first_logprob: TokenLogprob | None = None,
+    ) -> tuple[RequestOutput, KvImport | None]:
+        """A request whose prompt another worker computed. Returns the first token's output and, when it goes
+        on, the local blocks to fill (``kv_ready`` / ``kv_failed`` afterwards). With no room for its blocks now, it
+        is queued to recompute locally instead (KvImport is None, same output)."""
+        seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt)
+        seq.output_ids.append(int(first_token))
+        out = self._token_output(seq, int(first_token), first_logprob)
+        if out.finished:
+            return out, None
+        bm = self.block_manager
+        bm.admit(seq)  # this worker's own prefix cache: blocks it need not pull
+        cached = len(seq.block_ids)
+        if not bm.can_allocate(bm.blocks_needed(seq.num_prompt_tokens) - cached):
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+            self._seqs[request_id] = seq
+            self.scheduler.add(seq)
+            return out, None
+        bm.allocate(seq, seq.num_prompt_tokens)
+        self._pending_kv[request_id] = seq
+        return out, KvImport(request_id, seq.block_ids[cached:], cached)
+
+    def kv_ready(self, request_id: str) -> None:
+        """The pulled KV landed: the request joins the running batch at the next step."""
+        seq = self._pending_kv.pop(request_id)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.block_manager.commit_full_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.add_running(seq)
+        self._seqs[request_id] = seq
+
+    def kv_failed(self, request_id: str) -> None:
+        """The pull failed or its lease expired: recompute the prompt here (the output is the same)."""
+        seq = self._pending_kv.pop(request_id)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request and free its blocks. Returns False if it is unknown or already finished."""
-        seq = self._seqs.pop(request_id, None)
+    def release(self, request_id: str) -> bool:
+        """Free a prefill-only request's leased blocks. False if it holds none."""
+        seq = self._leased.pop(request_id, None)
         if seq is None:
             return False
+        self.block_manager.free(seq)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request wherever it is and free its blocks. False if it is unknown or finished."""
+        self._prefill_only.discard(request_id)
+        seq = self._seqs.pop(request_id, None) or self._pending_kv.pop(request_id, None)
+        if seq is None:
+            return self.release(request_id)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.ABORT
-        self._text.pop(request_id, None)
         return True
 
     def has_unfinished(self) -> bool:
@@ -189,9 +260,13 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def num_leased(self) -> int:
+        return len(self._leased)
+
     # -- the loop --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: schedule → execute → update. Returns the deltas it produced."""
+        """One engine iteration: schedule → execute → update. Returns the tokens it produced."""
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -199,72 +274,67 @@ class LLMEngine:
         self.num_steps += 1
         return self._update(out, logits)
 
-    def _update(self, out: SchedulerOutput, logits: object) -> list[RequestOutput]:
+    def _update(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestOutput]:
         sampling = [it.seq for it in (*out.prefills, *out.decodes) if it.samples]
         self.scheduler.update_after_step(out)
-        if not sampling:
+        if not sampling or logits is None:
             return []
-        eos = () if self.model_cfg.eos_token_ids is None else self.model_cfg.eos_token_ids
+        eos = self.model_cfg.eos_token_ids
         rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos) for s in sampling]
-        result = sample(logits, rows)  # type: ignore[arg-type]
+        result = sample(logits, rows)
         now = time.monotonic()
         outputs = []
         for s, tok, lp in zip(sampling, result.token_ids, result.logprobs):
             s.output_ids.append(tok)
             if s.first_token_time is None:
                 s.first_token_time = now
-            outputs.append(self._process_token(s, tok, lp))
+            o = self._token_output(s, tok, TokenLogprob(tok, lp[0], lp[1]) if lp is not None else None)
+            if s.request_id in self._prefill_only:
+                self._finish_prefill_only(s, o)
+            elif o.finished:
+                self.scheduler.remove(s)
+                self._seqs.pop(s.request_id, None)
+            outputs.append(o)
+        self.num_generated_tokens += len(outputs)
         return outputs
 
-    def _process_token(self, s: Sequence, tok: int, lp: tuple[float, list[tuple[int, float]]] | None) -> RequestOutput:
-        st = self._text[s.request_id]
+    def _token_output(self, s: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
+        """Token-level stop checks (EOS, stop token ids, max_tokens, context) for the token just appended."""
         p = s.params
-        if lp is not None and st.logprobs is not None:
-            st.logprobs.append(TokenLogprob(tok, lp[0], lp[1]))
         reason: FinishReason | None = None
-        if (not p.ignore_eos and tok in self.model_cfg.eos_token_ids) or tok in p.stop_token_ids:
+        stop_tok = (not p.ignore_eos and tok in self.model_cfg.eos_token_ids) or tok in p.stop_token_ids
+        if stop_tok and len(s.output_ids) >= p.min_tokens:
             reason = FinishReason.STOP
-        text_end: int | None = None
-        if st.detok is not None:
-            before = len(st.detok.text)
-            delta = st.detok.step(tok) if reason is None or not p.skip_special_tokens else ""
-            if p.stop and delta and len(s.output_ids) >= p.min_tokens:
-                text = st.detok.text
-                search_from = max(0, before - st.holdback)
-                for stop in p.stop:
-                    i = text.find(stop, search_from)
-                    if i >= 0 and (text_end is None or i < text_end):
-                        text_end = i + (len(stop) if p.include_stop_str_in_output else 0)
-                if text_end is not None:
-                    reason = FinishReason.STOP
         if reason is None and (len(s.output_ids) >= s.max_tokens or s.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
-        new_text = ""
-        if st.detok is not None:
-            text = st.detok.text
-            if text_end is not None:
-                st.detok.text = text = text[:text_end]
-            upto = len(text) if reason is not None else max(st.emitted, len(text) - st.holdback)
-            new_text = text[st.emitted : upto]
-            st.emitted = upto
-        finished = reason is not None
-        if finished:
+        if reason is not None:
             s.status = SequenceStatus.FINISHED
             s.finish_reason = reason
-            self.scheduler.remove(s)
-            self._seqs.pop(s.request_id, None)
-            self._text.pop(s.request_id, None)
         return RequestOutput(
             request_id=s.request_id,
             new_token_ids=[tok],
-            new_text=new_text,
-            logprobs=[st.logprobs[-1]] if st.logprobs else None,
-            finished=finished,
+            logprobs=[lp] if lp is not None else None,
+            finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=s.num_prompt_tokens,
             num_output_tokens=len(s.output_ids),
             num_cached_tokens=s.num_cached_tokens,
         )
+
+    def _finish_prefill_only(self, s: Sequence, o: RequestOutput) -> None:
+        """Hand the prompt's blocks to a lease; they stay allocated until ``release``.
+
+        If the first token already ends the request, there is nothing to decode: the blocks are freed."""
+        self._prefill_only.discard(s.request_id)
+        self._seqs.pop(s.request_id, None)
+        if o.finished:
+            self.scheduler.remove(s)
+            return
+        self.scheduler.running.remove(s)
+        prompt_blocks = self.block_manager.blocks_needed(s.num_prompt_tokens)
+        o.kv_block_ids = s.block_ids[:prompt_blocks]
+        o.finished = True
+        self._leased[s.request_id] = s
 
     # -- offline convenience ---------------------------------------------------------------------------
     def generate(
@@ -280,10 +350,12 @@ class LLMEngine:
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         for ids, p in zip(prompts, plist):
             self.validate(ids, p)
-        ids = [f"gen-{next(self._counter)}" for _ in prompts]
+        texts = OutputProcessor(self.tokenizer)
+        rids = [f"gen-{next(self._counter)}" for _ in prompts]
         acc: dict[str, CompletionResult] = {}
-        for rid, prompt, p in zip(ids, prompts, plist):
+        for rid, prompt, p in zip(rids, prompts, plist):
             self.add_request(rid, prompt, p)
+            texts.add(rid, prompt, p)
             acc[rid] = CompletionResult(rid, prompt, [], "", "", [] if p.logprobs is not None else None)
         bar = None
         if progress:
@@ -293,17 +365,22 @@ class LLMEngine:
         done = 0
         while done < len(prompts):
             for o in self.step():
+                d = texts.process(o.request_id, o.new_token_ids, o.finished, o.finish_reason)
+                if d is None:
+                    continue  # a stop string already ended it
                 r = acc[o.request_id]
-                r.token_ids.extend(o.new_token_ids)
-                r.text += o.new_text
+                r.token_ids.extend(d.token_ids)
+                r.text += d.text
                 if o.logprobs and r.logprobs is not None:
                     r.logprobs.extend(o.logprobs)
-                if o.finished:
-                    r.finish_reason = o.finish_reason.value if o.finish_reason else ""
+                if d.finished:
+                    if d.stopped_by_string:
+                        self.abort(o.request_id)
+                    r.finish_reason = d.finish_reason.value if d.finish_reason else ""
                     r.num_cached_tokens = o.num_cached_tokens
                     done += 1
                     if bar is not None:
                         bar.update(1)
         if bar is not None:
             bar.close()
-        return [acc[r] for r in ids]
+        return [acc[r] for r in rids]

@@ -66,6 +66,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.order_key)
 
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose blocks are allocated and computed already (its KV was pulled from a peer)."""
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.order_key)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
