@@ -46,6 +46,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, int] = {}
         self.stats = PrefixCacheStats()
+        # KV events for the router: (stored?, hash), drained by the worker's load reports
+        self._events: list[tuple[bool, int]] = []
+        self.track_events = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -59,6 +62,11 @@ class BlockManager:
 
     def cached_block_hashes(self) -> set[int]:
         return set(self._by_hash)
+
+    def drain_events(self) -> tuple[list[int], list[int]]:
+        """Block hashes stored in and removed from the prefix cache since the last call."""
+        ev, self._events = self._events, []
+        return [h for stored, h in ev if stored], [h for stored, h in ev if not stored]
 
     # -- prefix cache ----------------------------------------------------------------------------------
     def _keys(self, seq: Sequence) -> HashKeys:
@@ -120,6 +128,8 @@ class BlockManager:
             if b.hash is not None:
                 if self._by_hash.get(b.hash) == bid:
                     del self._by_hash[b.hash]
+                    if self.track_events:
+                        self._events.append((False, b.hash))
                 b.hash = None
                 b.tokens = None
             b.ref_count = 1
@@ -143,6 +153,8 @@ class BlockManager:
                 self._by_hash[h] = b.block_id
                 b.hash = h
                 b.tokens = toks
+                if self.track_events:
+                    self._events.append((True, h))
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; tail blocks are freed first so they are reused first."""

@@ -1,0 +1,105 @@
+"""The engine on its own thread: other threads submit work as closures, outputs go to a callback.
+
+A worker service (prefill or decode) has one ``EngineLoop``. The gRPC handlers never touch the engine directly:
+they ``submit`` a function that runs on the engine thread between two steps, and get a future for its result.
+So the engine, its scheduler and its block manager stay single-threaded, and a step never waits on the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from common.engine import LLMEngine, RequestOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` while there is work; runs submitted closures between steps.
+
+    ``on_outputs`` gets every step's outputs (on the engine thread: keep it cheap, e.g. a queue put).
+    ``on_tick`` runs once per iteration (poll transfers, expire leases); ``busy`` says whether ticks are
+    needed even when the engine is idle (a transfer in flight)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[list[RequestOutput]], None],
+        on_tick: Callable[[LLMEngine], None] | None = None,
+        busy: Callable[[], bool] | None = None,
+        idle_tick_s: float = 0.05,
+    ) -> None:
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._on_tick = on_tick
+        self._busy = busy or (lambda: False)
+        self._idle_tick_s = idle_tick_s
+        self._cmds: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._cmds.put(None)
+        self._thread.join(timeout)
+
+    def submit(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Run ``fn(engine)`` on the engine thread before its next step. Exceptions land in the future."""
+        fut: Future[T] = Future()
+        if self._stopping:
+            fut.set_exception(RuntimeError("the engine loop is stopping"))
+        else:
+            self._cmds.put((fn, fut))
+        return fut
+
+    def _run_commands(self, block: bool) -> None:
+        timeout = self._idle_tick_s if self._busy() else 0.5
+        try:
+            item = self._cmds.get(timeout=timeout) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:
+                    fut.set_exception(e)
+            try:
+                item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+        self._stopping = True
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stopping:
+                self._run_commands(block=not eng.has_unfinished())
+                if self._on_tick is not None:
+                    self._on_tick(eng)
+                if eng.has_unfinished():
+                    outs = eng.step()
+                    if outs:
+                        self._on_outputs(outs)
+        except BaseException as e:  # the worker reports it and goes NOT_SERVING
+            self.error = e
+            log.exception("engine loop failed")
+        finally:
+            while True:  # nothing submitted is left hanging
+                try:
+                    item = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None and not item[1].done():
+                    item[1].set_exception(RuntimeError("the engine loop stopped"))

@@ -1,0 +1,85 @@
+"""Workers stream their load to the router: one ``Router.Report`` stream per worker, a report per interval.
+
+Reconnects with backoff when the router is away; never blocks the engine (the snapshot runs on the engine
+thread between steps, via ``EngineLoop.submit``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+from tokenmill.v1 import router_pb2, router_pb2_grpc
+
+from common.engine import LLMEngine
+from common.rpc import GRPC_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+def engine_load(
+    engine: LLMEngine, worker_id: str, address: str, role: int, full: bool = False, draining: bool = False
+) -> router_pb2.WorkerLoad:
+    """A load report from the engine's current state (call on the engine thread).
+
+    ``full``: list every cached block and tell the router to forget what it knew (a new stream)."""
+    bm = engine.block_manager
+    bm.track_events = True
+    stored, removed = bm.drain_events()
+    if full:
+        stored, removed = sorted(bm.cached_block_hashes()), []
+    queued = sum(s.num_tokens - s.num_computed_tokens for s in engine.scheduler.waiting)
+    queued += sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in engine.scheduler.running)
+    return router_pb2.WorkerLoad(
+        worker_id=worker_id,
+        address=address,
+        role=role,
+        model_id=engine.source.model_id,
+        block_size=bm.block_size,
+        free_blocks=bm.num_free_blocks,
+        total_blocks=bm.num_blocks,
+        running=engine.num_running,
+        waiting=engine.num_waiting,
+        queued_prefill_tokens=queued,
+        kv_events=router_pb2.KvEvents(stored=stored, removed=removed, reset=full),
+        draining=draining,
+    )
+
+
+async def report_forever(
+    router_address: str,
+    snapshot: Callable[[bool], Awaitable[router_pb2.WorkerLoad]],
+    interval_s: float,
+    stop: asyncio.Event,
+) -> None:
+    """Keep a Report stream open to the router until ``stop``; the first report of each stream resets the
+    router's view of this worker's cache (``kv_events.reset``) and lists every cached block."""
+    backoff = 0.2
+    while not stop.is_set():
+        try:
+            async with grpc.aio.insecure_channel(router_address, options=GRPC_OPTIONS) as ch:
+                stub = router_pb2_grpc.RouterStub(ch)
+
+                async def reports() -> AsyncIterator[router_pb2.WorkerLoad]:
+                    first = True
+                    while not stop.is_set():
+                        load = await snapshot(first)
+                        first = False
+                        yield load
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(stop.wait(), interval_s)
+                    yield await snapshot(False)  # the last one says draining
+
+                await stub.Report(reports())
+                backoff = 0.2
+        except grpc.aio.AioRpcError as e:
+            if stop.is_set():
+                return
+            log.debug("router %s unreachable (%s); retrying in %.1f s", router_address, e.code().name, backoff)
+        try:
+            await asyncio.wait_for(stop.wait(), backoff)
+        except TimeoutError:
+            backoff = min(backoff * 2, 2.0)

@@ -1,0 +1,170 @@
+"""What prefill and decode workers share: engine start-up, the engine loop, metrics, the NIXL agent, reports."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from tokenmill.v1 import common_pb2, prefill_pb2, router_pb2
+
+from common.cluster_config import ServiceConfig
+from common.engine import LLMEngine, RequestOutput
+from common.engine_loop import EngineLoop
+from common.kv_transfer import KvCompat, KvTransferAgent
+from common.load_report import engine_load, report_forever
+from common.loader import load_model_source
+from common.model_runner import KV_LAYOUT
+from common.sampling import SamplingParams
+from common.sequence import FinishReason
+
+log = logging.getLogger(__name__)
+
+FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class WorkerMetrics:
+    """vLLM-parallel names, prefixed ``tokenmill:`` (see ANCHORS.md)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+        r = registry
+        self.requests = Counter("tokenmill:request_success", "Finished requests by reason", ["finished_reason"],
+                                registry=r)
+        self.running = Gauge("tokenmill:num_requests_running", "Sequences in the running batch", registry=r)
+        self.waiting = Gauge("tokenmill:num_requests_waiting", "Sequences waiting for blocks", registry=r)
+        self.kv_used = Gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
+        self.kv_free = Gauge("tokenmill:kv_blocks_free", "Free KV blocks", registry=r)
+        self.kv_total = Gauge("tokenmill:kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.prefix_queries = Gauge("tokenmill:prefix_cache_queries", "Prompt tokens looked up", registry=r)
+        self.prefix_hits = Gauge("tokenmill:prefix_cache_hits", "Prompt tokens served from the cache", registry=r)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens received", registry=r)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated", registry=r)
+        self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "Arrival to first schedule",
+                                    registry=r)
+        self.nixl_bytes = Gauge("tokenmill:nixl_xfer_bytes", "KV bytes moved over NIXL", registry=r)
+        self.nixl_seconds = Gauge("tokenmill:nixl_xfer_seconds", "Seconds spent in NIXL transfers", registry=r)
+        self.nixl_failures = Gauge("tokenmill:nixl_xfer_failures", "Failed NIXL transfers", registry=r)
+        self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
+                                      registry=r)
+
+    def refresh(self, engine: LLMEngine, agent: KvTransferAgent | None) -> None:
+        bm = engine.block_manager
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_used.set(bm.usage())
+        self.kv_free.set(bm.num_free_blocks)
+        self.kv_total.set(bm.num_blocks)
+        self.prefix_queries.set(bm.stats.queries)
+        self.prefix_hits.set(bm.stats.hits)
+        if agent is not None:
+            self.nixl_bytes.set(agent.bytes_transferred)
+            self.nixl_seconds.set(agent.transfer_seconds)
+            self.nixl_failures.set(agent.failures)
+
+
+def build_engine(cfg: ServiceConfig) -> LLMEngine:
+    """Load the model and warm it up (one short request) so the first real one pays no start-up cost."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    t0 = time.perf_counter()
+    engine = LLMEngine(load_model_source(cfg.cluster.model), cfg.cluster.engine)
+    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))
+    log.info("%s: model %s loaded and warmed in %.1f s (%d KV blocks)", cfg.name, engine.source.model_id,
+             time.perf_counter() - t0, engine.block_manager.num_blocks)
+    return engine
+
+
+def make_agent(cfg: ServiceConfig, engine: LLMEngine) -> KvTransferAgent:
+    kv = engine.runner.kv_cache
+    return KvTransferAgent(cfg.name, kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT))
+
+
+def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:
+    return prefill_pb2.KvCompat(**c.as_dict())
+
+
+def logprob_proto(lp: Any) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
+
+
+class WorkerBase:
+    """Engine + loop + agent + load reports; subclasses add their servicer and output handling."""
+
+    role_proto: int = router_pb2.WORKER_ROLE_UNSPECIFIED
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.role = cfg.role
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.metrics = WorkerMetrics(self.registry, cfg.role)
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.agent: KvTransferAgent | None = None
+        self.aio: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        self._stop_reports = asyncio.Event()
+        self._report_task: asyncio.Task[None] | None = None
+
+    # subclass hooks (engine thread)
+    def on_outputs(self, outs: list[RequestOutput]) -> None:
+        raise NotImplementedError
+
+    def on_tick(self, engine: LLMEngine) -> None:
+        return None
+
+    def busy(self) -> bool:
+        return False
+
+    async def start(self) -> None:
+        self.aio = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(build_engine, self.cfg)
+        self.agent = await asyncio.to_thread(make_agent, self.cfg, self.engine)
+        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_tick, self.busy)
+        self.loop.start()
+        routers = self.cfg.cluster.addresses("router")
+        if routers:
+            interval = self.cfg.cluster.pool(self.cfg.role).report_interval_s  # type: ignore[union-attr]
+            self._report_task = asyncio.create_task(
+                report_forever(routers[0], self._snapshot, interval, self._stop_reports)
+            )
+
+    async def _snapshot(self, first: bool) -> router_pb2.WorkerLoad:
+        assert self.loop is not None
+
+        def snap(e: LLMEngine) -> router_pb2.WorkerLoad:
+            self.metrics.refresh(e, self.agent)
+            return engine_load(e, self.cfg.name, self.cfg.address, self.role_proto, full=first,
+                               draining=self.draining or self._stop_reports.is_set())
+
+        return await asyncio.wrap_future(self.loop.submit(snap))
+
+    async def stop(self) -> None:
+        self.draining = True
+        self._stop_reports.set()
+        if self._report_task is not None:
+            try:
+                await asyncio.wait_for(self._report_task, 2.0)
+            except (TimeoutError, Exception):
+                self._report_task.cancel()
+        if self.loop is not None:
+            await asyncio.to_thread(self.loop.stop)
+        if self.agent is not None:
+            self.agent.close()
+
+    def call_in_aio(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the asyncio loop (from the engine or detok thread)."""
+        assert self.aio is not None
+        self.aio.call_soon_threadsafe(fn, *args)

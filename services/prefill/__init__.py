@@ -1,0 +1,1 @@
+"""The prefill pool: prompts in, first token + a leased KV handle out."""

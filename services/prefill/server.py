@@ -1,0 +1,160 @@
+"""The Prefill service: computes a prompt (chunked, prefix-cached), samples the first token, and holds the
+prompt's blocks under a lease until the decode worker has pulled them.
+
+A lease ends on the decode worker's NIXL notification (its READ is over), on ``Release`` (cancelled), or on
+expiry. Blocks are never reused while leased; a decode worker never starts a READ within ``LEASE_SAFETY_S`` of the
+end (see services/decode), so a late pull gets a clear fallback (recompute), never another request's bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from tokenmill.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2
+
+from common import rpc
+from common.cluster_config import ServiceConfig
+from common.engine import LLMEngine, RequestOutput
+from common.kv_transfer import KvCompat, KvIncompatibleError
+from common.wire import sampling_params_from_proto
+from common.worker import FINISH_TO_PROTO, WorkerBase, compat_proto, logprob_proto
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 30.0
+
+
+@dataclass
+class _Lease:
+    request_id: str
+    expires: float  # unix seconds
+
+
+class PrefillWorker(WorkerBase):
+    role_proto = router_pb2.WORKER_ROLE_PREFILL
+
+    def __init__(self, cfg: ServiceConfig, lease_s: float = LEASE_S) -> None:
+        super().__init__(cfg)
+        self.lease_s = lease_s
+        self._waiters: dict[str, asyncio.Future[RequestOutput]] = {}  # asyncio side
+        self._leases: dict[str, _Lease] = {}  # engine thread only
+
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
+        return [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name]
+
+    # -- engine thread -----------------------------------------------------------------------------------
+    def on_outputs(self, outs: list[RequestOutput]) -> None:
+        for o in outs:
+            self.call_in_aio(self._resolve, o)
+
+    def _resolve(self, o: RequestOutput) -> None:
+        fut = self._waiters.pop(o.request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_result(o)
+        elif o.kv_block_ids is not None:  # nobody waits any more (cancelled): free at once
+            self.loop.submit(lambda e: e.release(o.request_id))  # type: ignore[union-attr]
+
+    def busy(self) -> bool:
+        return bool(self._leases)
+
+    def on_tick(self, engine: LLMEngine) -> None:
+        assert self.agent is not None
+        for _peer, msg in self.agent.completed_notifications():
+            self._end_lease(engine, msg.decode(errors="replace"))
+        now = time.time()
+        for lease_id, lease in list(self._leases.items()):
+            if lease.expires <= now:
+                log.warning("lease %s (%s) expired unread: freeing its blocks", lease_id, lease.request_id)
+                self.metrics.expired_leases.inc()
+                self._end_lease(engine, lease_id)
+
+    def _end_lease(self, engine: LLMEngine, lease_id: str) -> bool:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        engine.release(lease.request_id)
+        return True
+
+    def _grant(self, engine: LLMEngine, o: RequestOutput) -> tuple[str, float]:
+        lease_id = uuid.uuid4().hex
+        expires = time.time() + self.lease_s
+        self._leases[lease_id] = _Lease(o.request_id, expires)
+        return lease_id, expires
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, w: PrefillWorker) -> None:
+        self.w = w
+
+    @rpc.translate_errors
+    async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
+        w = self.w
+        if w.draining:
+            raise rpc.Unavailable(f"{w.cfg.name} is draining")
+        assert w.engine is not None and w.loop is not None and w.agent is not None
+        rid = request.meta.request_id or uuid.uuid4().hex
+        params = sampling_params_from_proto(request.params)
+        prompt = list(request.prompt_token_ids)
+        w.engine.validate(prompt, params)
+        fut: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
+        w._waiters[rid] = fut
+        w.metrics.prompt_tokens.inc(len(prompt))
+        meta = request.meta
+        try:
+            await asyncio.wrap_future(w.loop.submit(
+                lambda e: e.add_request(rid, prompt, params, meta.priority, meta.cache_salt, prefill_only=True)
+            ))
+            o = await fut
+        except asyncio.CancelledError:
+            w._waiters.pop(rid, None)
+            w.loop.submit(lambda e: e.abort(rid))  # frees the blocks, computed or not
+            raise
+        finally:
+            w._waiters.pop(rid, None)
+        result = prefill_pb2.PrefillResult(
+            first_token_id=o.new_token_ids[0],
+            cached_tokens=o.num_cached_tokens,
+            finish_reason=FINISH_TO_PROTO[o.finish_reason],
+        )
+        if o.logprobs:
+            result.first_logprob.CopyFrom(logprob_proto(o.logprobs[0]))
+        if o.kv_block_ids is not None:
+            lease_id, expires = await asyncio.wrap_future(w.loop.submit(lambda e: w._grant(e, o)))
+            result.kv.CopyFrom(common_pb2.KvHandle(
+                worker_id=w.agent.name, address=w.cfg.address, block_ids=o.kv_block_ids,
+                num_tokens=len(prompt), lease_id=lease_id, lease_expires_unix_ms=int(expires * 1000),
+            ))
+        return result
+
+    @rpc.translate_errors
+    async def Release(self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
+        w = self.w
+        assert w.loop is not None
+        ok = await asyncio.wrap_future(w.loop.submit(lambda e: w._end_lease(e, request.lease_id)))
+        return prefill_pb2.ReleaseResponse(released=ok)
+
+    @rpc.translate_errors
+    async def KvHandshake(self, request: prefill_pb2.KvHandshakeRequest, context: grpc.aio.ServicerContext):
+        w = self.w
+        assert w.agent is not None
+        # accept the decode worker (its metadata lets our notifications and its READs flow); refuse a mismatch
+        try:
+            w.agent.add_peer(request.peer_agent, request.peer_metadata, b"", KvCompat.from_message(request.compat))
+        except KvIncompatibleError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{w.cfg.name} refuses {request.peer_agent}: {e}")
+        hs = w.agent.handshake_payload()
+        return prefill_pb2.KvHandshakeResponse(
+            agent_name=hs.agent_name, agent_metadata=hs.agent_metadata, kv_descriptors=hs.kv_descriptors,
+            compat=compat_proto(hs.compat),
+        )
+
+
+def serve(cfg: ServiceConfig) -> int:
+    """``tokenmill serve prefill``."""
+    return rpc.run(PrefillWorker(cfg), cfg)
