@@ -25,6 +25,10 @@ lint: install
 test: install lint
 	$(VENV)/bin/pytest -q
 
+# Regenerates the committed gRPC stubs (protos/gen/) from protos/tokenmill/**/*.proto.
+protos: install
+	$(PY) protos/generate.py
+
 up: install
 	$(VENV)/bin/tokenmill up
 

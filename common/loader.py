@@ -115,3 +115,23 @@ def _dummy(spec: str) -> ModelSource:
         raise FileNotFoundError(f"dummy config {name!r} not found; shipped configs: {available_dummy_configs()}")
     cfg = ModelConfig.from_json_file(p)
     return ModelSource(spec, f"dummy-{p.stem}", cfg, None, None)
+
+
+def load_tokenizer(spec: str | None = None) -> TextTokenizer:
+    """Only the tokenizer of ``spec`` (no weights, no model config): what the tokenizer pool needs.
+
+    Raises FileNotFoundError / ValueError like ``load_model_source``, and ValueError when the model has none.
+    """
+    spec = spec or DEFAULT_MODEL
+    path = embedded_gguf_path() if spec == DEFAULT_MODEL else Path(spec).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    if path.is_file() and path.suffix == ".gguf":
+        return TextTokenizer.from_gguf(GGUFFile(path))
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return TextTokenizer.from_hf_dir(path)
+    tok = load_model_source(spec).tokenizer  # raises the usual errors for a bad spec
+    if tok is None:
+        raise ValueError(f"model {spec!r} has no tokenizer; send token ids instead of text")
+    return tok

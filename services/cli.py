@@ -16,6 +16,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     generate.add_parser(sub)
+    from services.cluster import cli as cluster_cli
+
+    cluster_cli.add_parsers(sub)
     from loadgen import cli as bench_cli
 
     bench_cli.add_parser(sub)

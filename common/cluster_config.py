@@ -1,0 +1,320 @@
+"""The cluster's configuration: frozen dataclasses, loaded once (YAML file → ``TOKENMILL_*`` env → flags).
+
+Every address and port a service uses comes from here. Ports:
+
+- the gateway: public gRPC on ``gateway.port`` (50051) and the OpenAI HTTP API on ``gateway.http_port`` (8000);
+- every internal service (router, tokenizer, prefill, decode) from ``base_port`` (20000) upward, one block of 100
+  per role: router 20000+i, tokenizer 20100+i, prefill 20200+i, decode 20300+i;
+- every ``/metrics`` endpoint at ``base_port + 1000`` + the same offsets (gateway: +400), so 21000+ by default.
+
+A role's ``port`` / ``metrics_port`` fields, when set, replace the derived first port of that role (instance ``i``
+takes ``port + i``). Env overrides are ``TOKENMILL_`` + the dotted key in upper case with ``.`` → ``__``, e.g.
+``TOKENMILL_BASE_PORT=21000`` or ``TOKENMILL_TOKENIZER__COUNT=4``; other ``TOKENMILL_*`` variables are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from common.config import EngineConfig, parse_bytes
+
+# common.loader.DEFAULT_MODEL, not imported: the loader pulls in torch, which the router and gateway do without
+DEFAULT_MODEL = "smollm2"
+
+Role = Literal["gateway", "router", "tokenizer", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("router", "tokenizer", "prefill", "decode", "gateway")  # start order
+_ROLE_OFFSET: dict[str, int] = {"router": 0, "tokenizer": 100, "prefill": 200, "decode": 300, "gateway": 400}
+_METRICS_OFFSET = 1000
+ENV_PREFIX = "TOKENMILL_"
+
+
+class ConfigError(ValueError):
+    """The configuration is unusable; the message names the key and what it accepts."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The public edge: gRPC ``Frontend`` (and, later, the OpenAI HTTP API)."""
+
+    count: int = 1
+    port: int = 50051
+    http_port: int = 8000
+    metrics_port: int | None = None
+    max_inflight_per_channel: int = 256  # per tokenizer channel: 3,000 unbounded calls on one channel fail
+    placement_retries: int = 2  # re-placements when a worker fails before the first token reached the client
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Placement: see ``services/router/placement.py`` for the cost."""
+
+    count: int = 1
+    port: int | None = None
+    metrics_port: int | None = None
+    prefill_threshold_tokens: int = 256  # uncached prompt shorter than this: the decode worker prefills locally
+    prefill_weight: float = 1.0  # weight of the prefill term in the cost (higher favours cache hits)
+    prefill_saturated_tokens: int = 16384  # a prefill worker with this many queued tokens takes no more
+    worker_timeout_s: float = 5.0  # a worker silent this long is forgotten
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    """The tokenizer pool and its batching: fire at ``batch_max_tokens`` or after ``batch_wait_ms``."""
+
+    count: int = 2
+    port: int | None = None
+    metrics_port: int | None = None
+    batch_max_tokens: int = 16384
+    batch_wait_ms: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """A model-running pool (prefill or decode)."""
+
+    count: int = 1
+    port: int | None = None
+    metrics_port: int | None = None
+    report_interval_s: float = 0.25  # how often the worker streams its load to the router
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The whole cluster. Immutable; derive per-process views with ``service(role, index)``."""
+
+    host: str = "127.0.0.1"
+    model: str = DEFAULT_MODEL
+    base_port: int = 20000
+    grace_s: float = 10.0  # how long a draining service lets in-flight RPCs finish
+    startup_timeout_s: float = 600.0  # `tokenmill up` gives up when a service is not SERVING by then
+    threads_per_process: int | None = None  # OMP/RAYON threads per child; None: cores ÷ model workers, ≥ 1
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    prefill: WorkerConfig = field(default_factory=WorkerConfig)
+    decode: WorkerConfig = field(default_factory=WorkerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        for role in ROLES:
+            if self.pool(role).count < 0:
+                raise ConfigError(f"{role}.count must be >= 0, got {self.pool(role).count}")
+        if self.grace_s < 0:
+            raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+        seen: dict[int, str] = {}
+        for role, i, grpc_port, metrics_port, http_port in self._endpoints():
+            for kind, port in (("port", grpc_port), ("metrics port", metrics_port), ("http port", http_port)):
+                if port is None:
+                    continue
+                where = f"{role}-{i} {kind} {port}"
+                if not 0 < port < 65536:
+                    raise ConfigError(f"{where} is outside 1..65535 (check base_port and {role}.port)")
+                if port in seen:
+                    raise ConfigError(f"{where} collides with {seen[port]}; change base_port or {role}.port")
+                seen[port] = where
+
+    def pool(self, role: str) -> GatewayConfig | RouterConfig | TokenizerConfig | WorkerConfig:
+        if role not in _ROLE_OFFSET:
+            raise ConfigError(f"unknown role {role!r}; roles are {list(ROLES)}")
+        return getattr(self, role)
+
+    def ports(self, role: str, index: int = 0) -> tuple[int, int]:
+        """(gRPC port, metrics port) of instance ``index`` of ``role``."""
+        pool = self.pool(role)
+        first = pool.port if pool.port is not None else self.base_port + _ROLE_OFFSET[role]
+        first_m = (pool.metrics_port if pool.metrics_port is not None
+                   else self.base_port + _METRICS_OFFSET + _ROLE_OFFSET[role])
+        return first + index, first_m + index
+
+    def addresses(self, role: str) -> list[str]:
+        """``host:port`` of every instance of ``role`` (how services find each other)."""
+        return [f"{self.host}:{self.ports(role, i)[0]}" for i in range(self.pool(role).count)]
+
+    def service(self, role: str, index: int = 0, port: int | None = None,
+                metrics_port: int | None = None) -> ServiceConfig:
+        """The view one process runs with; ``port``/``metrics_port`` override the derived ones."""
+        p, m = self.ports(role, index)
+        return ServiceConfig(self, role, index, p if port is None else port,  # type: ignore[arg-type]
+                             m if metrics_port is None else metrics_port)
+
+    def threads_for_children(self, cores: int | None = None) -> int:
+        if self.threads_per_process is not None:
+            return max(1, self.threads_per_process)
+        workers = self.prefill.count + self.decode.count
+        return max(1, (cores or os.cpu_count() or 1) // max(1, workers))
+
+    def _endpoints(self) -> list[tuple[str, int, int, int, int | None]]:
+        out = []
+        for role in ROLES:
+            for i in range(self.pool(role).count):
+                p, m = self.ports(role, i)
+                out.append((role, i, p, m, self.gateway.http_port + i if role == "gateway" else None))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """What one service process needs: the cluster, its role and index, and the ports it listens on."""
+
+    cluster: ClusterConfig
+    role: Role
+    index: int
+    grpc_port: int
+    metrics_port: int
+
+    @property
+    def name(self) -> str:
+        """Unique within the cluster, e.g. ``decode-0``; workers use it as their worker id."""
+        return f"{self.role}-{self.index}"
+
+    @property
+    def host(self) -> str:
+        return self.cluster.host
+
+    @property
+    def address(self) -> str:
+        return f"{self.cluster.host}:{self.grpc_port}"
+
+
+# -- loading -------------------------------------------------------------------------------------------------
+def load_cluster_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> ClusterConfig:
+    """Defaults, then the YAML file, then ``TOKENMILL_*`` env vars, then ``overrides`` (dotted keys, from flags).
+
+    Raises ConfigError naming the offending key (unknown keys included) or file.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        p = Path(path).expanduser()
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file {p} not found") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        data = loaded
+    env = os.environ if env is None else env
+    keys = set(_dotted_keys(ClusterConfig))
+    for name, value in env.items():
+        if name.startswith(ENV_PREFIX):
+            key = name[len(ENV_PREFIX):].lower().replace("__", ".")
+            if key in keys:
+                _set_dotted(data, key, value)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(data, key, value)
+    return _build(ClusterConfig, data, "")
+
+
+def parse_set_option(items: list[str] | None) -> dict[str, str]:
+    """``["router.prefill_weight=2", …]`` (from ``--set``) → a dict of dotted keys."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects KEY=VALUE (e.g. tokenizer.count=3), got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    d = data
+    for part in parts[:-1]:
+        nxt = d.get(part)
+        if not isinstance(nxt, dict):
+            nxt = d[part] = {}
+        d = nxt
+    d[parts[-1]] = value
+
+
+def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out += _dotted_keys(t, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]}; known keys here: {sorted(names)}")
+    kw = {}
+    for name, value in data.items():
+        t = hints[name]
+        key = prefix + name
+        kw[name] = _build(t, value, key + ".") if dataclasses.is_dataclass(t) else _coerce(t, value, key)
+    try:
+        return cls(**kw)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+
+
+def _coerce(t: Any, value: Any, key: str) -> Any:
+    """Convert a YAML/env/flag value to the field's type, or raise ConfigError naming the key."""
+    origin, args = get_origin(t), get_args(t)
+    if origin in (typing.Union, types.UnionType):
+        empty = value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null"))
+        if empty and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    try:
+        if origin is Literal:
+            if value not in args:
+                raise ValueError(f"expected one of {list(args)}")
+            return value
+        if t is bool:
+            if isinstance(value, str):
+                v = value.strip().lower()
+                if v in ("1", "true", "yes", "on"):
+                    return True
+                if v in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError("expected true or false")
+            if not isinstance(value, bool):
+                raise ValueError("expected true or false")
+            return value
+        if t is int:
+            if isinstance(value, bool):
+                raise ValueError("expected an integer")
+            if isinstance(value, str) and key.endswith("memory"):
+                return parse_bytes(value)
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("expected an integer")
+            return int(value)
+        if t is float:
+            return float(value)
+        if t is str:
+            return str(value)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{key}: {value!r} is not valid ({e})") from e
+    raise ConfigError(f"{key}: unsupported type {t}")

@@ -1,0 +1,252 @@
+"""Service scaffolding shared by every Tokenmill service: a ``grpc.aio`` server with health and reflection, a
+Prometheus ``/metrics`` endpoint, graceful drain on SIGTERM/SIGINT, and exception → status-code translation.
+
+A service is a ``ServiceApp``: it registers its servicers, gets ready (``start``: load, warm up), and cleans up
+(``stop``). ``run(app, cfg)`` does the rest:
+
+1. listen on ``cfg.address`` with ``grpc.health.v1`` NOT_SERVING, server reflection, ``/metrics`` on its own port;
+2. ``await app.start()``; then SERVING and one log line: ``<role> ready: grpc 127.0.0.1:P metrics :M``;
+3. on SIGTERM/SIGINT: ``await app.begin_drain()`` if it has one, NOT_SERVING, stop accepting, let in-flight
+   RPCs finish for ``cluster.grace_s`` seconds (``server.stop(grace)``: then they are cancelled),
+   ``await app.stop()``, return 0.
+
+Tracing (OpenTelemetry) is not wired yet; its hook point is ``interceptors`` in ``start_server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from common.cluster_config import ServiceConfig
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# Loopback messages can be large (a 128k-token prompt is ~0.6 MB of ids; KV handles list thousands of blocks).
+GRPC_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+# gRPC enables SO_REUSEPORT by default: a second server on a taken port would silently share it.
+SERVER_OPTIONS: list[tuple[str, Any]] = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+class ResourceExhausted(Exception):
+    """The service is over a limit (queue full, quota); the client may retry later."""
+
+
+class NotFound(Exception):
+    """The named thing (a model, a lease) does not exist here."""
+
+
+class Unavailable(Exception):
+    """Nothing can serve the request right now (no workers, draining); the client may retry elsewhere."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and message for an exception raised while serving a request.
+
+    ValueError (the engine's RequestError, ChatTemplateError) → INVALID_ARGUMENT with its message;
+    a downstream RPC error keeps its code and details; anything unexpected → INTERNAL naming the type only.
+    """
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), exc.details() or exc.code().name
+    if isinstance(exc, ResourceExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the service log"
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    code, message = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("unexpected error serving a request", exc_info=exc)
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+def translate_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a servicer method (unary or server-streaming): exceptions become gRPC statuses via ``status_for``.
+
+    ``context.abort`` inside the method and client cancellation pass through untouched.
+    """
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except grpc.aio.AbortError:
+                raise
+            except Exception as e:
+                await abort(context, e)
+
+        return stream
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:
+            await abort(context, e)
+
+    return unary
+
+
+# -- the server --------------------------------------------------------------------------------------------
+class ServiceApp(Protocol):
+    """What ``run`` needs from a service."""
+
+    role: str
+    registry: CollectorRegistry
+
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        """Add the servicers to ``server``; return their full service names (for health and reflection)."""
+        ...
+
+    async def start(self) -> None:
+        """Get ready to serve (load, warm up). Called after the server listens, while health is NOT_SERVING."""
+        ...
+
+    async def stop(self) -> None:
+        """Release resources after the server drained. Must not raise."""
+        ...
+
+
+# Optional on a ServiceApp: ``async def begin_drain(self) -> None``, awaited as soon as the drain starts (before
+# in-flight RPCs finish), e.g. to tell the router "draining" at once. Exceptions are logged and ignored.
+
+
+@dataclass
+class RunningServer:
+    """A listening server: its health servicer decides what load balancers and the launcher see."""
+
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    service_names: list[str]
+    port: int
+    metrics_port: int | None
+    _metrics_http: Any = None
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ["", *self.service_names]:
+            await self.health.set(name, status)
+
+    async def drain(self, grace_s: float) -> None:
+        """NOT_SERVING, refuse new RPCs, give in-flight ones ``grace_s`` seconds, then cancel them."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        if self._metrics_http is not None:  # shutdown() waits for the serving thread's next poll (≤ 0.5 s)
+            http = self._metrics_http
+            threading.Thread(target=lambda: (http.shutdown(), http.server_close()), daemon=True).start()
+
+
+async def start_server(
+    app: ServiceApp,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> RunningServer:
+    """Listen on ``host:port`` (0: any free port) with health NOT_SERVING; ``/metrics`` on ``metrics_port``."""
+    server = grpc.aio.server(interceptors=list(interceptors), options=SERVER_OPTIONS)
+    names = app.register(server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"{app.role}: cannot listen on {host}:{port} (in use?)")
+    running = RunningServer(server, health, names, bound, metrics_port)
+    await running.set_serving(False)
+    await server.start()
+    if metrics_port is not None:
+        http, _ = start_http_server(metrics_port, addr=host, registry=app.registry)
+        running._metrics_http = http
+        running.metrics_port = http.server_port
+    return running
+
+
+async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: asyncio.Event | None = None) -> None:
+    """Run ``app`` on ``cfg``'s ports until SIGTERM/SIGINT (or ``stop`` is set), then drain and stop it."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    running = await start_server(app, cfg.host, cfg.grpc_port, cfg.metrics_port)
+    try:
+        starting = asyncio.ensure_future(app.start())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if starting.done():
+            starting.result()  # a failed start raises here
+            await running.set_serving(True)
+            log.info("%s ready: grpc %s:%d metrics :%s", cfg.name, cfg.host, running.port, running.metrics_port)
+            await stopped
+        else:
+            starting.cancel()
+        log.info("%s draining (grace %.1f s)", cfg.name, cfg.cluster.grace_s)
+    finally:
+        begin_drain = getattr(app, "begin_drain", None)
+        if begin_drain is not None:
+            try:
+                await begin_drain()
+            except Exception:
+                log.exception("%s: begin_drain failed", cfg.name)
+        await running.drain(cfg.cluster.grace_s)
+        await app.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("%s stopped", cfg.name)
+
+
+def run(app: ServiceApp, cfg: ServiceConfig) -> int:
+    """Blocking entry point of ``tokenmill serve <role>``: returns the process exit code (1: it failed)."""
+    try:
+        asyncio.run(serve_until_signalled(app, cfg))
+    except (OSError, ValueError) as e:  # a bad model path, a taken port: the message says it all
+        log.error("%s failed: %s", cfg.name, e)
+        return 1
+    except Exception:
+        log.exception("%s failed", cfg.name)
+        return 1
+    return 0
+
+
+def health_status(address: str, timeout: float = 1.0) -> str:
+    """``SERVING`` / ``NOT_SERVING`` / ``UNREACHABLE`` of a server's overall health (blocking; for tools)."""
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError:
+        return "UNREACHABLE"

@@ -1,0 +1,35 @@
+"""Conversions between the wire messages (``tokenmill.v1``) and the engine's in-process types.
+
+Shared by every service that turns a request into engine work, so every pool reads the fields the same way.
+"""
+
+from __future__ import annotations
+
+from tokenmill.v1 import common_pb2
+
+from common.sampling import SamplingParams
+
+
+def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take the documented defaults (max_tokens unset: up to the context limit).
+
+    Does not validate: call ``SamplingParams.validate`` (ValueError naming the field and its range).
+    """
+    return SamplingParams(
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+        temperature=p.temperature if p.HasField("temperature") else 1.0,
+        top_k=p.top_k if p.HasField("top_k") else 0,
+        top_p=p.top_p if p.HasField("top_p") else 1.0,
+        min_p=p.min_p if p.HasField("min_p") else 0.0,
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+    )

@@ -1,0 +1,1 @@
+"""``tokenmill up | serve | status``: run the cluster as local processes, one service, or inspect it."""

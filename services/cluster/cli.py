@@ -1,0 +1,143 @@
+"""The cluster commands: ``tokenmill up``, ``tokenmill serve ROLE``, ``tokenmill status``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from common.cluster_config import ROLES, ClusterConfig, ConfigError, load_cluster_config, parse_set_option
+
+# Entry points: ``serve(cfg: ServiceConfig) -> int | None`` (a coroutine function is run with asyncio.run).
+ENTRY_POINTS = {role: f"services.{role}.server" for role in ROLES}
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster config (file → TOKENMILL_* env → these flags)")
+    g.add_argument("--config", type=Path, help="YAML file with any ClusterConfig field (common/cluster_config.py)")
+    g.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_items",
+                   help="set any config field by its dotted key, e.g. --set router.prefill_weight=2 "
+                        "--set engine.max_num_seqs=32 (repeatable)")
+    g.add_argument("--host", help="interface every service binds (default 127.0.0.1)")
+    g.add_argument("--model", help="model spec for every pool (default: smollm2, the embedded SmolLM2-135M)")
+    g.add_argument("--base-port", type=int, help="first internal port (default 20000; metrics from +1000)")
+    g.add_argument("--grace", type=float, dest="grace_s", help="seconds to drain in-flight RPCs on SIGTERM (10)")
+
+
+def _overrides(a: argparse.Namespace) -> dict[str, Any]:
+    ov: dict[str, Any] = {"host": a.host, "model": a.model, "base_port": a.base_port, "grace_s": a.grace_s}
+    for role in ROLES:
+        ov[f"{role}.count"] = getattr(a, f"{role}_count", None)
+        ov[f"{role}.port"] = getattr(a, f"{role}_port", None)
+    ov["gateway.http_port"] = getattr(a, "http_port", None)
+    ov["startup_timeout_s"] = getattr(a, "startup_timeout", None)
+    ov.update(parse_set_option(a.set_items))
+    return ov
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="start the whole cluster as local processes (Ctrl-C stops it)",
+                        description="Start every pool as local child processes, wait until all are SERVING "
+                                    "(grpc.health.v1), print where to connect; Ctrl-C drains and stops them.")
+    _common_args(up)
+    g = up.add_argument_group("pools (counts and first ports)")
+    for role, default in (("gateway", 1), ("router", 1), ("tokenizer", 2), ("prefill", 1), ("decode", 1)):
+        g.add_argument(f"--{role}s", type=int, dest=f"{role}_count", metavar="N",
+                       help=f"{role} processes (default {default})")
+        g.add_argument(f"--{role}-port", type=int, dest=f"{role}_port", metavar="PORT",
+                       help="public gRPC port (default 50051)" if role == "gateway"
+                       else f"first {role} gRPC port (default: from --base-port)")
+    g.add_argument("--http-port", type=int, help="the gateway's OpenAI HTTP port (default 8000)")
+    up.add_argument("--startup-timeout", type=float, help="seconds to wait for every service to be SERVING (600)")
+    up.add_argument("--state-file", type=Path, help="where `status` finds the cluster "
+                                                    "(default $XDG_RUNTIME_DIR/tokenmill or ~/.cache/tokenmill)")
+    up.set_defaults(func=cmd_up)
+
+    serve = sub.add_parser("serve", help="run one service in the foreground (for containers)",
+                           description="Run one service: it listens at once, turns SERVING when ready, and "
+                                       "drains on SIGTERM.")
+    serve.add_argument("role", choices=ROLES)
+    _common_args(serve)
+    serve.add_argument("--index", type=int, default=0, help="which instance of the role (ports: first + index)")
+    serve.add_argument("--port", type=int, help="gRPC port (default: from the config)")
+    serve.add_argument("--metrics-port", type=int, help="/metrics port (default: from the config)")
+    serve.set_defaults(func=cmd_serve)
+
+    status = sub.add_parser("status", help="every process of the local cluster: role, pid, ports, health")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--state-file", type=Path, help="the file `tokenmill up` wrote (default as for up)")
+    status.set_defaults(func=cmd_status)
+
+
+def _load(a: argparse.Namespace) -> ClusterConfig | None:
+    try:
+        return load_cluster_config(a.config, _overrides(a))
+    except ConfigError as e:
+        print(f"tokenmill {a.command}: {e}", file=sys.stderr)
+        return None
+
+
+def cmd_up(a: argparse.Namespace) -> int:
+    from services.cluster.launcher import Launcher, LaunchError, default_state_file
+
+    cluster = _load(a)
+    if cluster is None:
+        return 2
+    if cluster.decode.count == 0:
+        print("tokenmill up: warning: no decode workers; Generate will answer UNAVAILABLE", file=sys.stderr)
+    try:
+        return Launcher(cluster, a.state_file or default_state_file()).run()
+    except LaunchError as e:
+        print(f"tokenmill up: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    cluster = _load(a)
+    if cluster is None:
+        return 2
+    if not 0 <= a.index < max(1, cluster.pool(a.role).count):
+        print(f"tokenmill serve: --index {a.index} is outside the {cluster.pool(a.role).count} {a.role} "
+              f"instances in the config", file=sys.stderr)
+        return 2
+    try:
+        module = importlib.import_module(ENTRY_POINTS[a.role])
+    except ModuleNotFoundError as e:
+        if e.name != ENTRY_POINTS[a.role] and not ENTRY_POINTS[a.role].startswith(f"{e.name}."):
+            raise
+        print(f"tokenmill serve: the {a.role} service is not available in this build ({e.name} is missing)",
+              file=sys.stderr)
+        return 2
+    result = module.serve(cluster.service(a.role, a.index, a.port, a.metrics_port))
+    if inspect.iscoroutine(result):
+        result = asyncio.run(result)
+    return int(result or 0)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    from services.cluster.launcher import cluster_status, default_state_file, pid_alive, read_state
+
+    path = a.state_file or default_state_file()
+    state = read_state(path)
+    if state is None or not pid_alive(int(state.get("launcher_pid", -1))):
+        msg = f"no cluster is running (no live launcher in {path})"
+        print(json.dumps({"running": False, "state_file": str(path)}) if a.json else msg)
+        return 3
+    procs = cluster_status(state)
+    healthy = all(p["health"] == "SERVING" for p in procs)
+    if a.json:
+        print(json.dumps({"running": True, "ready": bool(state.get("ready")), "healthy": healthy,
+                          "launcher_pid": state["launcher_pid"],
+                          "state_file": str(path), "processes": procs}, indent=1))
+    else:
+        phase = "ready" if state.get("ready") else "starting"
+        print(f"cluster {phase}: launcher pid {state['launcher_pid']}, model {state.get('model')}, state {path}")
+        print(f"{'process':<12} {'pid':>8}  {'grpc':<21} {'metrics':>7}  health")
+        for p in procs:
+            print(f"{p['name']:<12} {p['pid']:>8}  {p['address']:<21} {p['metrics_port']:>7}  {p['health']}")
+    return 0 if healthy else 1

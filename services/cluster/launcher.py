@@ -1,0 +1,259 @@
+"""``tokenmill up``: the whole cluster as local child processes, one per service instance.
+
+The launcher writes the resolved config to a file every child reads (so all agree on every port), starts the
+children (router, tokenizers, prefill, decode, gateway), waits until each reports SERVING over grpc.health.v1,
+records them in a state file (for ``tokenmill status``) and then watches them. Ctrl-C / SIGTERM: SIGTERM to
+every child (gateway first: it stops taking requests), ``grace_s`` + 5 s to drain, then SIGKILL. A child that
+dies takes the cluster down, with its role, exit code and last log lines on stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from common.cluster_config import ENV_PREFIX, ROLES, ClusterConfig, ServiceConfig
+from common.rpc import health_status
+
+STATE_VERSION = 1
+
+
+def default_state_file() -> Path:
+    """``$XDG_RUNTIME_DIR/tokenmill/cluster.json``, else ``~/.cache/tokenmill/cluster.json``."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    root = Path(base) / "tokenmill" if base else Path.home() / ".cache" / "tokenmill"
+    return root / "cluster.json"
+
+
+@dataclass
+class Child:
+    """One running service process."""
+
+    svc: ServiceConfig
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    ready: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.svc.name
+
+    def record(self) -> dict[str, Any]:
+        return {"role": self.svc.role, "index": self.svc.index, "name": self.name, "pid": self.proc.pid,
+                "address": self.svc.address, "grpc_port": self.svc.grpc_port,
+                "metrics_port": self.svc.metrics_port, "log": str(self.log_path)}
+
+
+class LaunchError(RuntimeError):
+    """The cluster cannot start or keep running; the message says which process and why."""
+
+
+def child_env(cluster: ClusterConfig) -> dict[str, str]:
+    """The children's environment: thread counts for a shared machine, no TOKENMILL_* (the file is resolved)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    n = str(cluster.threads_for_children())
+    env.update(OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, RAYON_NUM_THREADS=n, PYTHONUNBUFFERED="1")
+    return env
+
+
+def planned(cluster: ClusterConfig) -> list[ServiceConfig]:
+    return [cluster.service(role, i) for role in ROLES for i in range(cluster.pool(role).count)]
+
+
+def check_ports_free(cluster: ClusterConfig) -> None:
+    """Raise LaunchError naming the first port (and its role) something else already holds."""
+    for svc in planned(cluster):
+        for kind, port in (("gRPC", svc.grpc_port), ("metrics", svc.metrics_port)):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((cluster.host, port))
+                except OSError as e:
+                    raise LaunchError(
+                        f"{svc.name} {kind} port {cluster.host}:{port} is taken ({e.strerror}); stop what holds "
+                        f"it or move the cluster (--base-port, --{svc.role}-port)") from e
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux): SIGTERM if the launcher dies
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Launcher:
+    """Starts, watches and stops the children. ``run()`` blocks until Ctrl-C/SIGTERM or a child dies."""
+
+    def __init__(self, cluster: ClusterConfig, state_file: Path, out: IO[str] = sys.stdout) -> None:
+        self.cluster = cluster
+        self.state_file = state_file
+        self.run_dir = state_file.parent / "logs"
+        self.out = out
+        self.children: list[Child] = []
+        self.stop_requested = threading.Event()
+
+    def run(self) -> int:
+        """0 after a requested stop; 1 when the cluster failed (the reason is on stderr).
+
+        Raises LaunchError before starting anything (a cluster already runs, a port is taken)."""
+        self._refuse_if_running()
+        check_ports_free(self.cluster)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop_requested.set())
+        try:
+            self._start_all()
+            self._write_state(ready=False)  # `tokenmill status` works during start-up too
+            if not self._wait_ready():
+                return 0
+            self._write_state(ready=True)
+            self._print_ready()
+            self._watch()
+            return 0
+        except LaunchError as e:
+            print(f"tokenmill up: {e}", file=sys.stderr)
+            return 1
+        finally:
+            self.stop_all()
+            self.state_file.unlink(missing_ok=True)
+
+    # -- start -------------------------------------------------------------------------------------------
+    def _refuse_if_running(self) -> None:
+        state = read_state(self.state_file)
+        if state and pid_alive(state.get("launcher_pid", -1)):
+            raise LaunchError(f"a cluster is already running (launcher pid {state['launcher_pid']}, "
+                             f"state {self.state_file}); see `tokenmill status`, or stop it first")
+
+    def _start_all(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg_path = self.run_dir / "cluster.yaml"
+        cfg_path.write_text(yaml.safe_dump(self.cluster.to_dict(), sort_keys=False))
+        env = child_env(self.cluster)
+        for svc in planned(self.cluster):
+            log_path = self.run_dir / f"{svc.name}.log"
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "services.cluster", "serve", svc.role, "--config", str(cfg_path),
+                     "--index", str(svc.index)],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                )
+            self.children.append(Child(svc, proc, log_path))
+        print(f"starting {len(self.children)} processes (logs in {self.run_dir})", file=self.out, flush=True)
+
+    def _wait_ready(self) -> bool:
+        """True when every child is SERVING; False when a stop was requested first. Raises LaunchError."""
+        deadline = time.monotonic() + self.cluster.startup_timeout_s
+        while not all(c.ready for c in self.children):
+            if self.stop_requested.is_set():
+                return False
+            self._check_alive()
+            for c in self.children:
+                if not c.ready and health_status(c.svc.address, timeout=0.5) == "SERVING":
+                    c.ready = True
+            if time.monotonic() > deadline:
+                late = [c.name for c in self.children if not c.ready]
+                raise LaunchError(f"not SERVING after {self.cluster.startup_timeout_s:.0f} s: {', '.join(late)} "
+                                  f"(logs in {self.run_dir})")
+            self.stop_requested.wait(0.25)
+        return True
+
+    def _check_alive(self) -> None:
+        for c in self.children:
+            code = c.proc.poll()
+            if code is not None:
+                raise LaunchError(f"{c.name} (pid {c.proc.pid}) exited with code {code}; "
+                                  f"last lines of {c.log_path}:\n{tail(c.log_path)}")
+
+    def _watch(self) -> None:
+        while not self.stop_requested.wait(0.5):
+            self._check_alive()
+
+    # -- report ------------------------------------------------------------------------------------------
+    def _write_state(self, ready: bool) -> None:
+        state = {"version": STATE_VERSION, "launcher_pid": os.getpid(), "ready": ready, "written_unix": time.time(),
+                 "config": str(self.run_dir / "cluster.yaml"), "model": self.cluster.model,
+                 "processes": [c.record() for c in self.children]}
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.state_file)
+
+    def _print_ready(self) -> None:
+        c = self.cluster
+        gw = [ch for ch in self.children if ch.svc.role == "gateway"]
+        lines = [f"tokenmill cluster ready: {len(self.children)} processes, model {c.model}"]
+        for g in gw:
+            lines.append(f"  connect: grpc {g.svc.address} (tokenmill.v1.Frontend/Generate; "
+                         f"grpcurl -plaintext {g.svc.address} list)")
+        lines.append(f"  {'process':<12} {'pid':>8}  {'grpc':<21} metrics")
+        for ch in self.children:
+            lines.append(f"  {ch.name:<12} {ch.proc.pid:>8}  {ch.svc.address:<21} "
+                         f"http://{c.host}:{ch.svc.metrics_port}/metrics")
+        lines.append(f"  state: {self.state_file}  (tokenmill status)")
+        lines.append("Ctrl-C stops the cluster.")
+        print("\n".join(lines), file=self.out, flush=True)
+
+    # -- stop --------------------------------------------------------------------------------------------
+    def stop_all(self) -> None:
+        """SIGTERM every live child (gateway first), wait grace + 5 s, SIGKILL what is left. Idempotent."""
+        live = [c for c in reversed(self.children) if c.proc.poll() is None]
+        if not live:
+            return
+        print(f"stopping {len(live)} processes (grace {self.cluster.grace_s:.0f} s)", file=self.out, flush=True)
+        for c in live:
+            with contextlib.suppress(ProcessLookupError):
+                c.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cluster.grace_s + 5
+        for c in live:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"{c.name} (pid {c.proc.pid}) did not stop in time: killed", file=sys.stderr)
+                c.proc.kill()
+                c.proc.wait()
+
+
+# -- state file and status --------------------------------------------------------------------------------
+def read_state(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cluster_status(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every recorded process with ``alive`` and ``health`` (SERVING / NOT_SERVING / UNREACHABLE / DEAD)."""
+    out = []
+    for p in state.get("processes", []):
+        alive = pid_alive(int(p["pid"]))
+        out.append({**p, "alive": alive, "health": health_status(p["address"]) if alive else "DEAD"})
+    return out

@@ -1,0 +1,1 @@
+"""The gateway: the public ``Frontend.Generate`` API; tokenize → place → prefill → decode, streamed back."""

@@ -1,0 +1,80 @@
+"""Client-side channels of the gateway: round-robin pools with bounded in-flight calls, and per-worker stubs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from common.rpc import GRPC_OPTIONS, Unavailable
+
+T = TypeVar("T")
+
+
+class ChannelPool:
+    """One channel per address, used round-robin, at most ``max_inflight`` calls in flight on each (3,000
+    unbounded calls on one aio channel fail with CANCELLED). A call that finds its server UNAVAILABLE is retried
+    once on each other address. Create and use inside one event loop."""
+
+    def __init__(self, addresses: Sequence[str], stub_cls: type, max_inflight: int) -> None:
+        self.addresses = list(addresses)
+        self._stub_cls = stub_cls
+        self._max_inflight = max(1, max_inflight)
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[Any] = []
+        self._sems: list[asyncio.Semaphore] = []
+        self._next = 0
+
+    def _open(self) -> None:
+        if not self._channels:
+            self._channels = [grpc.aio.insecure_channel(a, options=GRPC_OPTIONS) for a in self.addresses]
+            self._stubs = [self._stub_cls(ch) for ch in self._channels]
+            self._sems = [asyncio.Semaphore(self._max_inflight) for _ in self.addresses]
+
+    async def call(self, fn: Callable[[Any], Awaitable[T]], what: str) -> T:
+        """``await fn(stub)`` on the next channel. Raises the RPC's error, or Unavailable without addresses."""
+        n = len(self.addresses)
+        if n == 0:
+            raise Unavailable(f"no {what} address is configured")
+        self._open()
+        for attempt in range(n):
+            i = self._next
+            self._next = (i + 1) % n
+            async with self._sems[i]:
+                try:
+                    return await fn(self._stubs[i])
+                except grpc.aio.AioRpcError as e:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == n - 1:
+                        raise
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        for ch in self._channels:
+            await ch.close()
+        self._channels = []
+
+
+class StubCache:
+    """Channels to workers, opened on first use by address and kept (workers come and go; addresses repeat)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, type], Any] = {}
+
+    def get(self, address: str, stub_cls: type) -> Any:
+        key = (address, stub_cls)
+        stub = self._stubs.get(key)
+        if stub is None:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            stub = self._stubs[key] = stub_cls(ch)
+        return stub
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        self._stubs.clear()

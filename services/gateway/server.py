@@ -1,0 +1,364 @@
+"""The gateway's gRPC ``Frontend.Generate``: validate → tokenize (pool) → ``Router.Place`` → ``Prefill.Prefill``
+(when placed remotely) → ``Decode.Decode``, whose deltas are forwarded to the client as they come.
+
+- The first token is not held back for the KV transfer: the decode worker streams it as its first message,
+  before it pulls the KV.
+- Client cancellation cancels the Decode call (the decode worker frees its blocks); cancelled after prefill but
+  before Decode was called, the gateway releases the prefill lease.
+- A worker that fails with UNAVAILABLE before any token reached the client is excluded and the request re-placed
+  (``gateway.placement_retries`` times, a prefill result is kept); after tokens, the stream ends UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from tokenmill.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    frontend_pb2,
+    frontend_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+
+from common import rpc
+from common.cluster_config import ServiceConfig
+from common.wire import sampling_params_from_proto
+from services.gateway.pools import ChannelPool, StubCache
+
+log = logging.getLogger(__name__)
+
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+           common_pb2.FINISH_REASON_ABORT: "abort"}
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+def validate(req: frontend_pb2.GenerateRequest) -> None:
+    """Raise ValueError (→ INVALID_ARGUMENT) with a message the client can act on."""
+    which = req.WhichOneof("input")
+    if which is None:
+        raise ValueError("GenerateRequest needs an input: set one of prompt, chat or prompt_token_ids")
+    if which == "prompt" and not req.prompt:
+        raise ValueError("prompt is empty; send at least one character")
+    if which == "chat":
+        if not req.chat.messages:
+            raise ValueError("chat.messages is empty; send at least one message")
+        for i, m in enumerate(req.chat.messages):
+            if not m.role:
+                raise ValueError(f"chat.messages[{i}].role is empty; use system, user or assistant")
+    if which == "prompt_token_ids":
+        ids = req.prompt_token_ids.ids
+        if not ids:
+            raise ValueError("prompt_token_ids is empty; send at least one token id")
+        bad = next((i for i, t in enumerate(ids) if t < 0), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids[{bad}] is {ids[bad]}; token ids are >= 0")
+    if req.priority < 0:
+        raise ValueError(f"priority must be >= 0 (0 = interactive, 10 = batch), got {req.priority}")
+    sampling_params_from_proto(req.params).validate(vocab_size=2**31 - 1)  # the worker checks the vocabulary
+
+
+class GatewayMetrics:
+    """vLLM's names under ``tokenmill:``, so existing dashboards need one prefix changed."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.success = Counter("tokenmill:request_success", "Finished requests by finish reason",
+                               ["finished_reason"], registry=r)
+        self.failure = Counter("tokenmill:request_failure", "Requests that ended with an error, by status code",
+                               ["code"], registry=r)
+        self.ttft = Histogram("tokenmill:time_to_first_token_seconds", "Time to first token, at the gateway",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("tokenmill:inter_token_latency_seconds", "Time between output tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenmill:e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("tokenmill:generation_tokens", "Generated tokens", registry=r)
+        self.running = Gauge("tokenmill:num_requests_running", "Requests in flight at the gateway", registry=r)
+        self.retries = Counter("tokenmill:request_replacements", "Re-placements after a worker failed",
+                               ["role"], registry=r)
+
+
+class _Timing:
+    """TTFT / ITL bookkeeping of one stream."""
+
+    def __init__(self, m: GatewayMetrics) -> None:
+        self.m, self.t0, self.last, self.tokens = m, time.perf_counter(), None, 0
+
+    def on_tokens(self, k: int) -> None:
+        if k <= 0:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.m.ttft.observe(now - self.t0)
+        else:
+            gap = (now - self.last) / k
+            for _ in range(k):
+                self.m.itl.observe(gap)
+        self.last = now
+        self.tokens += k
+
+
+@dataclass(slots=True)
+class _Attempts:
+    """One request's placement attempts: what failed, the prefill result, who owns its lease."""
+
+    max_retries: int
+    exclude: list[str] = field(default_factory=list)
+    pre: prefill_pb2.PrefillResult | None = None
+    lease_ours: bool = False
+    done: bool = False
+
+    def retry(self, failed_worker: str) -> bool:
+        """Exclude ``failed_worker``; False when the retries are spent."""
+        if len(self.exclude) >= self.max_retries:
+            return False
+        self.exclude.append(failed_worker)
+        return True
+
+
+class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
+    def __init__(self, app: GatewayService) -> None:
+        self.app = app
+
+    @rpc.translate_errors
+    async def Generate(self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        async for resp in self.app.generate(request, context):
+            yield resp
+
+
+class GatewayService:
+    """The ``rpc.ServiceApp`` for the gateway (gRPC half)."""
+
+    role = "gateway"
+
+    def __init__(self, cfg: ServiceConfig) -> None:
+        c = cfg.cluster
+        self.cfg = cfg
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.metrics = GatewayMetrics(self.registry)
+        limit = c.gateway.max_inflight_per_channel
+        self.tokenizers = ChannelPool(c.addresses("tokenizer"), tokenizer_pb2_grpc.TokenizerStub, limit)
+        self.routers = ChannelPool(c.addresses("router"), router_pb2_grpc.RouterStub, limit)
+        self.workers = StubCache()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def register(self, server: grpc.aio.Server) -> list[str]:
+        frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendServicer(self), server)
+        return [frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name]
+
+    async def start(self) -> None:
+        if not self.tokenizers.addresses or not self.routers.addresses:
+            raise RuntimeError("the gateway needs at least one tokenizer and one router address in the config")
+
+    async def stop(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=2)
+        await self.tokenizers.close()
+        await self.routers.close()
+        await self.workers.close()
+
+    # -- the request path ---------------------------------------------------------------------------------
+    async def generate(self, req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        timing = _Timing(self.metrics)
+        self.metrics.running.inc()
+        outcome = "CANCELLED"
+        try:
+            validate(req)
+            rid = req.request_id or f"gen-{uuid.uuid4().hex}"
+            meta = common_pb2.RequestMeta(request_id=rid, priority=req.priority, cache_salt=req.cache_salt,
+                                          # until API keys map to tenants, a client may name its tenant
+                                          tenant_id=_metadata(context, "x-tenant-id"))
+            ids = await self.tokenize(req, meta, context.time_remaining())
+            self.metrics.prompt_tokens.inc(len(ids))
+            async for resp in self._place_and_run(req, meta, ids, context, timing):
+                if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    outcome = _FINISH.get(resp.finish_reason, "stop")
+                    self.metrics.success.labels(outcome).inc()
+                yield resp
+        except Exception as e:
+            outcome = rpc.status_for(e)[0].name
+            self.metrics.failure.labels(outcome).inc()
+            raise
+        finally:
+            self.metrics.running.dec()
+            self.metrics.generation_tokens.inc(timing.tokens)
+            if outcome == "CANCELLED":
+                self.metrics.success.labels("abort").inc()
+            else:
+                self.metrics.e2e.observe(time.perf_counter() - timing.t0)
+
+    async def tokenize(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta,
+                       timeout: float | None) -> list[int]:
+        which = req.WhichOneof("input")
+        if which == "prompt_token_ids":
+            return list(req.prompt_token_ids.ids)
+        if which == "chat":
+            chat = tokenizer_pb2.ChatMessages()
+            chat.CopyFrom(req.chat)
+            chat.add_generation_prompt = True  # Generate always asks the model for the next (assistant) turn
+            treq = tokenizer_pb2.TokenizeRequest(meta=meta, chat=chat)
+        else:
+            treq = tokenizer_pb2.TokenizeRequest(meta=meta, text=req.prompt, add_special_tokens=True)
+        resp = await self.tokenizers.call(lambda stub: stub.Tokenize(treq, timeout=timeout), "tokenizer")
+        if not resp.token_ids:
+            raise ValueError("the input tokenized to no tokens; send a non-empty prompt")
+        return list(resp.token_ids)
+
+    async def _place_and_run(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta,
+                             ids: list[int], context: grpc.aio.ServicerContext, timing: _Timing
+                             ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        st = _Attempts(self.cfg.cluster.gateway.placement_retries)
+        try:
+            while True:
+                placement = await self._place(req, meta, ids, st.exclude, context)
+                if st.pre is None and placement.HasField("prefill"):
+                    if not await self._prefill(placement.prefill, meta, ids, req, context, st):
+                        continue  # the prefill worker was unavailable: re-placed without it
+                    assert st.pre is not None
+                    if st.pre.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        st.lease_ours = False
+                        self._release(st.pre)
+                        yield await self._finished_at_prefill(meta, ids, st.pre, req, timing)
+                        return
+                async for resp in self._decode(placement.decode, meta, ids, req, context, timing, st):
+                    yield resp
+                if st.done:
+                    return
+        finally:
+            if st.pre is not None and st.lease_ours:  # cancelled or failed between prefill and decode
+                self._release(st.pre)
+
+    async def _place(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta, ids: list[int],
+                     exclude: list[str], context: grpc.aio.ServicerContext) -> router_pb2.Placement:
+        p = req.params
+        place = router_pb2.PlaceRequest(meta=meta, prompt_token_ids=ids, exclude_workers=exclude,
+                                        max_tokens=p.max_tokens if p.HasField("max_tokens") else 0)
+        return await self.routers.call(lambda stub: stub.Place(place, timeout=context.time_remaining()), "router")
+
+    async def _prefill(self, ref: router_pb2.WorkerRef, meta: common_pb2.RequestMeta, ids: list[int],
+                       req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, st: _Attempts) -> bool:
+        """Run the prompt on a prefill worker; False when it was unavailable and the request should re-place."""
+        stub = self.workers.get(ref.address, prefill_pb2_grpc.PrefillStub)
+        try:
+            st.pre = await stub.Prefill(prefill_pb2.PrefillRequest(meta=meta, prompt_token_ids=ids, params=req.params),
+                                        timeout=context.time_remaining())
+        except grpc.aio.AioRpcError as e:
+            if e.code() != _UNAVAILABLE or not st.retry(ref.worker_id):
+                raise
+            self.metrics.retries.labels("prefill").inc()
+            log.warning("%s: prefill worker %s unavailable (%s); re-placing", meta.request_id, ref.worker_id,
+                        e.details())
+            return False
+        st.lease_ours = bool(st.pre.kv.lease_id)
+        return True
+
+    async def _decode(self, ref: router_pb2.WorkerRef, meta: common_pb2.RequestMeta, ids: list[int],
+                      req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, timing: _Timing,
+                      st: _Attempts) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        """Stream one Decode call to the client. Sets ``st.done``, or returns to re-place (worker unavailable
+        before its first message), or raises."""
+        dreq = decode_pb2.DecodeRequest(meta=meta, prompt_token_ids=ids, params=req.params)
+        if st.pre is not None:
+            dreq.first_token_id = st.pre.first_token_id
+            if st.pre.HasField("first_logprob"):
+                dreq.first_logprob.CopyFrom(st.pre.first_logprob)
+            dreq.kv.CopyFrom(st.pre.kv)
+        call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(dreq, timeout=context.time_remaining())
+        st.lease_ours = False  # the decode worker pulls the KV and releases the lease (or lets it expire)
+        received = 0
+        try:
+            async for delta in call:
+                received += 1
+                timing.on_tokens(len(delta.token_ids))
+                st.done = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                yield frontend_pb2.GenerateResponse(
+                    request_id=meta.request_id, text=delta.text, token_ids=delta.token_ids,
+                    logprobs=delta.logprobs, finish_reason=delta.finish_reason, usage=delta.usage)
+                if st.done:
+                    return
+        except grpc.aio.AioRpcError as e:
+            if e.code() != _UNAVAILABLE:
+                raise
+            if received:
+                raise rpc.Unavailable(
+                    f"decode worker {ref.worker_id} failed after {timing.tokens} tokens were streamed "
+                    f"({e.details()}); the output is incomplete, retry the request") from e
+            st.lease_ours = st.pre is not None and bool(st.pre.kv.lease_id)  # it never started: ours again
+            if not st.retry(ref.worker_id):
+                raise rpc.Unavailable(f"decode worker {ref.worker_id} is unavailable ({e.details()}) after "
+                                      f"{st.max_retries} re-placements; retry later") from e
+            self.metrics.retries.labels("decode").inc()
+            log.warning("%s: decode worker %s unavailable (%s); re-placing", meta.request_id, ref.worker_id,
+                        e.details())
+            return
+        finally:
+            if not st.done:
+                call.cancel()  # the client went away (or we failed): the decode worker frees the blocks
+        raise rpc.Unavailable(f"decode worker {ref.worker_id} ended the stream without a finish reason")
+
+    async def _finished_at_prefill(self, meta: common_pb2.RequestMeta, ids: list[int],
+                                   pre: prefill_pb2.PrefillResult, req: frontend_pb2.GenerateRequest,
+                                   timing: _Timing) -> frontend_pb2.GenerateResponse:
+        """The first token ended the request: no decode; the text comes from the tokenizer pool."""
+        skip = req.params.skip_special_tokens if req.params.HasField("skip_special_tokens") else True
+        dreq = tokenizer_pb2.DetokenizeRequest(token_ids=[pre.first_token_id], skip_special_tokens=skip)
+        text = (await self.tokenizers.call(lambda stub: stub.Detokenize(dreq), "tokenizer")).text
+        timing.on_tokens(1)
+        resp = frontend_pb2.GenerateResponse(
+            request_id=meta.request_id, text=text, token_ids=[pre.first_token_id], finish_reason=pre.finish_reason,
+            usage=common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=1, cached_tokens=pre.cached_tokens))
+        if pre.HasField("first_logprob"):
+            resp.logprobs.append(pre.first_logprob)
+        return resp
+
+    def _release(self, pre: prefill_pb2.PrefillResult) -> None:
+        """Free a prefill lease in the background (also from a cancelled handler)."""
+        kv = pre.kv
+
+        async def release() -> None:
+            try:
+                stub = self.workers.get(kv.address, prefill_pb2_grpc.PrefillStub)
+                await stub.Release(prefill_pb2.ReleaseRequest(lease_id=kv.lease_id), timeout=5)
+            except grpc.aio.AioRpcError as e:
+                log.warning("release of lease %s on %s failed: %s (it expires on its own)", kv.lease_id,
+                            kv.worker_id, e.details())
+
+        if kv.lease_id and kv.address:
+            task = asyncio.get_running_loop().create_task(release())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
+    for k, v in context.invocation_metadata() or ():
+        if k == key:
+            return str(v)
+    return ""
+
+
+def serve(cfg: ServiceConfig) -> int:
+    """``tokenmill serve gateway``."""
+    return rpc.run(GatewayService(cfg), cfg)

@@ -1,0 +1,98 @@
+"""Helpers for service tests: free ports below 32768, in-process servers, fake workers' Report streams."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from tokenmill.v1 import router_pb2, router_pb2_grpc
+
+from common.cluster_config import ClusterConfig, load_cluster_config
+from common.rpc import RunningServer, ServiceApp, start_server
+
+HOST = "127.0.0.1"
+_taken: set[int] = set()
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A port in 12000..31999 that binds now (tests must not use the ephemeral range from 32768)."""
+    for _ in range(1000):
+        p = random.randrange(12000, 32000)
+        if p not in _taken and port_free(p):
+            _taken.add(p)
+            return p
+    raise RuntimeError("no free port below 32768")
+
+
+def free_base_port(span: int = 1500) -> int:
+    """A base port with ``span`` ports above it (the cluster's derived ports) that all bind now."""
+    for _ in range(200):
+        base = random.randrange(10000, 32000 - span, 100)
+        if all(port_free(base + off + i) for off in (0, 100, 200, 300, 400, 1000, 1100, 1200, 1300, 1400)
+               for i in range(3)):
+            return base
+    raise RuntimeError("no free port range below 32768")
+
+
+def cluster(**overrides: Any) -> ClusterConfig:
+    return load_cluster_config(overrides=overrides, env={})
+
+
+@contextlib.asynccontextmanager
+async def serving(app: ServiceApp, cfg: ClusterConfig, role: str, port: int | None = None
+                  ) -> AsyncIterator[RunningServer]:
+    """Run ``app`` in this event loop until the block exits (health SERVING once started)."""
+    svc = cfg.service(role, 0, port=port, metrics_port=free_port())
+    srv = await start_server(app, HOST, svc.grpc_port, svc.metrics_port)
+    try:
+        await app.start()
+        await srv.set_serving(True)
+        yield srv
+    finally:
+        await srv.drain(0.5)
+        await app.stop()
+
+
+class Reporter:
+    """A fake worker's Report stream to a router."""
+
+    def __init__(self, router_address: str) -> None:
+        self.channel = grpc.aio.insecure_channel(router_address)
+        self.call = router_pb2_grpc.RouterStub(self.channel).Report()
+
+    async def send(self, **fields: Any) -> None:
+        await self.call.write(router_pb2.WorkerLoad(**fields))
+
+    async def close(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await self.call.done_writing()
+            await self.call
+        await self.channel.close()
+
+
+async def wait_for_workers(router_address: str, n: int, timeout: float = 5.0) -> list[router_pb2.WorkerLoad]:
+    """Poll ListWorkers until exactly ``n`` workers are known."""
+    async with grpc.aio.insecure_channel(router_address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            ws = list((await stub.ListWorkers(router_pb2.ListWorkersRequest())).workers)
+            if len(ws) == n:
+                return ws
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"router knows {len(ws)} workers, expected {n}: {ws}")
+            await asyncio.sleep(0.02)

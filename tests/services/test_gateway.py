@@ -1,0 +1,312 @@
+"""Frontend.Generate through the real gateway, tokenizer and router over gRPC, with fake prefill and decode
+workers (real gRPC servers that report to the router): streaming, remote prefill, re-placement, cancellation,
+input errors."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from tokenmill.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    frontend_pb2,
+    frontend_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    router_pb2,
+    tokenizer_pb2,
+)
+
+from common.loader import load_tokenizer
+from common.rpc import start_server
+from services.gateway.server import GatewayService
+from services.router.server import RouterService
+from services.tokenizer.server import TokenizerService
+from tests.services.harness import HOST, Reporter, cluster, free_port, serving, wait_for_workers
+
+STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("smollm2")
+
+
+class FakeDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, mode: str = "ok", tokens: int = 4) -> None:
+        self.mode, self.tokens = mode, tokens
+        self.requests: list[decode_pb2.DecodeRequest] = []
+        self.cancelled = asyncio.Event()
+
+    async def Decode(self, request, context):
+        self.requests.append(request)
+        if self.mode == "unavailable":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        if self.mode == "invalid":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is 9000 tokens; this model accepts 8192")
+        try:
+            for i in range(10**6 if self.mode == "slow" else self.tokens):
+                if self.mode == "fail_after" and i == 2:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost its GPU")
+                last = i == self.tokens - 1 and self.mode != "slow"
+                yield decode_pb2.TokenDelta(
+                    text=f"<{i}>", token_ids=[100 + i], finish_reason=STOP if last else 0,
+                    usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1)
+                    if last else None)
+                await asyncio.sleep(0.02 if self.mode == "slow" else 0)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+class FakePrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, address: str, finish: int = 0) -> None:
+        self.address, self.finish = address, finish
+        self.requests: list[prefill_pb2.PrefillRequest] = []
+        self.released: list[str] = []
+
+    async def Prefill(self, request, context):
+        self.requests.append(request)
+        return prefill_pb2.PrefillResult(
+            first_token_id=28120, finish_reason=self.finish, cached_tokens=0,
+            kv=common_pb2.KvHandle(worker_id="prefill-a", address=self.address, block_ids=[1, 2], lease_id="lease-1",
+                                   num_tokens=len(request.prompt_token_ids)))
+
+    async def Release(self, request, context):
+        self.released.append(request.lease_id)
+        return prefill_pb2.ReleaseResponse(released=True)
+
+
+@dataclass
+class Stack:
+    gateway: str
+    gw: GatewayService
+    decodes: dict[str, FakeDecode] = field(default_factory=dict)
+    prefill: FakePrefill | None = None
+
+
+@contextlib.asynccontextmanager
+async def stack(tok, decodes: dict[str, FakeDecode], prefill_finish: int | None = None, threshold: int = 256):
+    """Tokenizer, router and gateway for real; fake workers registered with the router."""
+    ports = {r: free_port() for r in ("tokenizer", "router", "gateway")}
+    cfg = cluster(**{"tokenizer.count": 1, "tokenizer.port": ports["tokenizer"], "router.port": ports["router"],
+                     "gateway.port": ports["gateway"], "router.prefill_threshold_tokens": threshold})
+    router_addr = f"{HOST}:{ports['router']}"
+    gw = GatewayService(cfg.service("gateway", 0))
+    async with contextlib.AsyncExitStack() as es:
+        await es.enter_async_context(serving(TokenizerService(cfg.service("tokenizer", 0), tok), cfg, "tokenizer",
+                                             ports["tokenizer"]))
+        await es.enter_async_context(serving(RouterService(cfg.service("router", 0)), cfg, "router",
+                                             ports["router"]))
+        await es.enter_async_context(serving(gw, cfg, "gateway", ports["gateway"]))
+        st = Stack(f"{HOST}:{ports['gateway']}", gw, decodes)
+        workers: list[tuple[str, object, int]] = [(wid, d, router_pb2.WORKER_ROLE_DECODE) for wid, d in decodes.items()]
+        if prefill_finish is not None:
+            p = free_port()
+            st.prefill = FakePrefill(f"{HOST}:{p}", prefill_finish)
+            workers.append(("prefill-a", st.prefill, router_pb2.WORKER_ROLE_PREFILL))
+        for wid, servicer, role in workers:
+            port = free_port() if role == router_pb2.WORKER_ROLE_DECODE else int(st.prefill.address.split(":")[1])
+            app = _WorkerApp(servicer)
+            srv = await start_server(app, HOST, port, None)
+            await srv.set_serving(True)
+            es.push_async_callback(srv.drain, 0.2)
+            rep = Reporter(router_addr)
+            await rep.send(worker_id=wid, address=f"{HOST}:{port}", role=role, model_id="m", block_size=16,
+                           free_blocks=1000, total_blocks=1000)
+            es.push_async_callback(rep.close)
+        await wait_for_workers(router_addr, len(workers))
+        yield st
+
+
+class _WorkerApp:
+    role = "fake"
+
+    def __init__(self, servicer) -> None:
+        from prometheus_client import CollectorRegistry
+
+        self.servicer, self.registry = servicer, CollectorRegistry()
+
+    def register(self, server):
+        if isinstance(self.servicer, FakeDecode):
+            decode_pb2_grpc.add_DecodeServicer_to_server(self.servicer, server)
+            return ["tokenmill.v1.Decode"]
+        prefill_pb2_grpc.add_PrefillServicer_to_server(self.servicer, server)
+        return ["tokenmill.v1.Prefill"]
+
+
+async def generate(addr: str, **req) -> list[frontend_pb2.GenerateResponse]:
+    async with grpc.aio.insecure_channel(addr) as ch:
+        return [r async for r in frontend_pb2_grpc.FrontendStub(ch).Generate(
+            frontend_pb2.GenerateRequest(**req), timeout=20)]
+
+
+def _sample(metric, suffix: str, **labels) -> float:
+    for fam in metric.collect():
+        for s in fam.samples:
+            if s.name.endswith(suffix) and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def test_generate_streams_decode_deltas(tok):
+    async def body():
+        d = FakeDecode(tokens=4)
+        async with stack(tok, {"decode-a": d}) as st:
+            out = await generate(st.gateway, prompt="Hello there", request_id="req-1")
+            assert [r.text for r in out] == ["<0>", "<1>", "<2>", "<3>"]
+            assert [list(r.token_ids) for r in out] == [[100], [101], [102], [103]]
+            assert {r.request_id for r in out} == {"req-1"}
+            assert out[-1].finish_reason == STOP and out[-1].usage.completion_tokens == 4
+            [req] = d.requests
+            assert list(req.prompt_token_ids) == tok.encode("Hello there")
+            assert req.meta.request_id == "req-1" and not req.HasField("kv") and not req.HasField("first_token_id")
+
+            msgs = [{"role": "user", "content": "What is the capital of France?"}]
+            out = await generate(st.gateway, chat=tokenizer_pb2.ChatMessages(
+                messages=[tokenizer_pb2.ChatMessage(**m) for m in msgs]))
+            assert out[0].request_id.startswith("gen-")
+            want = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False)
+            assert list(d.requests[1].prompt_token_ids) == want
+
+            m = st.gw.metrics
+            assert _sample(m.ttft, "_count") == 2 and _sample(m.itl, "_count") == 6
+            assert _sample(m.success, "_total", finished_reason="stop") == 2
+
+    asyncio.run(body())
+
+
+def test_remote_prefill_hands_first_token_and_kv_to_decode(tok):
+    async def body():
+        d = FakeDecode(tokens=3)
+        async with stack(tok, {"decode-a": d}, prefill_finish=0, threshold=4) as st:
+            out = await generate(st.gateway, prompt_token_ids=frontend_pb2.TokenIds(ids=list(range(1, 40))))
+            assert len(out) == 3 and out[-1].finish_reason == STOP
+            [preq], [dreq] = st.prefill.requests, d.requests
+            assert list(preq.prompt_token_ids) == list(range(1, 40))
+            assert dreq.first_token_id == 28120 and dreq.kv.lease_id == "lease-1"
+            assert st.prefill.released == []  # the decode worker owns the lease now
+
+    asyncio.run(body())
+
+
+def test_first_token_that_finishes_skips_decode_and_releases_the_lease(tok):
+    async def body():
+        d = FakeDecode()
+        async with stack(tok, {"decode-a": d}, prefill_finish=LENGTH, threshold=4) as st:
+            out = await generate(st.gateway, prompt_token_ids=frontend_pb2.TokenIds(ids=list(range(1, 40))),
+                                 params=common_pb2.SamplingParams(max_tokens=1))
+            [r] = out
+            assert list(r.token_ids) == [28120] and r.text == tok.decode([28120]) and r.finish_reason == LENGTH
+            assert r.usage.prompt_tokens == 39 and r.usage.completion_tokens == 1
+            assert d.requests == []
+            for _ in range(50):
+                if st.prefill.released:
+                    break
+                await asyncio.sleep(0.02)
+            assert st.prefill.released == ["lease-1"]
+
+    asyncio.run(body())
+
+
+def test_unavailable_decode_is_replaced_before_the_first_token(tok):
+    async def body():
+        a, b = FakeDecode("unavailable"), FakeDecode(tokens=2)
+        async with stack(tok, {"decode-a": a, "decode-b": b}) as st:
+            out = await generate(st.gateway, prompt="hi")
+            assert [r.text for r in out] == ["<0>", "<1>"]
+            assert len(a.requests) == 1 and len(b.requests) == 1  # a first (tie → smaller id), then b
+            assert _sample(st.gw.metrics.retries, "_total", role="decode") == 1
+
+    asyncio.run(body())
+
+
+def test_failure_after_tokens_ends_the_stream_unavailable_and_spent_retries_release_the_lease(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode("fail_after", tokens=5)}) as st:
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async with grpc.aio.insecure_channel(st.gateway) as ch:
+                    async for r in frontend_pb2_grpc.FrontendStub(ch).Generate(
+                            frontend_pb2.GenerateRequest(prompt="hi"), timeout=20):
+                        got.append(r.text)
+            assert got == ["<0>", "<1>"]
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "decode-a failed after 2 tokens" in e.value.details()
+        dead = {"decode-a": FakeDecode("unavailable"), "decode-b": FakeDecode("unavailable"),
+                "decode-c": FakeDecode("unavailable")}
+        async with stack(tok, dead, prefill_finish=0, threshold=4) as st:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(st.gateway, prompt_token_ids=frontend_pb2.TokenIds(ids=list(range(1, 40))))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "re-placements" in e.value.details()
+            assert [len(d.requests) for d in dead.values()] == [1, 1, 1]  # 1 try + 2 re-placements
+            assert len(st.prefill.requests) == 1  # the prefill result was reused
+            for _ in range(50):
+                if st.prefill.released:
+                    break
+                await asyncio.sleep(0.02)
+            assert st.prefill.released == ["lease-1"]
+
+    asyncio.run(body())
+
+
+def test_client_cancel_cancels_the_decode_call(tok):
+    async def body():
+        d = FakeDecode("slow")
+        async with stack(tok, {"decode-a": d}) as st, grpc.aio.insecure_channel(st.gateway) as ch:
+            call = frontend_pb2_grpc.FrontendStub(ch).Generate(frontend_pb2.GenerateRequest(prompt="hi"))
+            assert (await call.read()).text == "<0>"
+            assert (await call.read()).text == "<1>"
+            call.cancel()
+            await asyncio.wait_for(d.cancelled.wait(), 5)
+            for _ in range(50):
+                if _sample(st.gw.metrics.success, "_total", finished_reason="abort") == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert _sample(st.gw.metrics.success, "_total", finished_reason="abort") == 1
+            assert _sample(st.gw.metrics.running, "") == 0
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("req", "code", "message"),
+    [
+        ({}, "INVALID_ARGUMENT", "needs an input: set one of prompt, chat or prompt_token_ids"),
+        ({"prompt": ""}, "INVALID_ARGUMENT", "prompt is empty"),
+        ({"prompt": "x", "params": common_pb2.SamplingParams(top_p=2)}, "INVALID_ARGUMENT",
+         "top_p must be in (0, 1], got 2"),
+        ({"prompt": "x", "params": common_pb2.SamplingParams(max_tokens=0)}, "INVALID_ARGUMENT",
+         "max_tokens must be at least 1, got 0"),
+        ({"chat": tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(content="hi")])},
+         "INVALID_ARGUMENT", "chat.messages[0].role is empty"),
+        ({"prompt_token_ids": frontend_pb2.TokenIds(ids=[3, -1])}, "INVALID_ARGUMENT",
+         "prompt_token_ids[1] is -1"),
+        ({"prompt": "worker says no"}, "INVALID_ARGUMENT", "the prompt is 9000 tokens; this model accepts 8192"),
+    ],
+)
+def test_bad_requests_get_actionable_errors(tok, req, code, message):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode("invalid")}) as st:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(st.gateway, **req)
+            assert e.value.code().name == code and message in e.value.details()
+            assert _sample(st.gw.metrics.failure, "_total", code=code) == 1
+
+    asyncio.run(body())
+
+
+def test_no_decode_worker_is_unavailable(tok):
+    async def body():
+        async with stack(tok, {}) as st:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await generate(st.gateway, prompt="hi")
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no decode worker has registered with the router" in e.value.details()
+
+    asyncio.run(body())
