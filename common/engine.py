@@ -20,7 +20,8 @@ from common.config import EngineConfig
 from common.loader import ModelSource, load_model_source
 from common.model_runner import ModelRunner
 from common.output_processor import OutputProcessor
-from common.sampling import SampleRow, SamplingParams, sample
+from common.sampler import SampleRow, sample
+from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import FinishReason, Sequence, SequenceStatus
 from common.tokenizer import TextTokenizer

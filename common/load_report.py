@@ -25,12 +25,14 @@ def engine_load(
 ) -> router_pb2.WorkerLoad:
     """A load report from the engine's current state (call on the engine thread).
 
-    ``full``: list every cached block and tell the router to forget what it knew (a new stream)."""
+    ``full``: list every cached block and tell the router to forget what it knew (a new stream). Incremental
+    KV events are added by the caller, which keeps them per router."""
     bm = engine.block_manager
     bm.track_events = True
-    stored, removed = bm.drain_events()
+    stored: list[int] = []
+    removed: list[int] = []
     if full:
-        stored, removed = sorted(bm.cached_block_hashes()), []
+        stored = sorted(bm.cached_block_hashes())
     queued = sum(s.num_tokens - s.num_computed_tokens for s in engine.scheduler.waiting)
     queued += sum(max(0, s.num_prompt_tokens - s.num_computed_tokens) for s in engine.scheduler.running)
     return router_pb2.WorkerLoad(

@@ -6,8 +6,10 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import grpc
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmill.v1 import common_pb2, prefill_pb2, router_pb2
@@ -115,8 +117,9 @@ class WorkerBase:
         self.agent: KvTransferAgent | None = None
         self.aio: asyncio.AbstractEventLoop | None = None
         self.draining = False
+        self._events: dict[str, tuple[list[int], list[int]]] = {}  # per router: KV events not yet reported
         self._stop_reports = asyncio.Event()
-        self._report_task: asyncio.Task[None] | None = None
+        self._report_tasks: list[asyncio.Task[None]] = []
 
     # subclass hooks (engine thread)
     def on_outputs(self, outs: list[RequestOutput]) -> None:
@@ -134,31 +137,75 @@ class WorkerBase:
         self.agent = await asyncio.to_thread(make_agent, self.cfg, self.engine)
         self.loop = EngineLoop(self.engine, self.on_outputs, self.on_tick, self.busy)
         self.loop.start()
-        routers = self.cfg.cluster.addresses("router")
-        if routers:
-            interval = self.cfg.cluster.pool(self.cfg.role).report_interval_s  # type: ignore[union-attr]
-            self._report_task = asyncio.create_task(
-                report_forever(routers[0], self._snapshot, interval, self._stop_reports)
-            )
+        interval = self.cfg.cluster.pool(self.cfg.role).report_interval_s  # type: ignore[union-attr]
+        # every router replica keeps its own view: each gets this worker's stream
+        self._report_tasks = [
+            asyncio.create_task(report_forever(addr, self._snapshot_for(addr), interval, self._stop_reports))
+            for addr in self.cfg.cluster.addresses("router")
+        ]
 
-    async def _snapshot(self, first: bool) -> router_pb2.WorkerLoad:
-        assert self.loop is not None
+    def _snapshot_for(self, router: str) -> Callable[[bool], Awaitable[router_pb2.WorkerLoad]]:
+        """Snapshots for one router's stream; KV events are kept per router, so each sees them all."""
+        async def snapshot(first: bool) -> router_pb2.WorkerLoad:
+            assert self.loop is not None
 
-        def snap(e: LLMEngine) -> router_pb2.WorkerLoad:
-            self.metrics.refresh(e, self.agent)
-            return engine_load(e, self.cfg.name, self.cfg.address, self.role_proto, full=first,
-                               draining=self.draining or self._stop_reports.is_set())
+            def snap(e: LLMEngine) -> router_pb2.WorkerLoad:
+                self.metrics.refresh(e, self.agent)
+                self._fan_out_events(e)
+                load = engine_load(e, self.cfg.name, self.cfg.address, self.role_proto, full=first,
+                                   draining=self.draining)
+                if not first:
+                    mine = self._events.pop(router, ([], []))
+                    load.kv_events.stored.extend(mine[0])
+                    load.kv_events.removed.extend(mine[1])
+                else:
+                    self._events.pop(router, None)
+                return load
 
-        return await asyncio.wrap_future(self.loop.submit(snap))
+            return await asyncio.wrap_future(self.loop.submit(snap))
+
+        return snapshot
+
+    def _fan_out_events(self, e: LLMEngine) -> None:
+        """Move the block manager's new events into every router's queue (engine thread)."""
+        stored, removed = e.block_manager.drain_events()
+        if not stored and not removed:
+            return
+        for addr in self.cfg.cluster.addresses("router"):
+            s, r = self._events.setdefault(addr, ([], []))
+            s.extend(stored)
+            r.extend(removed)
+
+    async def begin_drain(self) -> None:
+        """SIGTERM: tell every router at once that no new work should come here."""
+        self.draining = True
+        if self.loop is not None and self.engine is not None:
+            await asyncio.gather(*(self._send_one(addr) for addr in self.cfg.cluster.addresses("router")),
+                                 return_exceptions=True)
+
+    async def _send_one(self, router: str) -> None:
+        """One extra report outside the streams (draining): a short unary-like stream of one message."""
+        from tokenmill.v1 import router_pb2_grpc
+
+        from common.rpc import GRPC_OPTIONS
+
+        load = await self._snapshot_for(router)(False)
+        load.draining = True
+
+        async def one() -> AsyncIterator[router_pb2.WorkerLoad]:
+            yield load
+
+        async with grpc.aio.insecure_channel(router, options=GRPC_OPTIONS) as ch:
+            await router_pb2_grpc.RouterStub(ch).Report(one(), timeout=2.0)
 
     async def stop(self) -> None:
         self.draining = True
         self._stop_reports.set()
-        if self._report_task is not None:
+        for task in self._report_tasks:
             try:
-                await asyncio.wait_for(self._report_task, 2.0)
+                await asyncio.wait_for(task, 2.0)
             except (TimeoutError, Exception):
-                self._report_task.cancel()
+                task.cancel()
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
         if self.agent is not None:

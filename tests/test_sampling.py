@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling import SampleRow, SamplingParams, sample
+from common.sampler import SampleRow, sample
+from common.sampling import SamplingParams
 
 
 def row(params: SamplingParams, prompt=(), output=(), seed=0, position=0) -> SampleRow:
