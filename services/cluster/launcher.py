@@ -182,8 +182,23 @@ class Launcher:
                                   f"last lines of {c.log_path}:\n{tail(c.log_path)}")
 
     def _watch(self) -> None:
+        """After start-up a dead child is reported (role, exit code, last log lines) and the cluster goes on
+        while its pool has a live member: the router stops placing on the dead worker, streams it held end
+        UNAVAILABLE at the gateway. A pool left with no live member stops the cluster."""
+        reported: set[str] = set()
         while not self.stop_requested.wait(0.5):
-            self._check_alive()
+            for c in self.children:
+                code = c.proc.poll()
+                if code is None or c.name in reported:
+                    continue
+                reported.add(c.name)
+                print(f"{c.name} (pid {c.proc.pid}) exited with code {code}; last lines of {c.log_path}:\n"
+                      f"{tail(c.log_path)}", file=sys.stderr, flush=True)
+                self._write_state(ready=True)
+                pool = [x for x in self.children if x.svc.role == c.svc.role]
+                if all(x.proc.poll() is not None for x in pool):
+                    raise LaunchError(f"no {c.svc.role} process is left (the last, {c.name}, exited with code "
+                                      f"{code}); stopping the cluster")
 
     # -- report ------------------------------------------------------------------------------------------
     def _write_state(self, ready: bool) -> None:

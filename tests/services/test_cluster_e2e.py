@@ -1,0 +1,235 @@
+"""The whole cluster as a user runs it: ``tokenmill up`` (real processes, real gRPC, KV over NIXL), driven through
+the public ``Frontend.Generate`` API and checked against the single-process engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+from tokenmill.v1 import (
+    common_pb2,
+    frontend_pb2,
+    frontend_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    tokenizer_pb2,
+)
+
+from common.sampling import SamplingParams
+from tests.prompts import CHAT, PLAIN
+from tests.services.harness import HOST, free_base_port
+
+MAX_LEN = 1024
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    base = free_base_port()
+    state = tmp / "state.json"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--base-port", str(base), "--gateway-port", str(base + 450),
+           "--http-port", str(base + 451), "--decodes", "2", "--tokenizers", "1", "--state-file", str(state),
+           "--set", f"engine.max_model_len={MAX_LEN}", "--set", "router.prefill_threshold_tokens=200",
+           "--grace", "3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"tokenmill up exited: {proc.communicate()}")
+        if state.exists() and json.loads(state.read_text()).get("ready"):
+            break
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail(f"cluster not ready: {proc.communicate()}")
+    info = json.loads(state.read_text())
+    info["gateway"] = f"{HOST}:{base + 450}"
+    yield info
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+
+
+def procs(info, role):
+    return [p for p in info["processes"] if p["role"] == role]
+
+
+def metric(p, name) -> float:
+    text = urllib.request.urlopen(f"http://{HOST}:{p['metrics_port']}/metrics", timeout=5).read().decode()
+    total = 0.0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{name} not in {p['name']}'s /metrics"
+    return total
+
+
+def wait_for(pred, timeout=10.0, what=""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def all_blocks_free(info, role):
+    return all(metric(p, "tokenmill:kv_blocks_free") == metric(p, "tokenmill:kv_blocks_total")
+               for p in procs(info, role) if p.get("alive", True))
+
+
+async def generate(stub, req):
+    text, ids, last = "", [], None
+    async for r in stub.Generate(req):
+        text += r.text
+        ids += list(r.token_ids)
+        last = r
+    return text, ids, last
+
+
+def chat_req(content, **params):
+    chat = tokenizer_pb2.ChatMessages(messages=[tokenizer_pb2.ChatMessage(role="user", content=content)],
+                                      add_generation_prompt=True)
+    return frontend_pb2.GenerateRequest(chat=chat, params=common_pb2.SamplingParams(**params))
+
+
+def test_64_concurrent_streams_equal_the_single_process_engine(cluster, engine):
+    tk = engine.tokenizer
+    short = [(c, tk.encode(tk.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False))
+             for c in CHAT]
+    longs = [(p * 12, tk.encode(p * 12)) for p in PLAIN]  # 60-250 tokens: several above the prefill threshold
+    reqs, ids = [], []
+    for i in range(64):
+        if i % 4 == 3:
+            text, toks = longs[i % len(longs)]
+            reqs.append(frontend_pb2.GenerateRequest(prompt=text, params=common_pb2.SamplingParams(
+                temperature=0, max_tokens=16)))
+        else:
+            text, toks = short[i % len(short)]
+            reqs.append(chat_req(text, temperature=0, max_tokens=16))
+        ids.append(toks)
+    refs = engine.generate(ids, SamplingParams(max_tokens=16, temperature=0.0))
+    nixl_before = sum(metric(p, "tokenmill:nixl_xfer_bytes") for p in procs(cluster, "decode"))
+
+    async def run():
+        async with grpc.aio.insecure_channel(cluster["gateway"]) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            return await asyncio.gather(*(generate(stub, r) for r in reqs))
+
+    outs = asyncio.run(run())
+    for i, ((text, toks, last), ref) in enumerate(zip(outs, refs)):
+        assert toks == ref.token_ids, f"stream {i}"
+        assert text == ref.text, f"stream {i}"
+        assert last.usage.prompt_tokens == len(ids[i]) and last.usage.completion_tokens == len(toks)
+    assert sum(metric(p, "tokenmill:nixl_xfer_bytes") for p in procs(cluster, "decode")) > nixl_before
+    wait_for(lambda: all_blocks_free(cluster, "decode") and all_blocks_free(cluster, "prefill"), 10, "free blocks")
+
+
+def test_client_cancel_frees_blocks(cluster):
+    async def cancel_after(req, n_msgs):
+        async with grpc.aio.insecure_channel(cluster["gateway"]) as ch:
+            call = frontend_pb2_grpc.FrontendStub(ch).Generate(req)
+            got = 0
+            async for _ in call:
+                got += 1
+                if got >= n_msgs:
+                    call.cancel()
+                    break
+            return got
+
+    # mid-stream, on a decode worker
+    assert asyncio.run(cancel_after(chat_req("Tell me a long story.", temperature=0, max_tokens=400,
+                                             ignore_eos=True), 3)) == 3
+    wait_for(lambda: all_blocks_free(cluster, "decode"), 5, "decode blocks freed after cancel")
+    # right after the first token of a remotely prefilled prompt: the lease and the pulled blocks are freed
+    long = frontend_pb2.GenerateRequest(prompt="The history of the printing press begins " * 40,
+                                        params=common_pb2.SamplingParams(temperature=0, max_tokens=300,
+                                                                         ignore_eos=True))
+    assert asyncio.run(cancel_after(long, 1)) == 1
+    wait_for(lambda: all_blocks_free(cluster, "decode") and all_blocks_free(cluster, "prefill"), 10,
+             "blocks freed after cancel between prefill and decode")
+
+
+def test_release_frees_a_lease_nobody_pulls(cluster, engine):
+    [pre] = procs(cluster, "prefill")
+    ids = engine.tokenizer.encode("An unpulled prompt. " * 30)
+    with grpc.insecure_channel(pre["address"]) as ch:
+        stub = prefill_pb2_grpc.PrefillStub(ch)
+        res = stub.Prefill(prefill_pb2.PrefillRequest(
+            meta=common_pb2.RequestMeta(request_id="lonely"), prompt_token_ids=ids,
+            params=common_pb2.SamplingParams(temperature=0, max_tokens=8)), timeout=60)
+        assert len(res.kv.block_ids) == -(-len(ids) // 16)
+        assert metric(pre, "tokenmill:kv_blocks_free") < metric(pre, "tokenmill:kv_blocks_total")
+        assert stub.Release(prefill_pb2.ReleaseRequest(lease_id=res.kv.lease_id)).released
+        assert not stub.Release(prefill_pb2.ReleaseRequest(lease_id=res.kv.lease_id)).released
+    wait_for(lambda: all_blocks_free(cluster, "prefill"), 5, "prefill blocks freed by Release")
+
+
+def test_prompt_lengths_at_the_edges(cluster):
+    async def run(req):
+        async with grpc.aio.insecure_channel(cluster["gateway"]) as ch:
+            return await generate(frontend_pb2_grpc.FrontendStub(ch), req)
+
+    one = frontend_pb2.GenerateRequest(prompt_token_ids=frontend_pb2.TokenIds(ids=[504]),
+                                       params=common_pb2.SamplingParams(temperature=0, max_tokens=4))
+    _, toks, last = asyncio.run(run(one))
+    assert len(toks) == 4 and last.usage.prompt_tokens == 1
+    full = frontend_pb2.GenerateRequest(prompt_token_ids=frontend_pb2.TokenIds(ids=[504] * (MAX_LEN - 4)),
+                                        params=common_pb2.SamplingParams(temperature=0, max_tokens=4,
+                                                                         ignore_eos=True))
+    _, toks, last = asyncio.run(run(full))  # exactly the context limit: prompt + max_tokens = 1024
+    assert len(toks) == 4 and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    over = frontend_pb2.GenerateRequest(prompt_token_ids=frontend_pb2.TokenIds(ids=[504] * (MAX_LEN - 3)),
+                                        params=common_pb2.SamplingParams(temperature=0, max_tokens=4))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(run(over))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "1021" in e.value.details() and "1024" in e.value.details(), e.value.details()
+
+
+def test_metrics_count_requests(cluster):
+    [gw] = procs(cluster, "gateway")
+    assert metric(gw, "tokenmill:request_success_total") >= 64
+    assert metric(gw, "tokenmill:time_to_first_token_seconds_count") >= 64
+    for p in procs(cluster, "decode"):
+        metric(p, "tokenmill:num_requests_running")
+        metric(p, "tokenmill:prefix_cache_queries")
+    assert sum(metric(p, "tokenmill:nixl_xfer_seconds") for p in procs(cluster, "decode")) > 0
+
+
+def test_killed_decode_worker_fails_its_streams_and_the_rest_go_on(cluster):
+    """Destructive: runs last in this module."""
+    victim = procs(cluster, "decode")[0]
+
+    async def run():
+        async with grpc.aio.insecure_channel(cluster["gateway"]) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            reqs = [chat_req(f"Count slowly from {i} to a thousand.", temperature=0, max_tokens=600,
+                             ignore_eos=True) for i in range(4)]
+            calls = [asyncio.ensure_future(generate(stub, r)) for r in reqs]
+            await asyncio.sleep(3.0)  # every stream is running on one of the two workers
+            os.kill(victim["pid"], signal.SIGKILL)
+            victim["alive"] = False
+            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 120)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            assert errors, "no stream was on the killed worker"
+            for err in errors:
+                assert isinstance(err, grpc.aio.AioRpcError) and err.code() == grpc.StatusCode.UNAVAILABLE, err
+                assert "decode" in err.details()
+            # new requests all land on the survivor
+            after = await asyncio.gather(*(generate(stub, chat_req(q, temperature=0, max_tokens=8))
+                                           for q in CHAT[:6]))
+            assert all(len(t) > 0 for _, t, _ in after)
+
+    asyncio.run(run())
