@@ -88,7 +88,7 @@ def build_engine(cfg: ServiceConfig) -> LLMEngine:
 
 def make_agent(cfg: ServiceConfig, engine: LLMEngine) -> KvTransferAgent:
     kv = engine.runner.kv_cache
-    return KvTransferAgent(cfg.name, kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT))
+    return KvTransferAgent(cfg.name, kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT), role=cfg.role)
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:
@@ -135,7 +135,7 @@ class WorkerBase:
         self.aio = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(build_engine, self.cfg)
         self.agent = await asyncio.to_thread(make_agent, self.cfg, self.engine)
-        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_tick, self.busy)
+        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_tick, self.busy, idle_tick_s=0.005)
         self.loop.start()
         interval = self.cfg.cluster.pool(self.cfg.role).report_interval_s  # type: ignore[union-attr]
         # every router replica keeps its own view: each gets this worker's stream

@@ -172,13 +172,16 @@ class DecodeWorker(WorkerBase):
 
     # -- handshake with prefill workers (asyncio) --------------------------------------------------------
     async def ensure_peer(self, kv: common_pb2.KvHandle) -> None:
-        if kv.address in self._peers:
+        """Handshake with a prefill worker once; again after the agent dropped it (it restarted or died)."""
+        assert self.agent is not None
+        known = self._peers.get(kv.address)
+        if known is not None and self.agent.has_peer(known):
             return
         lock = self._peer_locks.setdefault(kv.address, asyncio.Lock())
         async with lock:
-            if kv.address in self._peers:
+            known = self._peers.get(kv.address)
+            if known is not None and self.agent.has_peer(known):
                 return
-            assert self.agent is not None
             hs = self.agent.handshake_payload()
             async with grpc.aio.insecure_channel(kv.address, options=rpc.GRPC_OPTIONS) as ch:
                 resp = await prefill_pb2_grpc.PrefillStub(ch).KvHandshake(

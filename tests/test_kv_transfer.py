@@ -1,0 +1,265 @@
+"""common.kv_transfer: a decode process READs a prefill process's KV blocks over NIXL, byte for byte.
+
+Real separate processes (multiprocessing spawn), the SmolLM2 KV shape in float32 (30 layers, block 16, 3 KV heads,
+head dim 64: 720 KiB a block), 64 blocks a pool. The scenario runs once per module; the tests check its parts.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+
+from common.kv_transfer import (  # noqa: E402
+    KvCompat,
+    KvIncompatibleError,
+    decode_descriptors,
+    encode_descriptors,
+)
+
+SHAPE = (64, 30, 2, 16, 3, 64)
+REMOTE = [5, 9, 10, 40]
+LOCAL = [0, 1, 2, 3]
+NOTIF = b"lease-7f3a"
+TIMEOUT = 60.0
+
+
+def _err(e: BaseException) -> tuple[str, str]:
+    return type(e).__name__, str(e)
+
+
+def _prefill_main(conn, device: str) -> None:
+    torch.set_num_threads(1)
+    from common.kv_transfer import KvCompat, KvTransferAgent
+
+    g = torch.Generator().manual_seed(7)
+    kv = torch.randn(SHAPE, generator=g).to(device)
+    agent = KvTransferAgent("test-prefill", kv, KvCompat.for_pool(kv, "smollm2"), role="prefill")
+    conn.send(agent.handshake_payload())
+    notifs: list[tuple[str, bytes]] = []
+    while True:
+        notifs.extend(agent.completed_notifications())
+        if not conn.poll(0.002):
+            continue
+        cmd, arg = conn.recv()
+        if cmd == "add_peer":  # what the KvHandshake RPC does: decode's metadata and compat, no descriptors
+            try:
+                agent.add_peer(arg[0], arg[1], b"", arg[3])
+                conn.send(None)
+            except Exception as e:
+                conn.send(_err(e))
+        elif cmd == "blocks":
+            conn.send(kv[arg].cpu())
+        elif cmd == "notifs":
+            deadline = time.monotonic() + arg
+            while not notifs and time.monotonic() < deadline:
+                notifs.extend(agent.completed_notifications())
+                time.sleep(0.001)
+            conn.send(notifs)
+            notifs = []
+        elif cmd == "stop":
+            agent.close()
+            conn.send(None)
+            return
+
+
+def _decode_main(conn, device: str) -> None:
+    torch.set_num_threads(1)
+    from common.kv_transfer import KvTransferAgent
+
+    kv = torch.zeros(SHAPE, device=device)
+    agent = None
+    try:
+        hs = conn.recv()
+        agent = KvTransferAgent("test-decode", kv, KvCompat.for_pool(kv, "smollm2"), role="decode")
+        conn.send(agent.handshake_payload())
+        out = {}
+        try:  # no handshake with this peer yet
+            agent.start_read(hs.agent_name, REMOTE, LOCAL)
+        except Exception as e:
+            out["unknown_peer"] = _err(e)
+        bad = KvCompat(**{**hs.compat.as_dict(), "block_size": 32, "dtype": "bfloat16"})
+        try:
+            agent.add_peer(hs.agent_name, hs.agent_metadata, hs.kv_descriptors, bad)
+        except Exception as e:
+            out["mismatch"] = _err(e)
+        out["has_peer_after_mismatch"] = agent.has_peer(hs.agent_name)
+        agent.add_peer(*hs)
+        agent.add_peer(*hs)  # idempotent
+        try:
+            agent.start_read(hs.agent_name, [64], [0])
+        except Exception as e:
+            out["out_of_range"] = _err(e)
+        h = agent.start_read(hs.agent_name, REMOTE, LOCAL, notif=NOTIF)
+        deadline = time.monotonic() + TIMEOUT
+        polls = 0
+        while agent.poll(h) == "PROC" and time.monotonic() < deadline:
+            polls += 1
+            time.sleep(0.0005)
+        out["state"], out["error"], out["polls"] = h.state, h.error, polls
+        agent.release(h)
+        out["blocks"] = kv[: len(LOCAL)].cpu()
+        out["rest_untouched"] = bool((kv[len(LOCAL):] == 0).all())
+        out["counters"] = agent.counters()
+        out["bytes_per_block"] = agent.bytes_per_block
+        # a second, blocking read of the same blocks in another order lands in other local blocks
+        agent.read_blocks(hs.agent_name, REMOTE[::-1], [60, 50, 20, 11], timeout=TIMEOUT)
+        out["reversed"] = kv[[60, 50, 20, 11]].cpu()
+        conn.send(out)
+        conn.recv()  # prefill is gone now: a READ must fail, not hang
+        t0 = time.monotonic()
+        try:
+            agent.read_blocks(hs.agent_name, REMOTE, LOCAL, timeout=20)
+            out = {"dead_peer": None}
+        except Exception as e:
+            out = {"dead_peer": _err(e)}
+        out["dead_peer_s"] = time.monotonic() - t0
+        out["has_peer_after_death"] = agent.has_peer(hs.agent_name)
+        out["failures"] = agent.failures
+        conn.send(out)
+    except BaseException:
+        conn.send({"crash": traceback.format_exc()})
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def _recv(conn, proc, what: str):
+    deadline = time.monotonic() + TIMEOUT
+    while not conn.poll(0.1):
+        if not proc.is_alive():
+            pytest.fail(f"the {proc.name} process died (exit {proc.exitcode}) before {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+    return conn.recv()
+
+
+@pytest.fixture(scope="module", params=[
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+])
+def scenario(request):
+    """Both pools in host memory (local mode), or both on the GPU (VRAM, where UCX picks cuda_ipc)."""
+    ctx = mp.get_context("spawn")
+    p_conn, p_child = ctx.Pipe()
+    d_conn, d_child = ctx.Pipe()
+    pre = ctx.Process(name="prefill", target=_prefill_main, args=(p_child, request.param), daemon=True)
+    dec = ctx.Process(name="decode", target=_decode_main, args=(d_child, request.param), daemon=True)
+    pre.start()
+    dec.start()
+    try:
+        res: dict = {}
+        prefill_hs = _recv(p_conn, pre, "the prefill handshake")
+        d_conn.send(prefill_hs)
+        decode_hs = _recv(d_conn, dec, "the decode handshake")
+        p_conn.send(("add_peer", decode_hs))
+        res["prefill_add_peer"] = _recv(p_conn, pre, "prefill's add_peer")
+        res.update(_recv(d_conn, dec, "the decode results"))
+        if "crash" in res:
+            pytest.fail("decode process failed:\n" + res["crash"])
+        p_conn.send(("notifs", 10.0))
+        res["notifs"] = _recv(p_conn, pre, "notifications")
+        p_conn.send(("blocks", REMOTE))
+        res["expected"] = _recv(p_conn, pre, "the prefill blocks")
+        pre.kill()  # SIGKILL: no goodbye to UCX
+        pre.join(10)
+        d_conn.send("go")
+        res.update(_recv(d_conn, dec, "the dead-peer read"))
+        res["decode_hs"] = decode_hs
+        yield res
+    finally:
+        for p in (dec, pre):
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def test_scattered_blocks_arrive_exactly(scenario):
+    assert scenario["state"] == "DONE", scenario["error"]
+    exp, got = scenario["expected"], scenario["blocks"]
+    assert got.shape == exp.shape == (4, *SHAPE[1:])
+    assert got.numpy().tobytes() == exp.numpy().tobytes()  # bit for bit
+    assert scenario["rest_untouched"], "a READ wrote outside the requested local blocks"
+    assert scenario["reversed"].numpy().tobytes() == exp.flip(0).numpy().tobytes()
+
+
+def test_counters(scenario):
+    c = scenario["counters"]
+    assert c["transfers"] == 1 and c["failures"] == 0
+    assert c["bytes_transferred"] == len(REMOTE) * scenario["bytes_per_block"] == 4 * 737_280
+    assert c["transfer_seconds"] > 0
+
+
+def test_notification_reaches_prefill(scenario):
+    assert scenario["prefill_add_peer"] is None
+    assert ("test-decode", NOTIF) in scenario["notifs"]
+
+
+def test_read_from_unknown_peer_is_refused(scenario):
+    name, msg = scenario["unknown_peer"]
+    assert name == "UnknownPeerError"
+    assert "test-prefill" in msg and "add_peer" in msg
+
+
+def test_compat_mismatch_is_refused_at_add_peer(scenario):
+    name, msg = scenario["mismatch"]
+    assert name == "KvIncompatibleError"
+    assert "block_size: ours 16, peer 32" in msg and "dtype: ours float32, peer bfloat16" in msg
+    assert scenario["has_peer_after_mismatch"] is False
+
+
+def test_out_of_range_block_ids_are_refused(scenario):
+    name, msg = scenario["out_of_range"]
+    assert name == "ValueError" and "64 blocks" in msg
+
+
+def test_dead_peer_fails_instead_of_hanging(scenario):
+    assert scenario["dead_peer"] is not None, "a READ from a killed peer succeeded"
+    assert scenario["dead_peer"][0] in ("KvTransferError", "KvTransferTimeout")
+    assert scenario["dead_peer_s"] < 20
+    assert scenario["failures"] >= 1
+    assert scenario["has_peer_after_death"] is False  # forgotten: the next request redoes the handshake
+
+
+# -- no processes: compat and descriptors ----------------------------------------------------------------------
+def _compat(**kw) -> KvCompat:
+    base = dict(protocol_version=1, model_id="smollm2", dtype="float32", num_layers=30, num_kv_heads=3,
+                head_dim=64, block_size=16, layout="block-major")
+    return KvCompat(**{**base, **kw})
+
+
+def test_compat_check_names_every_difference():
+    ours = _compat()
+    ours.check(_compat())
+    with pytest.raises(KvIncompatibleError) as ei:
+        ours.check(_compat(block_size=32, dtype="bfloat16"))
+    msg = str(ei.value)
+    assert "block_size: ours 16, peer 32" in msg and "dtype: ours float32, peer bfloat16" in msg
+    assert "model_id" not in msg
+
+
+def test_compat_from_pool_and_message():
+    kv = torch.zeros(SHAPE)
+    c = KvCompat.for_pool(kv, "smollm2", "block-major")
+    assert c == _compat()
+    assert KvCompat.from_message(type("Msg", (), c.as_dict())()) == c
+
+
+def test_descriptor_round_trip_and_garbage():
+    import numpy as np
+
+    addrs = np.arange(5, dtype=np.uint64) * 4096 + 1 << 20
+    arr, mem = decode_descriptors(encode_descriptors(addrs, 4096, "VRAM", 3))
+    assert mem == "VRAM" and arr.shape == (5, 3)
+    assert (arr[:, 0] == addrs).all() and (arr[:, 1] == 4096).all() and (arr[:, 2] == 3).all()
+    from common.kv_transfer import KvTransferError
+
+    for junk in (b"", b"\x80\x04pickle", encode_descriptors(addrs, 4096, "DRAM", 0)[:-1]):
+        with pytest.raises(KvTransferError):
+            decode_descriptors(junk)
