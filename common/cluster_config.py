@@ -95,6 +95,7 @@ class ClusterConfig:
     grace_s: float = 10.0  # how long a draining service lets in-flight RPCs finish
     startup_timeout_s: float = 600.0  # `tokenmill up` gives up when a service is not SERVING by then
     threads_per_process: int | None = None  # OMP/RAYON threads per child; None: cores ÷ model workers, ≥ 1
+    otlp_endpoint: str | None = None  # spans over OTLP/gRPC (else OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -134,6 +134,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    # Benchmark-only: no model at all; every step samples from constant logits. Measures the control plane
+    # (scheduler, detokenizer, gRPC) without the model's cost.
+    noop_model: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

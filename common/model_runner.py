@@ -47,17 +47,21 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.dtype)
         t0 = time.perf_counter()
-        self.model = LlamaModel(self.model_cfg, self.dtype, self.device)
-        if source.weights is None:
+        self.model = LlamaModel(self.model_cfg, self.dtype, self.device if not cfg.noop_model else "meta")
+        if cfg.noop_model:
+            log.warning("noop_model: no weights loaded, outputs are meaningless (control-plane benchmarks only)")
+        elif source.weights is None:
             self.model.init_random(cfg.seed)
         else:
             self.model.load_weights(source.weights())
+        self.model.prepack()
         self.load_seconds = time.perf_counter() - t0
         self.block_size = cfg.block_size
         self.num_blocks = self._num_blocks()
         m = self.model_cfg
+        shape_layers = 1 if cfg.noop_model else m.num_layers
         self.kv_cache = torch.zeros(
-            (self.num_blocks, m.num_layers, 2, cfg.block_size, m.num_kv_heads, m.head_dim),
+            (self.num_blocks, shape_layers, 2, cfg.block_size, m.num_kv_heads, 1 if cfg.noop_model else m.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
@@ -70,6 +74,8 @@ class ModelRunner:
     def _num_blocks(self) -> int:
         if self.cfg.num_gpu_blocks_override:
             return self.cfg.num_gpu_blocks_override
+        if self.cfg.noop_model:
+            return 4096  # bookkeeping only: the pool is a placeholder
         if self.cfg.kv_cache_memory is not None:
             return max(1, self.cfg.kv_cache_memory // self.bytes_per_block)
         if self.device.type == "cpu":
@@ -214,6 +220,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run the step; return float32 logits ``[num_sampling_rows, vocab]`` on the CPU (or None)."""
+        if self.cfg.noop_model:
+            n = sum(1 for it in (*out.prefills, *out.decodes) if it.samples)
+            return torch.zeros(n, self.model_cfg.vocab_size) if n else None
         inp = self.prepare(out)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
         if not inp.sample_indices:

@@ -10,7 +10,9 @@ A service is a ``ServiceApp``: it registers its servicers, gets ready (``start``
    RPCs finish for ``cluster.grace_s`` seconds (``server.stop(grace)``: then they are cancelled),
    ``await app.stop()``, return 0.
 
-Tracing (OpenTelemetry) is not wired yet; its hook point is ``interceptors`` in ``start_server``.
+Tracing (OpenTelemetry, ``common.telemetry``): ``serve_until_signalled`` calls ``setup_tracing``; every server has
+``TraceContextInterceptor`` (the default of ``interceptors`` in ``start_server``), so a caller's ``traceparent``
+makes the handler's spans its children.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
+from common import telemetry
 from common.cluster_config import ServiceConfig
 
 log = logging.getLogger(__name__)
@@ -174,9 +177,13 @@ async def start_server(
     host: str,
     port: int,
     metrics_port: int | None,
-    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
 ) -> RunningServer:
-    """Listen on ``host:port`` (0: any free port) with health NOT_SERVING; ``/metrics`` on ``metrics_port``."""
+    """Listen on ``host:port`` (0: any free port) with health NOT_SERVING; ``/metrics`` on ``metrics_port``.
+
+    ``interceptors`` None: the trace-context one (a list given replaces it: include it to keep tracing)."""
+    if interceptors is None:
+        interceptors = [telemetry.TraceContextInterceptor()]
     server = grpc.aio.server(interceptors=list(interceptors), options=SERVER_OPTIONS)
     names = app.register(server)
     health = health_aio.HealthServicer()
@@ -202,6 +209,7 @@ async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: async
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    telemetry.setup_tracing(f"tokenmill-{cfg.role}", cfg.cluster.otlp_endpoint, instance_id=cfg.name)
     running = await start_server(app, cfg.host, cfg.grpc_port, cfg.metrics_port)
     try:
         starting = asyncio.ensure_future(app.start())

@@ -41,11 +41,12 @@ def _row_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """Pick one token per row of ``logits`` ([N, V], float32). Does not modify ``logits``' owner."""
+    """Pick one token per row of ``logits`` ([N, V], float32). Modifies ``logits`` in place (penalties, masks):
+    pass a tensor the caller no longer needs."""
     n, vocab = logits.shape
     want_lp = [r.params.logprobs is not None for r in rows]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-    x = logits.clone()
+    x = logits
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
@@ -64,7 +65,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
                 x[i, banned] = _MASK
     greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
     tokens = [0] * n
-    if greedy_rows:
+    if len(greedy_rows) == n:
+        tokens = x.argmax(dim=-1).tolist()
+    elif greedy_rows:
         idx = torch.tensor(greedy_rows, device=x.device)
         for i, t in zip(greedy_rows, x[idx].argmax(dim=-1).tolist()):
             tokens[i] = t

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.engine import RequestError
 from common.loader import load_model_source
@@ -155,3 +156,24 @@ def test_unknown_model_path_names_it():
         load_model_source("/nonexistent/model.gguf")
     with pytest.raises(FileNotFoundError, match="dummy config 'nope' not found"):
         load_model_source("dummy:nope")
+
+
+def test_bfloat16_prepacked_matmuls_equal_plain_ones(make_engine, france):
+    eng = make_engine(dtype="bfloat16")
+    model = eng.runner.model
+    assert model._packed, "CPU bfloat16 should prepack its matrices"
+    packed = eng.runner.score([france])[0]
+    saved, model._packed = model._packed, {}
+    try:
+        plain = eng.runner.score([france])[0]
+    finally:
+        model._packed = saved
+    assert torch.equal(packed, plain)
+    [r] = eng.generate([france], SamplingParams(max_tokens=12, temperature=0))
+    assert r.text.startswith("The capital of France is Paris")
+
+
+def test_noop_model_runs_the_control_plane_only(make_engine):
+    eng = make_engine(noop_model=True, max_num_seqs=8)
+    res = eng.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert [len(r.token_ids) for r in res] == [5] * 8

@@ -15,11 +15,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from tokenmill.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2
 
-from common import rpc
+from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine, RequestOutput, TokenLogprob
 from common.kv_transfer import KvCompat, KvIncompatibleError, KvReadHandle
@@ -43,6 +44,8 @@ class _Pull:
     peer: str
     lease_id: str
     aborted: bool = False
+    started_ns: int = 0  # tracing: READ started (its span is made on the asyncio loop when it ends)
+    trace_ctx: Any = None  # the request's ``decode`` span: the parent of ``kv_transfer``
 
 
 @dataclass
@@ -101,6 +104,10 @@ class DecodeWorker(WorkerBase):
                 continue
             self.agent.release(pull.handle)
             del self._pulls[rid]
+            h = pull.handle
+            self.call_in_aio(telemetry.record_span, "kv_transfer", pull.started_ns, time.time_ns(), pull.trace_ctx,
+                             {"bytes": h.nbytes, "blocks": h.num_blocks, "peer": pull.peer},
+                             None if state == "DONE" else f"KV pull {state}: {h.error}")
             if pull.aborted:
                 engine.abort(rid)
             elif state == "DONE":
@@ -109,7 +116,8 @@ class DecodeWorker(WorkerBase):
                 log.warning("KV pull for %s from %s failed (%s): recomputing here", rid, pull.peer, pull.handle.error)
                 engine.kv_failed(rid)
 
-    def _admit(self, engine: LLMEngine, rid: str, req: decode_pb2.DecodeRequest, params: SamplingParams) -> None:
+    def _admit(self, engine: LLMEngine, rid: str, req: decode_pb2.DecodeRequest, params: SamplingParams,
+               trace_ctx: Any = None) -> None:
         meta = req.meta
         if not req.HasField("kv"):
             engine.add_request(rid, list(req.prompt_token_ids), params, meta.priority, meta.cache_salt)
@@ -133,7 +141,7 @@ class DecodeWorker(WorkerBase):
             return
         remote = list(kv.block_ids[plan.num_cached_blocks :])
         handle = self.agent.start_read(peer, remote, plan.local_block_ids, kv.lease_id.encode())  # type: ignore[union-attr]
-        self._pulls[rid] = _Pull(handle, peer, kv.lease_id)
+        self._pulls[rid] = _Pull(handle, peer, kv.lease_id, started_ns=time.time_ns(), trace_ctx=trace_ctx)
 
     def _abort(self, engine: LLMEngine, rid: str) -> None:
         pull = self._pulls.get(rid)
@@ -238,9 +246,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         w.streams[rid] = q
         w.metrics.prompt_tokens.inc(len(prompt))
         finished = False
+        span = telemetry.start_span("decode", attributes={"request_id": rid, "prompt_tokens": len(prompt)})
+        trace_ctx = telemetry.context_with(span)
         try:
             w._detok_q.put(("add", rid, prompt, params))
-            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params)))
+            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, trace_ctx)))
             while not finished:
                 items = [await q.get()]
                 while not q.empty():
@@ -249,7 +259,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     if isinstance(it, BaseException):
                         raise it
                 finished = items[-1].delta.finished  # type: ignore[union-attr]
+                if finished:
+                    last: _Item = items[-1]  # type: ignore[assignment]
+                    reason = last.delta.finish_reason.value if last.delta.finish_reason else "abort"
+                    telemetry.finish(span, attributes={"output_tokens": last.output_tokens, "finish_reason": reason})
                 yield _merge(items)  # type: ignore[arg-type]
+        except BaseException as e:
+            if not finished:  # cancelled, or failed
+                telemetry.finish(span, attributes={"finish_reason": "abort"}, error=e)
+            raise
         finally:
             w.streams.pop(rid, None)
             if not finished:  # the client went away (or an error): free the blocks within a step

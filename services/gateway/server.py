@@ -35,7 +35,7 @@ from tokenmill.v1 import (
     tokenizer_pb2_grpc,
 )
 
-from common import rpc
+from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.wire import sampling_params_from_proto
 from services.gateway.pools import ChannelPool, StubCache
@@ -144,8 +144,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     @rpc.translate_errors
     async def Generate(self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
-        async for resp in self.app.generate(request, context):
-            yield resp
+        with telemetry.stream_span("generate"):  # the root of the request's trace (or a child of the client's)
+            async for resp in self.app.generate(request, context):
+                yield resp
 
 
 class GatewayService:
@@ -191,7 +192,10 @@ class GatewayService:
             meta = common_pb2.RequestMeta(request_id=rid, priority=req.priority, cache_salt=req.cache_salt,
                                           # until API keys map to tenants, a client may name its tenant
                                           tenant_id=_metadata(context, "x-tenant-id"))
+            span = telemetry.current_span()
+            span.set_attributes({"request_id": rid, "tenant": meta.tenant_id, "priority": req.priority})
             ids = await self.tokenize(req, meta, context.time_remaining())
+            span.set_attribute("prompt_tokens", len(ids))
             self.metrics.prompt_tokens.inc(len(ids))
             async for resp in self._place_and_run(req, meta, ids, context, timing):
                 if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -222,7 +226,10 @@ class GatewayService:
             treq = tokenizer_pb2.TokenizeRequest(meta=meta, chat=chat)
         else:
             treq = tokenizer_pb2.TokenizeRequest(meta=meta, text=req.prompt, add_special_tokens=True)
-        resp = await self.tokenizers.call(lambda stub: stub.Tokenize(treq, timeout=timeout), "tokenizer")
+        with telemetry.span("tokenize", telemetry.CLIENT):
+            md = telemetry.outgoing_metadata()
+            resp = await self.tokenizers.call(lambda stub: stub.Tokenize(treq, timeout=timeout, metadata=md),
+                                              "tokenizer")
         if not resp.token_ids:
             raise ValueError("the input tokenized to no tokens; send a non-empty prompt")
         return list(resp.token_ids)
@@ -256,7 +263,8 @@ class GatewayService:
         p = req.params
         place = router_pb2.PlaceRequest(meta=meta, prompt_token_ids=ids, exclude_workers=exclude,
                                         max_tokens=p.max_tokens if p.HasField("max_tokens") else 0)
-        return await self.routers.call(lambda stub: stub.Place(place, timeout=context.time_remaining()), "router")
+        return await self.routers.call(lambda stub: stub.Place(place, timeout=context.time_remaining(),
+                                                               metadata=telemetry.outgoing_metadata()), "router")
 
     async def _prefill(self, ref: router_pb2.WorkerRef, meta: common_pb2.RequestMeta, ids: list[int],
                        req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, st: _Attempts) -> bool:
@@ -264,7 +272,7 @@ class GatewayService:
         stub = self.workers.get(ref.address, prefill_pb2_grpc.PrefillStub)
         try:
             st.pre = await stub.Prefill(prefill_pb2.PrefillRequest(meta=meta, prompt_token_ids=ids, params=req.params),
-                                        timeout=context.time_remaining())
+                                        timeout=context.time_remaining(), metadata=telemetry.outgoing_metadata())
         except grpc.aio.AioRpcError as e:
             if e.code() != _UNAVAILABLE or not st.retry(ref.worker_id):
                 raise
@@ -286,7 +294,8 @@ class GatewayService:
             if st.pre.HasField("first_logprob"):
                 dreq.first_logprob.CopyFrom(st.pre.first_logprob)
             dreq.kv.CopyFrom(st.pre.kv)
-        call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(dreq, timeout=context.time_remaining())
+        call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(
+            dreq, timeout=context.time_remaining(), metadata=telemetry.outgoing_metadata())
         st.lease_ours = False  # the decode worker pulls the KV and releases the lease (or lets it expire)
         received = 0
         try:

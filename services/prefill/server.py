@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import grpc
 from tokenmill.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc, router_pb2
 
-from common import rpc
+from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine, RequestOutput
 from common.kv_transfer import KvCompat, KvIncompatibleError
+from common.sampling import SamplingParams
 from common.wire import sampling_params_from_proto
 from common.worker import FINISH_TO_PROTO, WorkerBase, compat_proto, logprob_proto
 
@@ -35,6 +36,14 @@ class _Lease:
     expires: float  # unix seconds
 
 
+@dataclass
+class _Queued:
+    """Tracing: when a prefill left the waiting queue. Approximate: the start of the first engine step that
+    included it (the tick before that step; found by the next tick, or by its output). 0: not yet."""
+
+    scheduled_ns: int = 0
+
+
 class PrefillWorker(WorkerBase):
     role_proto = router_pb2.WORKER_ROLE_PREFILL
 
@@ -43,6 +52,8 @@ class PrefillWorker(WorkerBase):
         self.lease_s = lease_s
         self._waiters: dict[str, asyncio.Future[RequestOutput]] = {}  # asyncio side
         self._leases: dict[str, _Lease] = {}  # engine thread only
+        self._unscheduled: dict[str, _Queued] = {}  # engine thread only (tracing)
+        self._tick_ns = 0  # engine thread: the last tick, i.e. just before the step that follows it
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
@@ -51,6 +62,9 @@ class PrefillWorker(WorkerBase):
     # -- engine thread -----------------------------------------------------------------------------------
     def on_outputs(self, outs: list[RequestOutput]) -> None:
         for o in outs:
+            queued = self._unscheduled.pop(o.request_id, None)
+            if queued is not None:  # computed in the one step it was scheduled in
+                queued.scheduled_ns = self._tick_ns
             self.call_in_aio(self._resolve, o)
 
     def _resolve(self, o: RequestOutput) -> None:
@@ -65,6 +79,11 @@ class PrefillWorker(WorkerBase):
 
     def on_tick(self, engine: LLMEngine) -> None:
         assert self.agent is not None
+        if self._unscheduled:  # tracing: which prefills the last step took from the waiting queue
+            waiting = {s.request_id for s in engine.scheduler.waiting}
+            for rid in [r for r in self._unscheduled if r not in waiting]:
+                self._unscheduled.pop(rid).scheduled_ns = self._tick_ns
+        self._tick_ns = time.time_ns()
         for _peer, msg in self.agent.completed_notifications():
             self._end_lease(engine, msg.decode(errors="replace"))
         now = time.time()
@@ -81,6 +100,11 @@ class PrefillWorker(WorkerBase):
         engine.release(lease.request_id)
         return True
 
+    def _add(self, engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
+             meta: common_pb2.RequestMeta, queued: _Queued) -> None:
+        engine.add_request(rid, prompt, params, meta.priority, meta.cache_salt, prefill_only=True)
+        self._unscheduled[rid] = queued
+
     def _grant(self, engine: LLMEngine, o: RequestOutput) -> tuple[str, float]:
         lease_id = uuid.uuid4().hex
         expires = time.time() + self.lease_s
@@ -93,6 +117,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.w = w
 
     @rpc.translate_errors
+    @telemetry.traced("prefill")
     async def Prefill(self, request: prefill_pb2.PrefillRequest, context: grpc.aio.ServicerContext):
         w = self.w
         if w.draining:
@@ -106,10 +131,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         w._waiters[rid] = fut
         w.metrics.prompt_tokens.inc(len(prompt))
         meta = request.meta
+        telemetry.current_span().set_attributes({"request_id": rid, "prompt_tokens": len(prompt)})
+        queued, submitted_ns = _Queued(), time.time_ns()
         try:
-            await asyncio.wrap_future(w.loop.submit(
-                lambda e: e.add_request(rid, prompt, params, meta.priority, meta.cache_salt, prefill_only=True)
-            ))
+            await asyncio.wrap_future(w.loop.submit(lambda e: w._add(e, rid, prompt, params, meta, queued)))
             o = await fut
         except asyncio.CancelledError:
             w._waiters.pop(rid, None)
@@ -117,6 +142,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise
         finally:
             w._waiters.pop(rid, None)
+        done_ns = time.time_ns()
+        scheduled_ns = queued.scheduled_ns or done_ns
+        telemetry.record_span("prefill.queue", submitted_ns, scheduled_ns)
+        telemetry.record_span("prefill.compute", scheduled_ns, done_ns, None, {"cached_tokens": o.num_cached_tokens})
         result = prefill_pb2.PrefillResult(
             first_token_id=o.new_token_ids[0],
             cached_tokens=o.num_cached_tokens,

@@ -14,7 +14,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmill.v1 import router_pb2, router_pb2_grpc
 
-from common import rpc
+from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from services.router.placement import LoadReport, NoWorkers, PlacementPolicy, Role, WorkerState, WorkerTable
 
@@ -71,7 +71,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     @rpc.translate_errors
     async def Place(self, request: router_pb2.PlaceRequest, context: grpc.aio.ServicerContext
                     ) -> router_pb2.Placement:
-        return self.app.place(request)
+        with telemetry.span("route", telemetry.SERVER) as span:
+            p = self.app.place(request)
+            span.set_attributes({"request_id": request.meta.request_id, "decode_worker": p.decode.worker_id,
+                                 "prefill_worker": p.prefill.worker_id, "cached_blocks": p.cached_blocks})
+        return p
 
     @rpc.translate_errors
     async def Report(self, request_iterator, context: grpc.aio.ServicerContext) -> router_pb2.ReportAck:

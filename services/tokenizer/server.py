@@ -12,7 +12,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
-from common import rpc
+from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.loader import load_tokenizer
 from common.tokenizer import TextTokenizer
@@ -61,8 +61,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     @rpc.translate_errors
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
                        ) -> tokenizer_pb2.TokenizeResponse:
-        with self.app.observe("Tokenize"):
+        with self.app.observe("Tokenize"), telemetry.span("tokenize", telemetry.SERVER) as span:
             ids = await self.app.tokenize(request)
+            span.set_attribute("tokens", len(ids))
         return tokenizer_pb2.TokenizeResponse(token_ids=ids)
 
     @rpc.translate_errors
