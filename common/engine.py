@@ -18,6 +18,7 @@ import torch
 from common.block_manager import BlockManager
 from common.config import EngineConfig
 from common.loader import ModelSource, load_model_source
+from common.model import LlamaModel
 from common.model_runner import ModelRunner
 from common.output_processor import OutputProcessor
 from common.sampler import SampleRow, sample
@@ -85,12 +86,13 @@ class CompletionResult:
 class LLMEngine:
     """Paged-KV, continuously batched inference over one model. Token ids in, token ids out."""
 
-    def __init__(self, source: ModelSource, cfg: EngineConfig | None = None) -> None:
+    def __init__(self, source: ModelSource, cfg: EngineConfig | None = None, model: LlamaModel | None = None) -> None:
+        """``model``: reuse another engine's loaded weights (same source, dtype and device); it is read-only."""
         self.cfg = cfg or EngineConfig()
         self.source = source
         self.model_cfg = source.config
         self.tokenizer: TextTokenizer | None = source.tokenizer
-        self.runner = ModelRunner(source, self.cfg)
+        self.runner = ModelRunner(source, self.cfg, model)
         self.max_model_len = min(self.cfg.max_model_len or self.model_cfg.max_position_embeddings,
                                  self.model_cfg.max_position_embeddings)
         self.block_manager = BlockManager(
@@ -282,7 +284,8 @@ class LLMEngine:
             return []
         eos = self.model_cfg.eos_token_ids
         rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos) for s in sampling]
-        result = sample(logits, rows)
+        with torch.inference_mode():  # the logits are an inference tensor: penalties update them in place
+            result = sample(logits, rows)
         now = time.monotonic()
         outputs = []
         for s, tok, lp in zip(sampling, result.token_ids, result.logprobs):

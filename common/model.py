@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common import cpu_kernels
 from common.config import ModelConfig
 
 
@@ -39,6 +40,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool: key is visible
     layer_stride: int
     kv_stride: int
+    decode_block_tables: torch.Tensor | None = None  # [B, W] block ids (for the CPU kernel)
+    decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode attends over
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -228,7 +231,7 @@ class LlamaModel(torch.nn.Module):
             qk = apply_rope(qkv[:, : q_sz + kv_sz].view(t, nh + nkv, d), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
-            attn = paged_attention(q, k, v, kv_rows, li * meta.layer_stride, meta)
+            attn = paged_attention(q, k, v, kv_rows, li * meta.layer_stride, meta, kv_cache, li)
             x = x + self._linear(attn.reshape(t, q_sz), layer.o_proj)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gu = self._linear(h, layer.gate_up)
@@ -262,7 +265,7 @@ class LlamaModel(torch.nn.Module):
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor, layer_offset: int,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata, kv_cache: torch.Tensor | None = None, layer: int = 0,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache, then attend. Portable PyTorch path.
 
@@ -292,7 +295,12 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
         outs.append(o.squeeze(0).transpose(0, 1))
         start += qlen
-    if meta.num_decode_tokens:
+    if meta.num_decode_tokens and kv_cache is not None and meta.decode_block_tables is not None:
+        # CPU: read K/V in place from the pool (common/csrc/paged_attention_cpu.cpp)
+        outs.append(cpu_kernels.paged_decode_attention(
+            q[start:], kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens, d**-0.5
+        ))
+    elif meta.num_decode_tokens:
         assert meta.decode_rows is not None and meta.decode_mask is not None
         b = meta.num_decode_tokens
         width = meta.decode_rows.shape[1]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import cpu_kernels
 from common.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from common.loader import ModelSource
 from common.model import AttentionMetadata, LlamaModel, cache_rows
@@ -39,7 +40,7 @@ class StepInputs:
 class ModelRunner:
     """Loads weights onto the device, sizes and allocates the KV pool, and executes steps."""
 
-    def __init__(self, source: ModelSource, cfg: EngineConfig) -> None:
+    def __init__(self, source: ModelSource, cfg: EngineConfig, model: LlamaModel | None = None) -> None:
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but torch sees no CUDA device; use --device cpu")
         self.cfg = cfg
@@ -47,14 +48,24 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.dtype)
         t0 = time.perf_counter()
-        self.model = LlamaModel(self.model_cfg, self.dtype, self.device if not cfg.noop_model else "meta")
-        if cfg.noop_model:
-            log.warning("noop_model: no weights loaded, outputs are meaningless (control-plane benchmarks only)")
-        elif source.weights is None:
-            self.model.init_random(cfg.seed)
+        if model is not None:
+            if model.dtype != self.dtype or model.device != self.device or model.cfg != self.model_cfg:
+                raise ValueError("a shared model must have this engine's config, dtype and device")
+            self.model = model
         else:
-            self.model.load_weights(source.weights())
-        self.model.prepack()
+            self.model = LlamaModel(self.model_cfg, self.dtype, self.device if not cfg.noop_model else "meta")
+            if cfg.noop_model:
+                log.warning("noop_model: no weights loaded, outputs are meaningless (control-plane benchmarks only)")
+            elif source.weights is None:
+                self.model.init_random(cfg.seed)
+            else:
+                self.model.load_weights(source.weights())
+            self.model.prepack()
+        # the paged decode-attention kernel (CPU, float32/bfloat16), compiled on first use; else the portable path
+        self.use_cpu_kernel = (
+            self.device.type == "cpu" and not cfg.noop_model and self.dtype != torch.float16
+            and cpu_kernels.available()
+        )
         self.load_seconds = time.perf_counter() - t0
         self.block_size = cfg.block_size
         self.num_blocks = self._num_blocks()
@@ -150,7 +161,7 @@ class ModelRunner:
                 rows.append(cache_rows(table, bs, layers)[: c + n])
             if item.samples:
                 sample_idx.append(len(ids) - 1)
-        dec_rows = dec_mask = None
+        dec_rows = dec_mask = dec_tables = dec_ctx = None
         if out.decodes:
             width = max(len(d.seq.block_ids) for d in out.decodes)
             tables = []
@@ -164,9 +175,13 @@ class ModelRunner:
                 tables.append(s.block_ids + [0] * (width - len(s.block_ids)))
                 ctx.append(c + 1)
                 sample_idx.append(len(ids) - 1)
-            dec_rows = cache_rows(torch.tensor(tables, dtype=torch.long, device=dev), bs, layers)
-            ctx_t = torch.tensor(ctx, device=dev)
-            dec_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
+            table_t = torch.tensor(tables, dtype=torch.long, device=dev)
+            ctx_t = torch.tensor(ctx, dtype=torch.long, device=dev)
+            if self.use_cpu_kernel:
+                dec_tables, dec_ctx = table_t, ctx_t
+            else:
+                dec_rows = cache_rows(table_t, bs, layers)
+                dec_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
         meta = AttentionMetadata(
             slot_rows=torch.tensor(slots, dtype=torch.long, device=dev),
             prefill_query_lens=q_lens,
@@ -177,6 +192,8 @@ class ModelRunner:
             decode_mask=dec_mask,
             layer_stride=2 * bs,
             kv_stride=bs,
+            decode_block_tables=dec_tables,
+            decode_context_lens=dec_ctx,
         )
         return StepInputs(
             torch.tensor(ids, dtype=torch.long, device=dev),

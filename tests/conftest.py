@@ -18,27 +18,60 @@ def source():
     return load_model_source("smollm2")
 
 
+_created: list = []
+
+
 @pytest.fixture(scope="session")
 def make_engine(source):
-    """Build engines that share the loaded weights' source; each call gets a fresh KV pool and scheduler."""
+    """Build engines on the shared model source; each gets its own KV pool and scheduler, weights are shared.
+
+    Every engine is checked for leaked KV blocks when the test that made it ends, then dropped (a session
+    holding every engine's weights and pool would not fit in memory)."""
     from common.config import EngineConfig
     from common.engine import LLMEngine
 
-    created = []
+    models: dict = {}
 
     def make(**kw):
-        eng = LLMEngine(source, EngineConfig(**kw))
-        created.append(eng)
+        kw.setdefault("kv_cache_memory", 256 << 20)
+        cfg = EngineConfig(**kw)
+        if cfg.noop_model:
+            eng = LLMEngine(source, cfg)
+        else:  # the weights are read-only in forward: engines of one dtype share them
+            eng = LLMEngine(source, cfg, model=models.get(cfg.dtype))
+            models[cfg.dtype] = eng.runner.model
+        _created.append(eng)
         return eng
 
-    yield make
-    for eng in created:  # block accounting: every engine ends with every block free
-        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks, "KV blocks leaked"
+    return make
+
+
+def _assert_no_leak(eng) -> None:
+    bm = eng.block_manager
+    used = bm.num_blocks - bm.num_free_blocks
+    assert used == 0, f"KV blocks leaked: {used} of {bm.num_blocks} still in use"
+
+
+@pytest.fixture(autouse=True)
+def _kv_blocks_are_all_free_after_each_test(request):
+    """Block accounting: after every test, every engine it used has all its blocks free again."""
+    yield
+    engines, _created[:] = list(_created), []
+    if "engine" in request.fixturenames:
+        engines.append(request.getfixturevalue("engine"))
+    for eng in engines:
+        _assert_no_leak(eng)
 
 
 @pytest.fixture(scope="session")
-def engine(make_engine):
-    return make_engine(dtype="float32", max_num_seqs=32)
+def engine(source):
+    """The shared float32 engine (the reference tests' batch of 32 runs here)."""
+    from common.config import EngineConfig
+    from common.engine import LLMEngine
+
+    eng = LLMEngine(source, EngineConfig(dtype="float32", max_num_seqs=32, kv_cache_memory=512 << 20))
+    yield eng
+    _assert_no_leak(eng)
 
 
 @pytest.fixture(scope="session")

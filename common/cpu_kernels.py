@@ -1,0 +1,53 @@
+"""CPU kernels compiled on first use (``torch.utils.cpp_extension``; needs a C++ compiler, cached afterwards).
+
+``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy
+(see csrc/paged_attention_cpu.cpp). If the compiler is missing, ``available()`` is False and the model keeps the
+portable PyTorch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+_SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+_lock = threading.Lock()
+_module: Any = None
+_failed = False
+
+
+def _load() -> Any:
+    global _module, _failed
+    with _lock:
+        if _module is not None or _failed:
+            return _module
+        if os.environ.get("TOKENMILL_NO_CPU_KERNELS"):
+            _failed = True
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            log.info("compiling the CPU paged-attention kernel (first use only; cached after)")
+            _module = load(
+                name="tokenmill_cpu_kernels",
+                sources=[str(_SRC)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as e:  # no compiler, no headers: the portable path still works
+            log.warning("CPU kernels unavailable (%s); using the portable attention path", e)
+            _failed = True
+        return _module
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def paged_decode_attention(q: Any, cache: Any, layer: int, tables: Any, ctx_lens: Any, scale: float) -> Any:
+    return _load().paged_decode_attention(q, cache, layer, tables, ctx_lens, scale)
