@@ -238,8 +238,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run the step; return float32 logits ``[num_sampling_rows, vocab]`` on the CPU (or None)."""
         if self.cfg.noop_model:
+            # a one-entry vocabulary: every sampled token is id 0, and sampling costs nothing per vocab entry
             n = sum(1 for it in (*out.prefills, *out.decodes) if it.samples)
-            return torch.zeros(n, self.model_cfg.vocab_size) if n else None
+            return torch.zeros(n, 1) if n else None
         inp = self.prepare(out)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
         if not inp.sample_indices:

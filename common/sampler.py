@@ -50,11 +50,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     for i, r in enumerate(rows):
         p = r.params
         if p.repetition_penalty != 1.0:
-            ids = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=x.device)
+            seen = sorted(t for t in set(r.prompt_ids) | set(r.output_ids) if t < vocab)
+            ids = torch.tensor(seen, dtype=torch.long, device=x.device)
             vals = x[i, ids]
             x[i, ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
-            out = torch.tensor(r.output_ids, dtype=torch.long, device=x.device)
+            out = torch.tensor([t for t in r.output_ids if t < vocab], dtype=torch.long, device=x.device)
             counts = torch.zeros(vocab, dtype=torch.float32, device=x.device).scatter_add_(
                 0, out, torch.ones_like(out, dtype=torch.float32)
             )

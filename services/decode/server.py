@@ -89,8 +89,7 @@ class DecodeWorker(WorkerBase):
 
     # -- engine thread -----------------------------------------------------------------------------------
     def on_outputs(self, outs: list[RequestOutput]) -> None:
-        for o in outs:
-            self._detok_q.put(("out", o))
+        self._detok_q.put(("outs", outs))  # one hand-off per step, not per token
         self.metrics.generation_tokens.inc(len(outs))
 
     def busy(self) -> bool:
@@ -152,26 +151,42 @@ class DecodeWorker(WorkerBase):
 
     # -- detokenizer thread ------------------------------------------------------------------------------
     def _detok_run(self, proc: OutputProcessor) -> None:
+        """Drain everything queued, turn it into text, and wake the asyncio loop once per drain."""
         while True:
-            msg = self._detok_q.get()
-            kind = msg[0]
-            if kind == "stop":
-                return
-            if kind == "add":
-                proc.add(msg[1], msg[2], msg[3])
-            elif kind == "discard":
-                proc.discard(msg[1])
-            elif kind == "out":
-                o: RequestOutput = msg[1]
-                d = proc.process(o.request_id, o.new_token_ids, o.finished, o.finish_reason)
-                if d is None:
-                    continue
-                if d.stopped_by_string:
-                    self.loop.submit(lambda e, rid=o.request_id: self._abort(e, rid))  # type: ignore[union-attr]
-                if d.finished:
-                    self.metrics.requests.labels(d.finish_reason.value if d.finish_reason else "abort").inc()
-                item = _Item(d, o.logprobs, o.num_prompt_tokens, o.num_output_tokens, o.num_cached_tokens)
-                self.call_in_aio(self._deliver, o.request_id, item)
+            batch = [self._detok_q.get()]
+            while not self._detok_q.empty():
+                batch.append(self._detok_q.get_nowait())
+            ready: list[tuple[str, _Item]] = []
+            for msg in batch:
+                kind = msg[0]
+                if kind == "stop":
+                    return
+                if kind == "add":
+                    proc.add(msg[1], msg[2], msg[3])
+                elif kind == "discard":
+                    proc.discard(msg[1])
+                elif kind == "out":
+                    self._detok_one(proc, msg[1], ready)
+                elif kind == "outs":
+                    for o in msg[1]:
+                        self._detok_one(proc, o, ready)
+            if ready:
+                self.call_in_aio(self._deliver_many, ready)
+
+    def _detok_one(self, proc: OutputProcessor, o: RequestOutput, ready: list[tuple[str, _Item]]) -> None:
+        d = proc.process(o.request_id, o.new_token_ids, o.finished, o.finish_reason)
+        if d is None:
+            return
+        if d.stopped_by_string:
+            self.loop.submit(lambda e, rid=o.request_id: self._abort(e, rid))  # type: ignore[union-attr]
+        if d.finished:
+            self.metrics.requests.labels(d.finish_reason.value if d.finish_reason else "abort").inc()
+        ready.append((o.request_id, _Item(d, o.logprobs, o.num_prompt_tokens, o.num_output_tokens,
+                                          o.num_cached_tokens)))
+
+    def _deliver_many(self, ready: list[tuple[str, _Item]]) -> None:
+        for rid, item in ready:
+            self._deliver(rid, item)
 
     def _deliver(self, rid: str, item: _Item) -> None:
         q = self.streams.get(rid)
