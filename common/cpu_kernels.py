@@ -1,8 +1,9 @@
 """CPU kernels compiled on first use (``torch.utils.cpp_extension``; needs a C++ compiler, cached afterwards).
 
 ``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy
-(see csrc/paged_attention_cpu.cpp). If the compiler is missing, ``available()`` is False and the model keeps the
-portable PyTorch path.
+(see csrc/paged_attention_cpu.cpp). The engine uses it only with ``TOKENMILL_CPU_KERNELS=1``: this scalar version
+measured slower in the engine than the portable gather + SDPA path (see common/model_runner.py). If the compiler
+is missing, ``available()`` is False and the model keeps the portable PyTorch path.
 """
 
 from __future__ import annotations
