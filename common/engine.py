@@ -121,9 +121,9 @@ class LLMEngine:
         if n == 0:
             raise RequestError("the prompt is empty; send at least one token")
         vocab = self.model_cfg.vocab_size
-        bad = next((t for t in prompt_ids if not (0 <= int(t) < vocab)), None)
-        if bad is not None:
-            raise RequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        lo, hi = min(prompt_ids), max(prompt_ids)  # one pass each in C, not a Python loop per token
+        if lo < 0 or hi >= vocab:
+            raise RequestError(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
         try:
             params.validate(vocab)
         except ValueError as e:

@@ -37,7 +37,7 @@ FINISH_TO_PROTO = {
 class WorkerMetrics:
     """vLLM-parallel names, prefixed ``tokenmill:`` (see ANCHORS.md)."""
 
-    def __init__(self, registry: CollectorRegistry, role: str) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.requests = Counter("tokenmill:request_success", "Finished requests by reason", ["finished_reason"],
                                 registry=r)
@@ -111,7 +111,7 @@ class WorkerBase:
         self.cfg = cfg
         self.role = cfg.role
         self.registry = CollectorRegistry(auto_describe=True)
-        self.metrics = WorkerMetrics(self.registry, cfg.role)
+        self.metrics = WorkerMetrics(self.registry)
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
         self.agent: KvTransferAgent | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import fields
@@ -105,7 +106,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     dst = sys.stdout if a.output == "-" else open(a.output, "w", encoding="utf-8")  # noqa: SIM115
-    with dst if dst is not sys.stdout else _nullctx():
+    with dst if dst is not sys.stdout else contextlib.nullcontext():
         for i, r in enumerate(results):
             rec: dict[str, Any] = {
                 "index": i,
@@ -124,10 +125,3 @@ def run(a: argparse.Namespace) -> int:
             dst.write(json.dumps(rec, ensure_ascii=False) + "\n")
     return 0
 
-
-class _nullctx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
