@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from tokenmill.v1 import router_pb2, router_pb2_grpc
 
-from common.cluster_config import ClusterConfig, load_cluster_config
+from common.cluster_config import ClusterConfig, ConfigError, load_cluster_config
 from common.rpc import RunningServer, ServiceApp, start_server
 
 HOST = "127.0.0.1"
@@ -49,7 +49,20 @@ def free_base_port(span: int = 1500) -> int:
 
 
 def cluster(**overrides: Any) -> ClusterConfig:
-    return load_cluster_config(overrides=overrides, env={})
+    """A cluster config for tests. Unless ``base_port`` is given, the derived ports start at a base whose ports are
+    free now, retried until they also miss the ports the test chose itself (a random ``router.port`` can otherwise
+    land on the default base's derived metrics ports and be refused as a collision)."""
+    if "base_port" in overrides:
+        return load_cluster_config(overrides=overrides, env={})
+    last: ConfigError | None = None
+    for _ in range(50):
+        try:
+            return load_cluster_config(overrides={"base_port": free_base_port(), **overrides}, env={})
+        except ConfigError as e:
+            if "collides" not in str(e):
+                raise
+            last = e
+    raise RuntimeError(f"no base port without collisions: {last}")
 
 
 @contextlib.asynccontextmanager
