@@ -10,6 +10,12 @@ Every address and port a service uses comes from here. Ports:
 A role's ``port`` / ``metrics_port`` fields, when set, replace the derived first port of that role (instance ``i``
 takes ``port + i``). Env overrides are ``TOKENMILL_`` + the dotted key in upper case with ``.`` → ``__``, e.g.
 ``TOKENMILL_BASE_PORT=21000`` or ``TOKENMILL_TOKENIZER__COUNT=4``; other ``TOKENMILL_*`` variables are ignored.
+
+In containers (docker-compose, Helm, Ray) every process has its own host: ``host`` is the interface it binds
+(``0.0.0.0``), ``advertise_host`` the name the others reach it by (a DNS name or the pod IP), ``instance_name``
+its unique name (worker id) when replicas share an index, and a pool's ``hosts`` (``router.hosts``,
+``tokenizer.hosts``: YAML list or comma-separated) the addresses of its instances, ``HOST`` (at the pool's first
+port) or ``HOST:PORT`` each. Unset, everything is on ``host`` as ``tokenmill up`` runs it.
 """
 
 from __future__ import annotations
@@ -47,8 +53,16 @@ class GatewayConfig:
     port: int = 50051
     http_port: int = 8000
     metrics_port: int | None = None
+    hosts: tuple[str, ...] | None = None  # where the instances are (containers); see the module doc
     max_inflight_per_channel: int = 256  # per tokenizer channel: 3,000 unbounded calls on one channel fail
     placement_retries: int = 2  # re-placements when a worker fails before the first token reached the client
+    # OpenAI HTTP API. Keys: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to); none: no auth.
+    # From the environment as a comma-separated list: TOKENMILL_GATEWAY__API_KEYS=team-a:sk-1,team-b:sk-2
+    api_keys: tuple[str, ...] = ()
+    served_model_names: tuple[str, ...] = ()  # empty: the model spec (e.g. smollm2) and its HF repo name if known
+    max_body_bytes: int = 4 << 20  # a larger request body is refused with 413
+    max_inflight_requests: int = 4096  # requests in flight at this gateway; above: 429 with Retry-After
+    tenant_max_inflight: int = 0  # per-tenant in-flight quota (0: none); above: 429 with Retry-After
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +72,7 @@ class RouterConfig:
     count: int = 1
     port: int | None = None
     metrics_port: int | None = None
+    hosts: tuple[str, ...] | None = None  # where the instances are (containers); see the module doc
     prefill_threshold_tokens: int = 256  # uncached prompt shorter than this: the decode worker prefills locally
     prefill_weight: float = 1.0  # weight of the prefill term in the cost (higher favours cache hits)
     prefill_saturated_tokens: int = 16384  # a prefill worker with this many queued tokens takes no more
@@ -71,6 +86,7 @@ class TokenizerConfig:
     count: int = 2
     port: int | None = None
     metrics_port: int | None = None
+    hosts: tuple[str, ...] | None = None  # where the instances are (containers); see the module doc
     batch_max_tokens: int = 16384
     batch_wait_ms: float = 2.0
 
@@ -82,6 +98,7 @@ class WorkerConfig:
     count: int = 1
     port: int | None = None
     metrics_port: int | None = None
+    hosts: tuple[str, ...] | None = None  # where the instances are (containers); see the module doc
     report_interval_s: float = 0.25  # how often the worker streams its load to the router
 
 
@@ -89,7 +106,9 @@ class WorkerConfig:
 class ClusterConfig:
     """The whole cluster. Immutable; derive per-process views with ``service(role, index)``."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the interface every service binds
+    advertise_host: str | None = None  # how other services reach this process (None: ``host``)
+    instance_name: str | None = None  # this process's unique name, e.g. the pod name (None: ``<role>-<index>``)
     model: str = DEFAULT_MODEL
     base_port: int = 20000
     grace_s: float = 10.0  # how long a draining service lets in-flight RPCs finish
@@ -135,7 +154,12 @@ class ClusterConfig:
         return first + index, first_m + index
 
     def addresses(self, role: str) -> list[str]:
-        """``host:port`` of every instance of ``role`` (how services find each other)."""
+        """``host:port`` of every instance of ``role`` (how services find each other): the pool's ``hosts`` when
+        set (a bare host takes the pool's first port), else ``count`` instances on ``host``."""
+        hosts = self.pool(role).hosts
+        if hosts is not None:
+            first = self.ports(role, 0)[0]
+            return [h if _has_port(h) else f"{h}:{first}" for h in hosts]
         return [f"{self.host}:{self.ports(role, i)[0]}" for i in range(self.pool(role).count)]
 
     def service(self, role: str, index: int = 0, port: int | None = None,
@@ -160,7 +184,9 @@ class ClusterConfig:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain YAML-safe types (tuples become lists)."""
+        return dataclasses.asdict(self, dict_factory=lambda kv: {k: list(v) if isinstance(v, tuple) else v
+                                                                 for k, v in kv})
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,15 +202,17 @@ class ServiceConfig:
     @property
     def name(self) -> str:
         """Unique within the cluster, e.g. ``decode-0``; workers use it as their worker id."""
-        return f"{self.role}-{self.index}"
+        return self.cluster.instance_name or f"{self.role}-{self.index}"
 
     @property
     def host(self) -> str:
+        """The interface this process binds."""
         return self.cluster.host
 
     @property
     def address(self) -> str:
-        return f"{self.cluster.host}:{self.grpc_port}"
+        """How the other services reach this process (what a worker reports to the router)."""
+        return f"{self.cluster.advertise_host or self.cluster.host}:{self.grpc_port}"
 
 
 # -- loading -------------------------------------------------------------------------------------------------
@@ -233,6 +261,11 @@ def parse_set_option(items: list[str] | None) -> dict[str, str]:
             raise ConfigError(f"--set expects KEY=VALUE (e.g. tokenizer.count=3), got {item!r}")
         out[key.strip()] = value
     return out
+
+
+def _has_port(address: str) -> bool:
+    host, sep, port = address.rpartition(":")
+    return bool(sep) and port.isdigit() and not host.endswith(":")  # "::1" alone is a host
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -288,6 +321,12 @@ def _coerce(t: Any, value: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, key)
+    if origin is tuple:  # tuple[str, ...]: a YAML list or a comma-separated string (env, --set)
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{key}: {value!r} is not valid (expected a list or a comma-separated string)")
+        return tuple(_coerce(args[0], item.strip() if isinstance(item, str) else item, key)
+                     for item in items if not (isinstance(item, str) and not item.strip()))
     try:
         if origin is Literal:
             if value not in args:
@@ -316,6 +355,12 @@ def _coerce(t: Any, value: Any, key: str) -> Any:
             return float(value)
         if t is str:
             return str(value)
+        if origin is tuple and args[-1:] == (Ellipsis,):
+            items = value.split(",") if isinstance(value, str) else value
+            if not isinstance(items, list | tuple):
+                raise ValueError("expected a list (or a comma-separated string)")
+            return tuple(_coerce(args[0], v.strip() if isinstance(v, str) else v, key) for v in items
+                         if not (isinstance(v, str) and not v.strip()))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{key}: {value!r} is not valid ({e})") from e
     raise ConfigError(f"{key}: unsupported type {t}")
