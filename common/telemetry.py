@@ -279,3 +279,20 @@ def record_span(name: str, start_ns: int, end_ns: int, parent: otel_context.Cont
                 attributes: Attributes = None, error: str | None = None) -> None:
     """A finished span from timestamps taken elsewhere (``time.time_ns()``, e.g. on the engine thread)."""
     finish(start_span(name, parent=parent, start_ns=start_ns, attributes=attributes), end_ns, None, error)
+
+
+@contextlib.contextmanager
+def server_span(name: str, parent: otel_context.Context | None, attributes: Attributes = None
+                ) -> Iterator[trace.Span]:
+    """A SERVER span for a request that did not come over gRPC (the HTTP API): a child of ``parent`` (the
+    caller's ``traceparent``, from ``incoming_context``) or a new root; current inside the block, so tasks
+    started there inherit it."""
+    s = TRACER.start_span(name, context=parent, kind=SERVER, attributes=attributes)
+    try:
+        with trace.use_span(s, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            yield s
+    except BaseException as e:
+        fail(s, e)
+        raise
+    finally:
+        s.end()

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.rpc import GRPC_OPTIONS, Unavailable
 
@@ -49,6 +50,19 @@ class ChannelPool:
                     if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == n - 1:
                         raise
         raise AssertionError("unreachable")
+
+    async def any_serving(self, timeout: float) -> bool:
+        """Whether any address answers grpc.health.v1 SERVING (for the HTTP API's readiness)."""
+        self._open()
+        for ch in self._channels:
+            try:
+                r = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                               timeout=timeout)
+            except grpc.aio.AioRpcError:
+                continue
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+        return False
 
     async def close(self) -> None:
         for ch in self._channels:

@@ -1,4 +1,5 @@
-"""The gateway's gRPC ``Frontend.Generate``: validate → tokenize (pool) → ``Router.Place`` → ``Prefill.Prefill``
+"""The gateway's gRPC ``Frontend.Generate`` (and, through the same ``generate``, the OpenAI HTTP API of
+``services/gateway/http.py``): validate → tokenize (pool) → ``Router.Place`` → ``Prefill.Prefill``
 (when placed remotely) → ``Decode.Decode``, whose deltas are forwarded to the client as they come.
 
 - The first token is not held back for the KV transfer: the decode worker streams it as its first message,
@@ -38,6 +39,7 @@ from tokenmill.v1 import (
 from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.wire import sampling_params_from_proto
+from services.gateway.http import HttpFrontend
 from services.gateway.pools import ChannelPool, StubCache
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,7 @@ class GatewayService:
         self.routers = ChannelPool(c.addresses("router"), router_pb2_grpc.RouterStub, limit)
         self.workers = StubCache()
         self._background: set[asyncio.Task[Any]] = set()
+        self.http = HttpFrontend(self)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendServicer(self), server)
@@ -172,8 +175,14 @@ class GatewayService:
     async def start(self) -> None:
         if not self.tokenizers.addresses or not self.routers.addresses:
             raise RuntimeError("the gateway needs at least one tokenizer and one router address in the config")
+        c = self.cfg.cluster
+        await self.http.start(c.host, c.gateway.http_port + self.cfg.index)
+
+    async def begin_drain(self) -> None:
+        self.http.draining = True  # /health and new HTTP requests: 503 from now on
 
     async def stop(self) -> None:
+        await self.http.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=2)
         await self.tokenizers.close()

@@ -52,6 +52,7 @@ def cluster(**overrides: Any) -> ClusterConfig:
     """A cluster config for tests. Unless ``base_port`` is given, the derived ports start at a base whose ports are
     free now, retried until they also miss the ports the test chose itself (a random ``router.port`` can otherwise
     land on the default base's derived metrics ports and be refused as a collision)."""
+    overrides = {"gateway.http_port": free_port(), **overrides}  # never the shared default 8000
     if "base_port" in overrides:
         return load_cluster_config(overrides=overrides, env={})
     last: ConfigError | None = None

@@ -91,11 +91,13 @@ class Stack:
 
 
 @contextlib.asynccontextmanager
-async def stack(tok, decodes: dict[str, FakeDecode], prefill_finish: int | None = None, threshold: int = 256):
-    """Tokenizer, router and gateway for real; fake workers registered with the router."""
+async def stack(tok, decodes: dict[str, FakeDecode], prefill_finish: int | None = None, threshold: int = 256,
+                **config):
+    """Tokenizer, router and gateway for real; fake workers registered with the router. ``config``: more
+    dotted config keys (e.g. ``**{"gateway.api_keys": ["k"]}``)."""
     ports = {r: free_port() for r in ("tokenizer", "router", "gateway")}
     cfg = cluster(**{"tokenizer.count": 1, "tokenizer.port": ports["tokenizer"], "router.port": ports["router"],
-                     "gateway.port": ports["gateway"], "router.prefill_threshold_tokens": threshold})
+                     "gateway.port": ports["gateway"], "router.prefill_threshold_tokens": threshold, **config})
     router_addr = f"{HOST}:{ports['router']}"
     gw = GatewayService(cfg.service("gateway", 0))
     async with contextlib.AsyncExitStack() as es:

@@ -1,0 +1,390 @@
+"""The OpenAI-compatible HTTP API of the gateway, beside its gRPC ``Frontend`` in the same process and event loop.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``,
+``GET /health`` (200 only while a tokenizer, the router and at least one decode worker serve), ``GET /metrics``.
+Every choice of a request runs through ``GatewayService.generate``: the same path, metrics and errors as gRPC.
+
+Status codes: 400 invalid values, malformed JSON and prompts over the context (the message names both numbers),
+401 missing/invalid API key (when ``gateway.api_keys`` is set), 404 unknown model or path, 413 body over
+``gateway.max_body_bytes``, 429 over ``gateway.max_inflight_requests`` or a tenant's ``tenant_max_inflight``
+(``Retry-After``), 503 while the cluster is not ready or draining (``Retry-After``). A streamed response has
+sent its 200 only after the first token came back, so errors before that keep their status; an error after
+it ends the stream with an ``error`` event.
+
+A client that disconnects cancels its choices: the handler task is cancelled (``handler_cancellation``), the
+``Decode`` calls with it, and the decode worker frees the blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections import Counter as Tally
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from tokenmill.v1 import frontend_pb2, router_pb2
+
+from common import rpc, telemetry
+from services.gateway import openai_api as oa
+
+if TYPE_CHECKING:
+    from services.gateway.server import GatewayService
+
+log = logging.getLogger(__name__)
+
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+_RETRY_AFTER_S = "1"
+_READY_TTL_S = 0.5
+# Hugging Face repository names of the embedded models, served as aliases (benchmark tools ask for these)
+_HF_NAMES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def served_model_names(model: str, configured: tuple[str, ...]) -> list[str]:
+    """The names ``/v1/models`` lists and requests may use; the first is the one responses carry."""
+    if configured:
+        return list(configured)
+    names = [model]
+    if model in _HF_NAMES:
+        names.append(_HF_NAMES[model])
+    return names
+
+
+def parse_api_keys(entries: tuple[str, ...]) -> dict[str, str]:
+    """``KEY`` or ``TENANT:KEY`` → {key: tenant}; a bare key's tenant is ``key-<index>`` (never the key)."""
+    out = {}
+    for i, e in enumerate(entries):
+        tenant, sep, key = e.rpartition(":")
+        out[key] = tenant if sep and tenant else f"key-{i}"
+    return out
+
+
+class _CallContext:
+    """What ``GatewayService.generate`` reads from a gRPC context, for an HTTP request."""
+
+    def __init__(self, tenant: str) -> None:
+        self._md = (("x-tenant-id", tenant),)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._md
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status,
+                        content_type="application/json", headers=headers)
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_from(exc: BaseException) -> oa.OpenAIError:
+    """An exception from the request path → the OpenAI error (status, message, param)."""
+    if isinstance(exc, oa.OpenAIError):
+        return exc
+    code, message = rpc.status_for(exc)
+    status = _HTTP_STATUS.get(code, 500)
+    if status == 500:
+        log.error("unexpected error serving an HTTP request: %s", message, exc_info=exc)
+    retry = {"Retry-After": _RETRY_AFTER_S} if status in (429, 503) else None
+    return oa.OpenAIError(status, message, param=oa.param_of(message) if status == 400 else None,
+                          headers=retry)
+
+
+class HttpFrontend:
+    """The aiohttp application; ``start``/``stop`` from the gateway's ``start``/``stop``."""
+
+    def __init__(self, gw: GatewayService) -> None:
+        self.gw = gw
+        g = gw.cfg.cluster.gateway
+        self.cfg = g
+        self.names = served_model_names(gw.cfg.cluster.model, g.served_model_names)
+        self.keys = parse_api_keys(g.api_keys)
+        self.inflight = 0
+        self.tenant_inflight: Tally[str] = Tally()
+        self.draining = False
+        self._ready_at = 0.0  # monotonic time of the last successful readiness check
+        self._ready_why = "not checked yet"
+        self._ready_lock = asyncio.Lock()
+        self._tokenizer: Any = None
+        self._tokenizer_lock = asyncio.Lock()
+        self.requests = Counter("tokenmill:http_requests", "HTTP API requests by endpoint and status code",
+                                ["endpoint", "status"], registry=gw.registry)
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", functools.partial(self.completions, kind="chat"))
+        app.router.add_post("/v1/completions", functools.partial(self.completions, kind="completion"))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def start(self, host: str, port: int) -> None:
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        log.info("gateway HTTP API (OpenAI) on http://%s:%d/v1 serving %s", host, self.port, self.names)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # -- middleware ----------------------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        endpoint = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except oa.OpenAIError as e:
+            status = e.status
+            return _json(e.body(), e.status, e.headers)
+        except web.HTTPRequestEntityTooLarge as e:
+            status = 413
+            err = oa.OpenAIError(413, f"the request body is over the limit of {self.cfg.max_body_bytes} bytes "
+                                 f"({e.text or 'too large'}); send a smaller request")
+            return _json(err.body(), 413)
+        except web.HTTPException as e:  # unknown path (404), wrong method (405)
+            status = e.status
+            err = oa.OpenAIError(e.status, f"{e.reason}: {request.method} {request.path}",
+                                 code=None if e.status != 404 else "not_found")
+            return _json(err.body(), e.status)
+        except asyncio.CancelledError:
+            status = 499  # the client went away
+            raise
+        except Exception as e:
+            err = error_from(e)
+            status = err.status
+            return _json(err.body(), err.status, err.headers)
+        finally:
+            self.requests.labels(endpoint, str(status)).inc()
+
+    # -- small endpoints -------------------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        self._auth(request)
+        now = int(time.time())
+        return _json({"object": "list", "data": [
+            {"id": name, "object": "model", "created": now, "owned_by": "tokenmill", "root": self.names[0],
+             "max_model_len": None} for name in self.names]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok, why = await self.ready()
+        return _json({"status": "ok" if ok else "unavailable", "detail": why}, 200 if ok else 503,
+                     None if ok else {"Retry-After": _RETRY_AFTER_S})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.gw.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def ready(self) -> tuple[bool, str]:
+        """Whether a tokenizer, the router and a decode worker serve now (checked at most every 0.5 s)."""
+        if self.draining:
+            return False, "the gateway is draining"
+        if time.monotonic() - self._ready_at < _READY_TTL_S:
+            return True, "ready"
+        async with self._ready_lock:
+            if time.monotonic() - self._ready_at < _READY_TTL_S:
+                return True, "ready"
+            why = await self._check_pools()
+            if why is None:
+                self._ready_at = time.monotonic()
+                return True, "ready"
+            self._ready_why = why
+            return False, why
+
+    async def _check_pools(self) -> str | None:
+        """None when ready, else what is missing."""
+        if not await self.gw.tokenizers.any_serving(timeout=1.0):
+            return "no tokenizer is serving"
+        try:
+            workers = await self.gw.routers.call(
+                lambda stub: stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=1.0), "router")
+        except (grpc.aio.AioRpcError, rpc.Unavailable):
+            return "the router is not reachable"
+        if not any(w.role == router_pb2.WORKER_ROLE_DECODE and not w.draining for w in workers.workers):
+            return "no decode worker has registered with the router yet"
+        return None
+
+    # -- auth, limits ----------------------------------------------------------------------------------------
+    def _auth(self, request: web.Request) -> str:
+        """The request's tenant; raises 401 when keys are configured and the request has no valid one."""
+        if not self.keys:
+            return request.headers.get("x-tenant-id", "")
+        header = request.headers.get("Authorization", "")
+        scheme, _, key = header.partition(" ")
+        if not header:
+            raise oa.OpenAIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                                 code="invalid_api_key")
+        if scheme.lower() != "bearer" or key.strip() not in self.keys:
+            raise oa.OpenAIError(401, "invalid API key; check the key you were given", code="invalid_api_key")
+        return self.keys[key.strip()]
+
+    def _admit(self, tenant: str) -> None:
+        if self.inflight >= self.cfg.max_inflight_requests:
+            raise oa.OpenAIError(429, f"the gateway queue is full ({self.inflight} requests in flight); retry "
+                                 "after the Retry-After seconds", code="queue_full",
+                                 headers={"Retry-After": _RETRY_AFTER_S})
+        quota = self.cfg.tenant_max_inflight
+        if quota and self.tenant_inflight[tenant] >= quota:
+            raise oa.OpenAIError(429, f"tenant {tenant or '(default)'} is over its quota of {quota} requests in "
+                                 "flight; retry after the Retry-After seconds", code="quota_exceeded",
+                                 headers={"Retry-After": _RETRY_AFTER_S})
+
+    async def _token_text(self) -> Any:
+        """A cached ``id → text`` for logprobs (the tokenizer loads on first use, off the event loop)."""
+        async with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from common.loader import load_tokenizer
+
+                try:
+                    tok = await asyncio.to_thread(load_tokenizer, self.gw.cfg.cluster.model)
+                    fn = functools.lru_cache(maxsize=65536)(
+                        lambda i: tok.decode([i], skip_special_tokens=False))
+                except (ValueError, FileNotFoundError):
+                    fn = lambda i: f"token_id:{i}"  # noqa: E731  (a model without a tokenizer: vLLM's form)
+                self._tokenizer = fn
+        return self._tokenizer
+
+    def _resolve_model(self, name: str | None) -> str:
+        if name is None or name in self.names:
+            return self.names[0] if name is None else name
+        raise oa.OpenAIError(404, f"the model {name!r} does not exist; this server serves {self.names}",
+                             param="model", code="model_not_found")
+
+    # -- completions ---------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request, kind: oa.Kind) -> web.StreamResponse:
+        tenant = self._auth(request)
+        raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise oa.bad(f"the request body is not valid JSON ({e})") from e
+        parsed = oa.parse(body, kind, self._resolve_model)
+        ok, why = await self.ready()
+        if not ok:
+            raise oa.OpenAIError(503, f"the cluster is not ready: {why}; retry shortly",
+                                 headers={"Retry-After": _RETRY_AFTER_S})
+        self._admit(tenant)
+        rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        for i, r in enumerate(parsed.requests):
+            r.request_id = rid if len(parsed.requests) == 1 else f"{rid}-{i}"
+        fmt = oa.LogprobFormatter(await self._token_text() if parsed.logprobs else str)
+        builder = oa.ResponseBuilder(parsed, rid, fmt)
+        parent = telemetry.incoming_context([(k.lower(), v) for k, v in request.headers.items()])
+        self.inflight += 1
+        self.tenant_inflight[tenant] += 1
+        try:
+            with telemetry.server_span(f"openai.{kind}", parent, {"request_id": rid, "tenant": tenant}):
+                if parsed.stream:
+                    return await self._stream(request, parsed, builder, tenant)
+                return await self._unary(parsed, builder, tenant)
+        finally:
+            self.inflight -= 1
+            self.tenant_inflight[tenant] -= 1
+            if not self.tenant_inflight[tenant]:
+                del self.tenant_inflight[tenant]
+
+    async def _choice(self, req: frontend_pb2.GenerateRequest, tenant: str
+                      ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        async for resp in self.gw.generate(req, _CallContext(tenant)):  # type: ignore[arg-type]
+            yield resp
+
+    async def _unary(self, parsed: oa.Parsed, builder: oa.ResponseBuilder, tenant: str) -> web.Response:
+        choices = [oa.Choice(i) for i in range(len(parsed.requests))]
+
+        async def run(i: int) -> None:
+            async for resp in self._choice(parsed.requests[i], tenant):
+                choices[i].add(resp)
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(len(choices))]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+        finally:
+            for t in tasks:
+                t.cancel()
+        return _json(builder.full(choices))
+
+    async def _stream(self, request: web.Request, parsed: oa.Parsed, builder: oa.ResponseBuilder,
+                      tenant: str) -> web.StreamResponse:
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        choices = [oa.Choice(i) for i in range(len(parsed.requests))]
+
+        async def run(i: int) -> None:
+            try:
+                async for resp in self._choice(parsed.requests[i], tenant):
+                    queue.put_nowait((i, resp))
+                queue.put_nowait((i, None))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(run(i)) for i in range(len(choices))]
+        try:
+            first = await queue.get()
+            if isinstance(first[1], Exception):
+                raise first[1]  # nothing was sent yet: the error keeps its status code
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": builder.id})
+            await resp.prepare(request)
+            started: set[int] = set()
+            open_, failed = len(choices), None
+            batch = [first]
+            while True:
+                while not queue.empty():  # a lagging client gets everything that is ready in one write
+                    batch.append(queue.get_nowait())
+                data = b""
+                for i, item in batch:
+                    if item is None:
+                        open_ -= 1
+                    elif isinstance(item, Exception):
+                        failed = item
+                        break
+                    else:
+                        data += _sse(builder.chunk(choices[i], item, i not in started))
+                        started.add(i)
+                        choices[i].add(item, keep=False)
+                if failed is not None:
+                    data += _sse(error_from(failed).body())
+                elif open_ == 0:
+                    if parsed.include_usage:
+                        data += _sse(builder.usage_chunk(choices))
+                    data += b"data: [DONE]\n\n"
+                if data:
+                    await resp.write(data)
+                if failed is not None or open_ == 0:
+                    break
+                batch = [await queue.get()]
+            await resp.write_eof()
+            return resp
+        finally:
+            for t in tasks:
+                t.cancel()
