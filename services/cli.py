@@ -6,8 +6,6 @@ import argparse
 import logging
 import sys
 
-from services import generate
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -15,6 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenmill: a token-level LLM inference-serving cluster.",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from services import generate  # imports the engine (torch): not for `tokenmill health`
+
     generate.add_parser(sub)
     from services.cluster import cli as cluster_cli
 
@@ -26,6 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:  # container health checks, every few seconds: skip importing the engine
+        from services.cluster.cli import health_main
+
+        return health_main(argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

@@ -1,4 +1,4 @@
-"""The cluster commands: ``tokenmill up``, ``tokenmill serve ROLE``, ``tokenmill status``."""
+"""The cluster commands: ``tokenmill up``, ``tokenmill serve ROLE``, ``tokenmill status``, ``tokenmill health``."""
 
 from __future__ import annotations
 
@@ -73,6 +73,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--state-file", type=Path, help="the file `tokenmill up` wrote (default as for up)")
     status.set_defaults(func=cmd_status)
 
+    add_health_parser(sub)
+
+
+def add_health_parser(sub: argparse._SubParsersAction) -> None:
+    health = sub.add_parser("health", help="exit 0 if a service is SERVING (container health checks)",
+                            description="Exit 0 when the gRPC service at HOST:PORT answers SERVING on "
+                                        "grpc.health.v1, or when an http(s):// URL answers 200 (the gateway's "
+                                        "/health); else print why and exit 1.")
+    health.add_argument("target", help="HOST:PORT of a gRPC service, or a URL such as http://127.0.0.1:8000/health")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    health.set_defaults(func=cmd_health)
+
 
 def _load(a: argparse.Namespace) -> ClusterConfig | None:
     try:
@@ -141,3 +153,31 @@ def cmd_status(a: argparse.Namespace) -> int:
         for p in procs:
             print(f"{p['name']:<12} {p['pid']:>8}  {p['address']:<21} {p['metrics_port']:>7}  {p['health']}")
     return 0 if healthy else 1
+
+
+def health_main(argv: list[str]) -> int:
+    """``tokenmill health …`` without importing the engine (a container runs it every few seconds)."""
+    p = argparse.ArgumentParser(prog="tokenmill")
+    add_health_parser(p.add_subparsers(dest="command", required=True))
+    return int(cmd_health(p.parse_args(["health", *argv])))
+
+
+def cmd_health(a: argparse.Namespace) -> int:
+    if a.target.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(a.target, timeout=a.timeout) as r:
+                code = r.status
+        except (urllib.error.URLError, OSError) as e:
+            print(f"{a.target}: {getattr(e, 'code', None) or getattr(e, 'reason', e)}", file=sys.stderr)
+            return 1
+        return 0 if code == 200 else 1
+    from common.rpc import health_status
+
+    status = health_status(a.target, timeout=a.timeout)
+    if status != "SERVING":
+        print(f"{a.target}: {status}", file=sys.stderr)
+        return 1
+    return 0
