@@ -1,0 +1,295 @@
+"""``tokenmill bench serve``: drive a serving endpoint (Tokenmill's gRPC ``Generate``, or any OpenAI-compatible HTTP
+server) with a seeded request stream and report the serving metrics people compare, server-side deltas beside them,
+a JSON file with every request and PNG plots.
+
+The options follow ``vllm bench serve`` where they mean the same thing (``--backend``, ``--base-url``, ``--model``,
+``--dataset-name random``, ``--random-input-len``, ``--num-prompts``, ``--request-rate``, ``--max-concurrency``,
+``--ignore-eos``, ``--goodput``, ``--save-result``), so the two can be driven with the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions, Target
+from loadgen.metrics import RequestRecord, Slo, summarize
+from loadgen.report import format_run, format_sweep
+from loadgen.runner import LoadConfig, run_load, run_warmups
+from loadgen.server_metrics import MetricsWatcher, endpoints_from_state
+from loadgen.workloads import (
+    DATASETS,
+    PromptBuilder,
+    Tenant,
+    WorkloadConfig,
+    iter_requests,
+    parse_range,
+    ratio_range,
+)
+
+WARMUP_SEED_OFFSET = 7_919  # warm-up prompts come from their own stream: they never prime the measured prompts
+SWEEP_SEED_STRIDE = 1_000  # each sweep point draws fresh prompts: no point is served from an earlier one's cache
+
+
+def parse_tenant(s: str) -> Tenant:
+    """``NAME[:rate=R][,priority=P][,key=K]`` (``:`` or ``,`` between fields)."""
+    name, _, rest = s.partition(":")
+    if not name:
+        raise argparse.ArgumentTypeError(f"--tenant {s!r}: start with the tenant's name")
+    fields: dict[str, Any] = {}
+    for part in rest.replace(",", ":").split(":"):
+        if not part:
+            continue
+        k, sep, v = part.partition("=")
+        try:
+            if k == "rate" and sep:
+                fields["rate"] = float(v)
+            elif k == "priority" and sep:
+                fields["priority"] = int(v)
+            elif k == "key" and sep:
+                fields["api_key"] = v
+            else:
+                raise ValueError
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"--tenant {s!r}: field {part!r}; use NAME:rate=R,priority=P,key=K") from None
+    t = Tenant(name, **fields)
+    if not t.rate > 0 or t.priority < 0:
+        raise argparse.ArgumentTypeError(f"--tenant {s!r}: rate must be > 0 and priority >= 0")
+    return t
+
+
+def _rate(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {s}")
+    return v
+
+
+def _target(a: argparse.Namespace, opts: SendOptions) -> tuple[Target, str]:
+    if a.backend == "grpc":
+        if a.base_url:
+            addr = a.base_url.split("://", 1)[-1].rstrip("/")
+        else:
+            addr = f"{a.host}:{a.port or 50051}"
+        return GrpcTarget(addr, a.model, opts), addr
+    base = a.base_url or f"http://{a.host}:{a.port or 8000}"
+    t = OpenAITarget(base, "chat" if a.backend == "openai-chat" else "completions", a.model, opts)
+    if a.endpoint:
+        t.url = t.base_url + "/" + a.endpoint.lstrip("/")
+    return t, t.url
+
+
+def _metrics_urls(a: argparse.Namespace) -> list[str]:
+    if a.no_server_metrics:
+        return []
+    urls = list(a.metrics_url or [])
+    if a.cluster_state:
+        urls += endpoints_from_state(a.cluster_state)
+    if not urls and a.backend != "grpc":
+        base = (a.base_url or f"http://{a.host}:{a.port or 8000}").rstrip("/").removesuffix("/v1")
+        urls.append(base + "/metrics")
+    return urls
+
+
+def _loads(a: argparse.Namespace, tenants: list[Tenant]) -> list[LoadConfig]:
+    rates = a.request_rate or ([sum(t.rate for t in tenants)] if tenants else [math.inf])
+    concs = a.max_concurrency or [None]
+    if len(rates) > 1 and len(concs) > 1:
+        raise SystemExit("sweep one of --request-rate or --max-concurrency, not both")
+    if a.duration is None and a.num_prompts is None:
+        a.num_prompts = 1000 if concs[0] is None and math.isinf(rates[0]) else 200
+    return [LoadConfig(request_rate=r, burstiness=a.burstiness, max_concurrency=c, num_requests=a.num_prompts
+                       if a.duration is None else None, duration_s=a.duration, warmup_s=a.warmup_seconds,
+                       num_warmups=a.num_warmups, seed=a.seed + k * SWEEP_SEED_STRIDE)
+            for k, (r, c) in enumerate((r, c) for r in rates for c in concs)]
+
+
+def _workload(a: argparse.Namespace, seed: int) -> WorkloadConfig:
+    inp = parse_range(a.random_input_len)
+    out = parse_range(a.random_output_len)
+    if a.random_range_ratio:
+        if inp[0] != inp[1] or out[0] != out[1]:
+            raise SystemExit("--random-range-ratio needs single lengths, not LO:HI ranges")
+        inp, out = ratio_range(inp[0], a.random_range_ratio), ratio_range(out[0], a.random_range_ratio)
+    return WorkloadConfig(dataset=a.dataset_name, input_len=inp, output_len=out, prefix_groups=a.prefix_groups,
+                          prefix_len=a.prefix_len, long_input_len=parse_range(a.long_input_len),
+                          sharegpt_output_len=a.sharegpt_output_len,
+                          chat_length=a.chat_length if a.backend == "openai-chat" else "content", seed=seed)
+
+
+async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder, tenants: list[Tenant],
+                   load: LoadConfig, urls: list[str]) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    reqs = iter_requests(_workload(a, load.seed), builder, tenants)
+    warm = iter_requests(_workload(a, load.seed + WARMUP_SEED_OFFSET), builder, tenants)
+    warm_recs = await run_warmups(target, warm, load) if load.num_warmups else []
+    bar = tqdm(total=load.num_requests, disable=a.disable_tqdm, desc=load.label, unit="req", file=sys.stderr,
+               dynamic_ncols=True)
+    errors = 0
+
+    def done(rec: RequestRecord) -> None:
+        nonlocal errors
+        bar.update(1)
+        if not rec.ok:
+            errors += 1
+            bar.set_postfix(errors=errors)
+
+    watcher = MetricsWatcher(urls, headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else None)
+    started = time.time()
+    await watcher.start()
+    try:
+        records = warm_recs + await run_load(target, reqs, load, done)
+    finally:
+        bar.close()
+        await watcher.stop()
+    slo = Slo.parse(a.goodput)
+    summary = summarize(records, slo)
+    if tenants:
+        summary["by_tenant"] = {t.name: summarize([r for r in records if r.tenant == t.name], slo) for t in tenants}
+    lz = {"request_rate": None if math.isinf(load.request_rate) else load.request_rate,
+          "burstiness": load.burstiness, "max_concurrency": load.max_concurrency,
+          "num_requests": load.num_requests, "duration_s": load.duration_s, "warmup_s": load.warmup_s,
+          "num_warmups": load.num_warmups, "seed": load.seed}
+    return {"label": load.label, "load": lz, "started_unix": started, "summary": summary,
+            "server": watcher.report(), "records": [r.to_json() for r in records]}
+
+
+async def _main(a: argparse.Namespace) -> dict[str, Any]:
+    from common.loader import load_tokenizer
+
+    tenants = list(a.tenant or [])
+    api_key = a.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TOKENMILL_API_KEY")
+    a.api_key = api_key
+    opts = SendOptions(ignore_eos=a.ignore_eos, temperature=a.temperature, timeout=a.request_timeout,
+                       api_key=api_key)
+    target, where = _target(a, opts)
+    loads = _loads(a, tenants)
+    builder = PromptBuilder(load_tokenizer(a.tokenizer))
+    urls = _metrics_urls(a)
+    await target.open()
+    runs = []
+    try:
+        for load in loads:
+            runs.append(await _one_run(a, target, builder, tenants, load, urls))
+            print(format_run(runs[-1], a.backend, where), flush=True)
+    finally:
+        await target.close()
+    if len(runs) > 1:
+        print(format_sweep(runs), flush=True)
+    cfg = {k: v for k, v in vars(a).items() if k not in ("func", "api_key") and not callable(v)}
+    cfg["tenant"] = [{"name": t.name, "rate": t.rate, "priority": t.priority} for t in tenants]
+    return {"tool": "tokenmill bench serve", "backend": a.backend, "target": where,
+            "model": getattr(target, "model", None) or a.model, "config": cfg, "runs": runs}
+
+
+def _result_path(a: argparse.Namespace) -> Path | None:
+    if not (a.save_result or a.result_file):
+        return None
+    name = a.result_file or f"tokenmill-serve-{a.backend}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    p = Path(name)
+    if a.result_dir and not p.is_absolute():
+        p = Path(a.result_dir) / p
+    return p
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        result = asyncio.run(_main(a))
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"tokenmill bench serve: {e}", file=sys.stderr)
+        return 2
+    path = _result_path(a)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1, default=_json_default))
+        print(f"results: {path}")
+        if not a.no_plots:
+            from loadgen import plots
+
+            prefix = path.with_suffix("")
+            pngs = [plots.latency_cdfs(result["runs"], prefix.with_name(prefix.name + "_cdf.png"))]
+            if len(result["runs"]) > 1:
+                pngs += plots.sweep_plots(result["runs"], prefix)
+            print("plots: " + " ".join(str(p) for p in pngs))
+    failed = sum(r["summary"]["failed"] for r in result["runs"])
+    return 1 if failed and a.fail_on_error else 0
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="load-test a serving endpoint (gRPC Generate or OpenAI HTTP)",
+                       description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("target")
+    g.add_argument("--backend", choices=BACKENDS, default="grpc",
+                   help="grpc: tokenmill.v1.Frontend/Generate; openai: /v1/completions; openai-chat: "
+                        "/v1/chat/completions")
+    g.add_argument("--base-url", help="http://HOST:PORT for HTTP backends, HOST:PORT for grpc (overrides --host/--port)")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, help="default 50051 (grpc) or 8000 (HTTP)")
+    g.add_argument("--endpoint", help="HTTP path instead of /v1/completions or /v1/chat/completions")
+    g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default $OPENAI_API_KEY, "
+                                     "$TOKENMILL_API_KEY)")
+    g.add_argument("--model", "--served-model-name", dest="model",
+                   help="model name sent with each request (HTTP: default the first of /v1/models)")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer the prompts are built from (common.loader spec: a .gguf, an HF directory; "
+                        "default the embedded SmolLM2)")
+    g.add_argument("--request-timeout", type=float, help="cancel a request after this many seconds")
+    w = p.add_argument_group("workload")
+    w.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random")
+    w.add_argument("--random-input-len", default="256", help="input tokens: N or LO:HI (uniform)")
+    w.add_argument("--random-output-len", default="128", help="output tokens (max_tokens): N or LO:HI")
+    w.add_argument("--random-range-ratio", type=float, default=0.0, help="as vLLM: lengths uniform in N·[1-r, 1+r]")
+    w.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: G groups")
+    w.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: P-token prefix per group (the "
+                                                                "suffix is --random-input-len)")
+    w.add_argument("--long-input-len", default="2048:4096", help="long-prompt: input tokens, N or LO:HI")
+    w.add_argument("--sharegpt-output-len", type=int, help="sharegpt: fixed output length instead of the table's")
+    w.add_argument("--chat-length", choices=("content", "total"), default="content",
+                   help="openai-chat: input length counts the message (content, as vLLM) or the whole prompt "
+                        "after the chat template (total)")
+    w.add_argument("--tenant", action="append", type=parse_tenant, metavar="NAME:rate=R,priority=P,key=K",
+                   help="multi-tenant mix (repeat): each tenant's share of requests follows its rate; without "
+                        "--request-rate the offered rate is the sum of the tenants' rates")
+    w.add_argument("--seed", type=int, default=0, help="same seed, same request stream and arrival times")
+    w.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    w.add_argument("--temperature", type=float, help="default: the server's")
+    lo = p.add_argument_group("load")
+    lo.add_argument("--num-prompts", type=int, help="requests per run (default 200, or 1000 all at once)")
+    lo.add_argument("--duration", type=float, help="seconds per run instead of a count")
+    lo.add_argument("--request-rate", type=_rate, nargs="+", help="open loop, req/s; several values = a sweep "
+                                                                  "(default inf: as fast as allowed)")
+    lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 bursty")
+    lo.add_argument("--max-concurrency", type=int, nargs="+",
+                    help="cap on requests in flight; with an infinite rate, closed loop; several values = a sweep")
+    lo.add_argument("--num-warmups", type=int, default=1, help="requests sent (and waited for) before the clock")
+    lo.add_argument("--warmup-seconds", type=float, default=0.0,
+                    help="requests due in the first S seconds are sent but left out of the figures")
+    m = p.add_argument_group("metrics and output")
+    m.add_argument("--goodput", "--slo", dest="goodput", nargs="+", metavar="KEY:MS",
+                   help="SLO for goodput: ttft:MS tpot:MS e2e:MS (any subset)")
+    m.add_argument("--metrics-url", action="append", help="a Prometheus /metrics URL to diff (repeat)")
+    m.add_argument("--cluster-state", help="read every process's /metrics from a `tokenmill up` state file")
+    m.add_argument("--no-server-metrics", action="store_true")
+    m.add_argument("--save-result", action="store_true", help="write the JSON (and plots)")
+    m.add_argument("--result-file", "--result-filename", dest="result_file", help="JSON path (implies --save-result)")
+    m.add_argument("--result-dir", help="directory for the JSON and plots")
+    m.add_argument("--no-plots", action="store_true")
+    m.add_argument("--disable-tqdm", action="store_true")
+    m.add_argument("--fail-on-error", action="store_true", help="exit 1 when any request failed")
+    p.set_defaults(func=run)

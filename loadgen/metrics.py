@@ -1,0 +1,179 @@
+"""Client-side serving metrics: one record per request, and the summary people compare.
+
+Definitions (as ``vllm bench serve`` uses them, so the two can be cross-checked):
+
+- TTFT: send → the first chunk that carries output (text or token ids).
+- ITL: the gaps between consecutive output-carrying chunks (a chunk that carries several tokens is one gap).
+- TPOT: (e2e − TTFT) / (output tokens − 1); 0 for a one-token answer (it then meets any TPOT SLO).
+- e2e: send → the last output-carrying chunk.
+- Output tokens: the server's usage count when it sends one, else the token ids (gRPC) or chunks counted.
+- Duration: the first send → the last request's end, over the measured requests (warm-up excluded).
+- Throughput: completed requests (and their tokens) / duration. Goodput: requests meeting every SLO bound / duration;
+  attainment: those requests / all measured requests (errors count as misses).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+OK = "ok"
+CANCELLED = "cancelled"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the client saw of one request. Times are seconds; ``start`` is from the start of the run, chunk times are
+    from ``start``. ``outcome`` is ``ok``, ``cancelled`` or ``error`` (then ``error_kind`` says which)."""
+
+    index: int
+    input_len: int  # what the workload asked for
+    output_len: int  # max_tokens asked for
+    scheduled: float = 0.0  # planned send offset (open loop)
+    start: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    end: float | None = None  # end of the stream, from start
+    outcome: str = OK
+    error_kind: str | None = None
+    error: str | None = None
+    prompt_tokens: int | None = None  # the server's usage
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    tenant: str | None = None
+    priority: int | None = None
+    group: int | None = None
+    warmup: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == OK and bool(self.chunk_times)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] if self.chunk_times else None
+
+    @property
+    def itls(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    @property
+    def e2e(self) -> float | None:
+        return self.chunk_times[-1] if self.chunk_times else None
+
+    @property
+    def output_tokens(self) -> int:
+        if self.completion_tokens is not None:
+            return self.completion_tokens
+        return sum(self.chunk_tokens)
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.chunk_times:
+            return None
+        n = self.output_tokens
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (n - 1) if n > 1 else 0.0
+
+    @property
+    def finished_at(self) -> float:
+        """Run time at which the request ended (its last chunk, else its stream end, else its start)."""
+        if self.chunk_times:
+            return self.start + self.chunk_times[-1]
+        return self.start + (self.end or 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(ttft=self.ttft, e2e=self.e2e, tpot=self.tpot, itls=self.itls, output_tokens=self.output_tokens)
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Service-level objective bounds in milliseconds; None = no bound."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    @classmethod
+    def parse(cls, items: Sequence[str] | str | None) -> Slo | None:
+        """``["ttft:500", "tpot:50"]`` or ``"ttft:500 tpot:50 e2e:10000"`` → Slo."""
+        if not items:
+            return None
+        if isinstance(items, str):
+            items = items.split()
+        got: dict[str, float] = {}
+        for it in items:
+            for part in it.replace(",", " ").split():
+                k, sep, v = part.partition(":")
+                key = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2e": "e2e_ms", "e2el": "e2e_ms"}.get(k.lower())
+                if not sep or key is None:
+                    raise ValueError(f"SLO item {part!r}: use ttft:MS, tpot:MS or e2e:MS")
+                val = float(v)
+                if not val > 0:
+                    raise ValueError(f"SLO item {part!r}: the bound must be > 0 ms")
+                got[key] = val
+        return cls(**got)
+
+    def met(self, r: RequestRecord) -> bool:
+        if not r.ok:
+            return False
+        checks = ((self.ttft_ms, r.ttft), (self.tpot_ms, r.tpot), (self.e2e_ms, r.e2e))
+        return all(v is not None and v * 1000 <= bound for bound, v in checks if bound is not None)
+
+    def __str__(self) -> str:
+        parts = [f"{k}:{v:g}" for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2e", self.e2e_ms))
+                 if v is not None]
+        return " ".join(parts)
+
+
+def stats(values: Sequence[float], scale: float = 1.0) -> dict[str, float | None]:
+    """mean, p50, p90, p99, min, max (linear-interpolated percentiles, numpy's default), times ``scale``."""
+    if not values:
+        return dict.fromkeys(("mean", "p50", "p90", "p99", "min", "max"))
+    a = np.asarray(values, dtype=float) * scale
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
+            "min": float(a.min()), "max": float(a.max())}
+
+
+def summarize(records: Sequence[RequestRecord], slo: Slo | None = None) -> dict[str, Any]:
+    """The summary of the measured (non-warm-up) records. Latencies in ms."""
+    rs = [r for r in records if not r.warmup]
+    done = [r for r in rs if r.ok]
+    errors = Counter(r.error_kind or r.outcome for r in rs if not r.ok)
+    if rs:
+        t0 = min(r.start for r in rs)
+        duration = max(r.finished_at for r in rs) - t0
+    else:
+        duration = 0.0
+    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in done)
+    s: dict[str, Any] = {
+        "requests": len(rs), "completed": len(done), "failed": len(rs) - len(done),
+        "errors": dict(errors.most_common()),
+        "duration_s": duration,
+        "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(out_tokens),
+        "total_token_throughput": per_s(out_tokens + in_tokens),
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "output_len_mismatch": sum(r.output_tokens != r.output_len for r in done),
+        "ttft_ms": stats([r.ttft for r in done if r.ttft is not None], 1000),
+        "tpot_ms": stats([r.tpot for r in done if r.tpot is not None and r.output_tokens > 1], 1000),
+        "itl_ms": stats([x for r in done for x in r.itls], 1000),
+        "e2e_ms": stats([r.e2e for r in done if r.e2e is not None], 1000),
+    }
+    if slo is not None:
+        good = sum(slo.met(r) for r in rs)
+        s["slo"] = str(slo)
+        s["goodput"] = per_s(good)
+        s["slo_attainment"] = good / len(rs) if rs else math.nan
+    return s

@@ -1,0 +1,164 @@
+"""Text reports: one run's table (errors first, never hidden), a sweep's one-line-per-point table, and
+``tokenmill bench compare A.json B.json`` (ratios side by side; reads vLLM's ``--save-result`` JSON too)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+_LAT = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
+
+
+def _f(v: Any, fmt: str = ".1f") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, fmt)
+
+
+def format_run(run: dict[str, Any], backend: str, where: str) -> str:
+    s, srv = run["summary"], run.get("server", {})
+    lines = [f"==== tokenmill bench serve: {backend} {where} — {run['label']} ===="]
+    if s["failed"]:
+        kinds = ", ".join(f"{k} ×{n}" for k, n in s["errors"].items())
+        lines.append(f"!! {s['failed']} of {s['requests']} requests FAILED: {kinds}")
+        first = next((r for r in run["records"] if r["outcome"] != "ok" and not r["warmup"]), None)
+        if first and first.get("error"):
+            lines.append(f"!! first error: {first['error'][:200]}")
+    if s.get("output_len_mismatch"):
+        lines.append(f"!  {s['output_len_mismatch']} completed requests returned another output length than asked "
+                     "(no --ignore-eos, or the server stopped early)")
+    rows = [
+        ("requests", f"{s['completed']} completed of {s['requests']}"),
+        ("duration", f"{_f(s['duration_s'], '.2f')} s"),
+        ("request throughput", f"{_f(s['request_throughput'], '.2f')} req/s"),
+        ("output throughput", f"{_f(s['output_throughput'], '.1f')} tok/s"),
+        ("total token throughput", f"{_f(s['total_token_throughput'], '.1f')} tok/s"),
+        ("tokens in / out", f"{s['input_tokens']} / {s['output_tokens']}"),
+    ]
+    if "goodput" in s:
+        rows.append((f"goodput (SLO {s['slo']})",
+                     f"{_f(s['goodput'], '.2f')} req/s, attainment {_f(100 * s['slo_attainment'], '.1f')} %"))
+    w = max(len(k) for k, _ in rows)
+    lines += [f"{k:<{w}}  {v}" for k, v in rows]
+    lines.append(f"{'latency (ms)':<12} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}")
+    for key, name in _LAT:
+        st = s[key]
+        lines.append(f"{name:<12} " + " ".join(f"{_f(st[q]):>9}" for q in ("mean", "p50", "p90", "p99", "max")))
+    if srv.get("read"):
+        parts = []
+        if "prefix_cache_hit_rate" in srv:
+            parts.append(f"prefix-cache hit rate {_f(100 * srv['prefix_cache_hit_rate'])} % "
+                         f"({srv['prefix_cache_hits']:.0f} of {srv['prefix_cache_queries']:.0f} prompt tokens)")
+        if "kv_usage_peak" in srv:
+            parts.append(f"KV usage peak {_f(100 * srv['kv_usage_peak'])} %")
+        if "nixl_bytes" in srv:
+            parts.append(f"NIXL {srv['nixl_bytes'] / 2**20:.1f} MiB in {srv.get('nixl_seconds', 0):.2f} s"
+                         + (f" ({srv['nixl_failures']:.0f} failed)" if srv.get("nixl_failures") else ""))
+        lines.append(f"server ({srv['read']} of {srv['endpoints']} /metrics): " + ("; ".join(parts) or "no known "
+                                                                                          "metrics"))
+        for url, d in (srv.get("by_endpoint") or {}).items():
+            if "prefix_cache_hit_rate" in d:
+                lines.append(f"  {url}: prefix-cache hit rate {_f(100 * d['prefix_cache_hit_rate'])} % of "
+                             f"{d['prefix_cache_queries']:.0f} prompt tokens")
+    elif srv.get("endpoints"):
+        lines.append(f"server: no /metrics could be read ({srv.get('unreachable')})")
+    for name, ts in (s.get("by_tenant") or {}).items():
+        good = f", goodput {_f(ts['goodput'], '.2f')} req/s ({_f(100 * ts['slo_attainment'])} %)" if "goodput" in ts \
+            else ""
+        lines.append(f"tenant {name}: {ts['completed']}/{ts['requests']} ok, {_f(ts['request_throughput'], '.2f')} "
+                     f"req/s, TTFT p50 {_f(ts['ttft_ms']['p50'])} p99 {_f(ts['ttft_ms']['p99'])} ms{good}")
+    return "\n".join(lines)
+
+
+def format_sweep(runs: list[dict[str, Any]]) -> str:
+    head = (f"{'load':<28} {'ok':>6} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'goodput':>8} "
+            f"{'TTFT p50':>9} {'p99':>9} {'TPOT p50':>9} {'p99':>9}")
+    lines = ["==== sweep ====", head]
+    for r in runs:
+        s = r["summary"]
+        lines.append(f"{r['label']:<28} {s['completed']:>6} {s['failed']:>5} {_f(s['request_throughput'], '.2f'):>8} "
+                     f"{_f(s['output_throughput']):>10} {_f(s.get('goodput'), '.2f'):>8} "
+                     f"{_f(s['ttft_ms']['p50']):>9} {_f(s['ttft_ms']['p99']):>9} "
+                     f"{_f(s['tpot_ms']['p50']):>9} {_f(s['tpot_ms']['p99']):>9}")
+    return "\n".join(lines)
+
+
+# -- compare -------------------------------------------------------------------------------------------------
+
+_VLLM_LAT = {"ttft_ms": "ttft", "tpot_ms": "tpot", "itl_ms": "itl", "e2e_ms": "e2el"}
+
+
+def _from_vllm(d: dict[str, Any]) -> dict[str, Any]:
+    """A ``vllm bench serve --save-result`` JSON as one of our runs' summaries (the figures it has)."""
+    s: dict[str, Any] = {k: d.get(k) for k in ("request_throughput", "output_throughput", "total_token_throughput",
+                                                "duration")}
+    s["duration_s"] = s.pop("duration")
+    s["completed"] = d.get("completed")
+    s["failed"] = d.get("failed", (d.get("num_prompts") or 0) - (d.get("completed") or 0))
+    s["goodput"] = d.get("request_goodput")
+    for ours, theirs in _VLLM_LAT.items():
+        s[ours] = {"mean": d.get(f"mean_{theirs}_ms"), "p50": d.get(f"median_{theirs}_ms"),
+                   "p90": d.get(f"p90_{theirs}_ms"), "p99": d.get(f"p99_{theirs}_ms")}
+    label = f"vllm {d.get('request_rate', '')} req/s, concurrency {d.get('max_concurrency')}"
+    return {"label": label, "summary": s}
+
+
+def load_runs(path: str | Path) -> list[dict[str, Any]]:
+    d = json.loads(Path(path).read_text())
+    if "runs" in d:
+        return d["runs"]
+    if "request_throughput" in d:
+        return [_from_vllm(d)]
+    raise ValueError(f"{path}: neither a `tokenmill bench serve` nor a `vllm bench serve` result")
+
+
+_ROWS = [("completed", ("completed",)), ("failed", ("failed",)), ("duration s", ("duration_s",)),
+         ("request throughput req/s", ("request_throughput",)), ("output throughput tok/s", ("output_throughput",)),
+         ("total throughput tok/s", ("total_token_throughput",)), ("goodput req/s", ("goodput",)),
+         ("SLO attainment", ("slo_attainment",))] + [
+    (f"{name} {q} ms", (key, q)) for key, name in _LAT for q in ("mean", "p50", "p90", "p99")]
+
+
+def _get(s: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    v: Any = s
+    for k in path:
+        if not isinstance(v, dict):
+            return None
+        v = v.get(k)
+    return v if isinstance(v, int | float) else None
+
+
+def format_compare(a: list[dict[str, Any]], b: list[dict[str, Any]], name_a: str, name_b: str) -> str:
+    if len(a) != len(b):
+        raise ValueError(f"{name_a} has {len(a)} runs, {name_b} has {len(b)}: compare results of the same sweep")
+    lines = []
+    for ra, rb in zip(a, b):
+        lines.append(f"==== {ra['label']}  vs  {rb['label']} ====")
+        lines.append(f"{'metric':<26} {'A':>12} {'B':>12} {'B/A':>8}")
+        for label, path in _ROWS:
+            va, vb = _get(ra["summary"], path), _get(rb["summary"], path)
+            if va is None and vb is None:
+                continue
+            ratio = f"{vb / va:.3f}" if va and vb is not None else "-"
+            lines.append(f"{label:<26} {_f(va, '.2f'):>12} {_f(vb, '.2f'):>12} {ratio:>8}")
+    return f"A = {name_a}\nB = {name_b}\n" + "\n".join(lines)
+
+
+def compare(a: argparse.Namespace) -> int:
+    try:
+        print(format_compare(load_runs(a.a), load_runs(a.b), a.a, a.b))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"tokenmill bench compare: {e}")
+        return 2
+    return 0
+
+
+def add_compare_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compare", help="two `bench serve` results (or vLLM's) side by side, with ratios",
+                       description="Print the summaries of A and B side by side with B/A; run by run for a sweep.")
+    p.add_argument("a", help="result JSON A (tokenmill bench serve, or vllm bench serve --save-result)")
+    p.add_argument("b", help="result JSON B")
+    p.set_defaults(func=compare)

@@ -1,0 +1,147 @@
+"""Server-side figures beside the client's: the targets' Prometheus ``/metrics`` read before and after a run (and
+sampled during it for peaks), reported as deltas.
+
+Reported: prefix-cache hit rate (hits / queries over the run, in prompt tokens, over every worker's cache: a
+prompt prefilled remotely is looked up on the prefill worker and again on the decode worker; ``by_endpoint`` has
+each process's own figures), KV usage peak (the highest
+``kv_cache_usage_perc`` any worker showed while sampled), NIXL bytes, seconds and failures (counted by the
+side that pulls, the decode worker). Counters and gauges of the same name are summed over the scraped endpoints; a name no
+endpoint exports is left out (a vLLM server exports other names: ``vllm:`` ones are read too where they match).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+Sample = dict[str, float]  # metric sample name (labels folded in) → value, summed over endpoints
+
+# (report key, sample names that mean it in Tokenmill and in vLLM)
+_COUNTERS = {
+    "prefix_cache_queries": ("tokenmill:prefix_cache_queries", "vllm:prefix_cache_queries_total"),
+    "prefix_cache_hits": ("tokenmill:prefix_cache_hits", "vllm:prefix_cache_hits_total"),
+    "nixl_bytes": ("tokenmill:nixl_xfer_bytes",),
+    "nixl_seconds": ("tokenmill:nixl_xfer_seconds",),
+    "nixl_failures": ("tokenmill:nixl_xfer_failures",),
+}
+_KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+def parse(text: str) -> Sample:
+    """Prometheus text → {sample name[ {labels}]: value}. Label sets are kept in the key (sorted)."""
+    out: Sample = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name if not s.labels else s.name + json.dumps(dict(sorted(s.labels.items())))
+            out[key] = out.get(key, 0.0) + float(s.value)
+    return out
+
+
+def endpoints_from_state(path: str | os.PathLike[str], host: str | None = None) -> list[str]:
+    """The ``/metrics`` URLs of every process of a ``tokenmill up`` cluster, from its state file."""
+    st = json.loads(Path(path).read_text())
+    out = []
+    for p in st.get("processes", []):
+        h = host or p.get("address", "127.0.0.1:0").rsplit(":", 1)[0]
+        out.append(f"http://{h}:{p['metrics_port']}/metrics")
+    return out
+
+
+class MetricsWatcher:
+    """Scrapes ``urls`` at start, every ``interval`` s during the run (peaks) and at stop. Unreachable endpoints are
+    counted, never fatal: the client-side figures stand on their own."""
+
+    def __init__(self, urls: Sequence[str], interval: float = 0.5, headers: dict[str, str] | None = None) -> None:
+        self.urls = list(urls)
+        self.interval = interval
+        self.headers = headers or {}
+        self.before: dict[str, Sample] = {}
+        self.after: dict[str, Sample] = {}
+        self.kv_peak: float | None = None
+        self.failures: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _scrape(self) -> dict[str, Sample]:
+        assert self._session is not None
+
+        async def one(url: str) -> tuple[str, Sample | None]:
+            try:
+                async with self._session.get(url, headers=self.headers,  # type: ignore[union-attr]
+                                             timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status != 200:
+                        self.failures[url] = f"HTTP {r.status}"
+                        return url, None
+                    return url, parse(await r.text())
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                self.failures[url] = f"{type(e).__name__}: {e}"
+                return url, None
+
+        got = await asyncio.gather(*(one(u) for u in self.urls))
+        snap = {u: s for u, s in got if s is not None}
+        for s in snap.values():
+            for name in _KV_USAGE:
+                if name in s:
+                    self.kv_peak = max(self.kv_peak or 0.0, s[name])
+        return snap
+
+    async def start(self) -> None:
+        if not self.urls:
+            return
+        self._session = aiohttp.ClientSession()
+        self.before = await self._scrape()
+        self._task = asyncio.create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self._scrape()
+
+    async def stop(self) -> None:
+        if self._session is None:
+            return
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.after = await self._scrape()
+        await self._session.close()
+        self._session = None
+
+    def report(self) -> dict[str, Any]:
+        """Deltas over the run, summed over the endpoints read both before and after."""
+        both = [u for u in self.urls if u in self.before and u in self.after]
+        out: dict[str, Any] = {"endpoints": len(self.urls), "read": len(both)}
+        if self.failures:
+            out["unreachable"] = dict(self.failures)
+        if not both:
+            return out
+        for key, names in _COUNTERS.items():
+            vals = [self.after[u][n] - self.before[u].get(n, 0.0) for u in both for n in names if n in self.after[u]]
+            if vals:
+                out[key] = sum(vals)
+        q, h = out.get("prefix_cache_queries"), out.get("prefix_cache_hits")
+        if q is not None and h is not None:
+            out["prefix_cache_hit_rate"] = h / q if q > 0 else math.nan
+        if self.kv_peak is not None:
+            out["kv_usage_peak"] = self.kv_peak
+        by = {}
+        for u in both:  # per process: prefill and decode workers each look prompts up in their own cache
+            d = {k: sum(self.after[u][n] - self.before[u].get(n, 0.0) for n in names if n in self.after[u])
+                 for k, names in _COUNTERS.items() if any(n in self.after[u] for n in names)}
+            if any(d.values()):
+                if d.get("prefix_cache_queries"):
+                    d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / d["prefix_cache_queries"]
+                by[u] = d
+        if by:
+            out["by_endpoint"] = by
+        return out

@@ -1,0 +1,142 @@
+"""Metrics computed from a synthetic timeline are exact; SLO parsing; server /metrics deltas and peaks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+from loadgen.metrics import RequestRecord, Slo, stats, summarize
+from loadgen.report import format_compare, format_run
+from loadgen.server_metrics import MetricsWatcher, endpoints_from_state, parse
+from tests.services.harness import free_port
+
+approx = pytest.approx
+
+
+def _timeline() -> list[RequestRecord]:
+    # r0: four one-token chunks; the server's usage says 4 tokens
+    r0 = RequestRecord(0, 10, 4, start=0.0, chunk_times=[0.1, 0.15, 0.25, 0.30], chunk_tokens=[1, 1, 1, 1],
+                       end=0.31, completion_tokens=4, prompt_tokens=10)
+    # r1: two chunks, the second carrying 3 tokens (a gRPC message batched while the client lagged); no usage
+    r1 = RequestRecord(1, 20, 4, start=0.5, chunk_times=[0.2, 0.6], chunk_tokens=[1, 3], end=0.6)
+    r2 = RequestRecord(2, 10, 4, start=0.2, end=0.05, outcome="error", error_kind="UNAVAILABLE", error="gone")
+    r3 = RequestRecord(3, 10, 4, start=0.0, chunk_times=[9.0], chunk_tokens=[4], warmup=True)  # excluded
+    r4 = RequestRecord(4, 10, 4, start=0.4, chunk_times=[0.3], chunk_tokens=[1], end=0.5, outcome="cancelled",
+                       error_kind="timeout")
+    # r5: a one-token answer: TPOT 0 (meets any TPOT bound), not in the TPOT distribution
+    r5 = RequestRecord(5, 30, 1, start=0.6, chunk_times=[0.05], chunk_tokens=[1], end=0.05, completion_tokens=1)
+    return [r0, r1, r2, r3, r4, r5]
+
+
+def test_per_request_metrics_are_exact():
+    r0, r1, *_ , r5 = _timeline()
+    assert (r0.ttft, r0.e2e, r0.output_tokens) == (0.1, 0.30, 4)
+    assert r0.itls == approx([0.05, 0.10, 0.05], abs=1e-15)
+    assert r0.tpot == approx((0.30 - 0.1) / 3, abs=1e-15)
+    assert (r1.ttft, r1.e2e, r1.output_tokens, r1.itls) == (0.2, 0.6, 4, approx([0.4]))
+    assert r1.tpot == approx(0.4 / 3, abs=1e-15)
+    assert r5.tpot == 0.0 and r5.itls == []
+
+
+def test_summary_is_exact():
+    s = summarize(_timeline(), Slo.parse("ttft:150 tpot:100"))
+    # measured: r0 r1 r2 r4 r5 (r3 is warm-up); completed r0 r1 r5
+    assert (s["requests"], s["completed"], s["failed"]) == (5, 3, 2)
+    assert s["errors"] == {"UNAVAILABLE": 1, "timeout": 1}
+    dur = 0.5 + 0.6  # first start 0.0 → r1 ends at 1.1
+    assert s["duration_s"] == approx(dur, abs=1e-15)
+    assert s["request_throughput"] == approx(3 / dur)
+    assert s["output_throughput"] == approx((4 + 4 + 1) / dur)
+    assert s["input_tokens"] == 10 + 20 + 30 and s["total_token_throughput"] == approx((60 + 9) / dur)
+    assert s["ttft_ms"]["mean"] == approx((100 + 200 + 50) / 3)
+    assert s["ttft_ms"]["p50"] == approx(100)
+    assert s["ttft_ms"]["p90"] == approx(100 + 0.8 * 100)  # linear between the 2nd and 3rd order statistics
+    assert s["ttft_ms"]["max"] == approx(200)
+    assert s["tpot_ms"]["mean"] == approx((200 / 3 + 400 / 3) / 2)  # one-token answers have no TPOT
+    assert s["itl_ms"]["mean"] == approx((50 + 100 + 50 + 400) / 4)
+    assert s["e2e_ms"]["p50"] == approx(300)
+    assert s["output_len_mismatch"] == 0
+    # SLO: r0 (ttft 100, tpot 66.7) and r5 (50, 0) meet it; r1's TTFT 200 misses; errors miss
+    assert s["goodput"] == approx(2 / dur) and s["slo_attainment"] == approx(2 / 5) and s["slo"] == "ttft:150 tpot:100"
+    assert summarize(_timeline(), Slo.parse(["e2e:250"]))["slo_attainment"] == approx(1 / 5)
+    text = format_run({"label": "t", "summary": s, "records": [r.to_json() for r in _timeline()]}, "grpc", "x")
+    assert text.splitlines()[1].startswith("!! 2 of 5 requests FAILED: UNAVAILABLE ×1, timeout ×1")  # at the top
+    empty = summarize([])
+    assert empty["requests"] == 0 and math.isnan(empty["request_throughput"]) and empty["ttft_ms"]["p50"] is None
+
+
+def test_stats_and_slo_parsing():
+    st = stats([1.0, 2.0, 3.0, 4.0], 1000)
+    assert st == {"mean": 2500.0, "p50": 2500.0, "p90": approx(3700.0), "p99": approx(3970.0), "min": 1000.0,
+                  "max": 4000.0}
+    assert Slo.parse(["ttft:500", "tpot:50", "e2e:1e4"]) == Slo(500, 50, 10000)
+    assert Slo.parse("ttft:500,e2el:9") == Slo(500, None, 9) and Slo.parse(None) is None
+    for bad in ("ttft", "foo:3", "ttft:-1", "ttft:x"):
+        with pytest.raises(ValueError):
+            Slo.parse(bad)
+
+
+def test_compare_prints_ratios_and_reads_vllm_results(tmp_path):
+    ours = {"label": "a", "summary": summarize(_timeline(), Slo.parse("ttft:150"))}
+    vllm = {"completed": 3, "num_prompts": 5, "duration": 2.2, "request_throughput": 1.5 / 1.1,
+            "output_throughput": 9 / 2.2, "total_token_throughput": 1.0, "mean_ttft_ms": 350 / 3,
+            "median_ttft_ms": 200.0, "p99_ttft_ms": 1.0, "mean_tpot_ms": 1.0}
+    (tmp_path / "v.json").write_text(json.dumps(vllm))
+    from loadgen.report import load_runs
+
+    text = format_compare([ours], load_runs(tmp_path / "v.json"), "ours", "vllm")
+    rows = {ln[:26].strip(): ln[26:].split() for ln in text.splitlines() if ln[:1].isalpha()}
+    assert rows["request throughput req/s"] == ["2.73", "1.36", "0.500"]
+    assert rows["TTFT mean ms"][2] == "1.000" and rows["TTFT p50 ms"][2] == "2.000"
+    assert rows["failed"][:2] == ["2.00", "2.00"]
+    with pytest.raises(ValueError, match="runs"):
+        format_compare([ours, ours], [ours], "a", "b")
+
+
+def test_server_metrics_deltas_and_peaks_from_real_endpoints(tmp_path):
+    regs, servers, urls = [], [], []
+    for _ in range(2):
+        r = CollectorRegistry()
+        g = {n: Gauge(f"tokenmill:{n}", n, registry=r) for n in
+             ("prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc", "nixl_xfer_bytes")}
+        c = Counter("tokenmill:prompt_tokens", "p", registry=r)
+        port = free_port()
+        srv, _ = start_http_server(port, "127.0.0.1", registry=r)
+        regs.append((g, c))
+        servers.append(srv)
+        urls.append(f"http://127.0.0.1:{port}/metrics")
+    (g0, c0), (g1, _) = regs
+    g0["prefix_cache_queries"].set(100)
+    g0["prefix_cache_hits"].set(10)
+    g1["nixl_xfer_bytes"].set(5)
+    assert parse("# TYPE x counter\nx_total{b=\"2\",a=\"1\"} 3\n") == {'x_total{"a": "1", "b": "2"}': 3.0}
+
+    async def run() -> MetricsWatcher:
+        w = MetricsWatcher([*urls, "http://127.0.0.1:1/metrics"], interval=0.05)
+        await w.start()
+        g0["kv_cache_usage_perc"].set(0.75)  # a peak seen only while the run goes on
+        await asyncio.sleep(0.3)
+        g0["kv_cache_usage_perc"].set(0.25)
+        g0["prefix_cache_queries"].set(300)
+        g0["prefix_cache_hits"].set(110)
+        g1["nixl_xfer_bytes"].set(4096 + 5)
+        c0.inc(7)
+        await w.stop()
+        return w
+
+    try:
+        rep = asyncio.run(run()).report()
+    finally:
+        for s in servers:
+            s.shutdown()
+    assert (rep["endpoints"], rep["read"]) == (3, 2) and "http://127.0.0.1:1/metrics" in rep["unreachable"]
+    assert (rep["prefix_cache_queries"], rep["prefix_cache_hits"]) == (200, 100)
+    assert rep["prefix_cache_hit_rate"] == 0.5 and rep["nixl_bytes"] == 4096 and rep["kv_usage_peak"] == 0.75
+    assert rep["by_endpoint"][urls[0]]["prefix_cache_hit_rate"] == 0.5
+    state = tmp_path / "s.json"
+    state.write_text(json.dumps({"processes": [{"address": "127.0.0.1:20300", "metrics_port": 21300}]}))
+    assert endpoints_from_state(state) == ["http://127.0.0.1:21300/metrics"]

@@ -1,0 +1,139 @@
+"""``tokenmill bench serve`` against a running cluster (``tokenmill up``: real processes, gRPC and HTTP): the JSON
+with every record, the PNGs, exact lengths, server-side deltas, errors at the top, and ``bench compare``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.cli import main
+from tests.services.harness import HOST, free_base_port
+
+MAX_LEN = 1024
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cluster")
+    base = free_base_port()
+    state = tmp / "state.json"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--base-port", str(base), "--gateway-port", str(base + 450),
+           "--http-port", str(base + 451), "--tokenizers", "1", "--prefills", "1", "--decodes", "1",
+           "--state-file", str(state), "--set", f"engine.max_model_len={MAX_LEN}",
+           "--set", "engine.kv_cache_memory=64MiB", "--grace", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 180
+    while not (state.exists() and json.loads(state.read_text()).get("ready")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"cluster not ready: {proc.communicate()}")
+        time.sleep(0.3)
+    yield {"grpc": f"{HOST}:{base + 450}", "http": f"http://{HOST}:{base + 451}", "state": str(state)}
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+
+
+def bench(capsys, *args: str) -> tuple[int, str]:
+    capsys.readouterr()
+    code = main(["bench", *args])
+    return code, capsys.readouterr().out
+
+
+def _in_flight_max(recs: list[dict]) -> int:
+    ev = sorted([(r["start"], 1) for r in recs] + [(r["start"] + r["end"], -1) for r in recs])
+    n = top = 0
+    for _, d in ev:
+        n += d
+        top = max(top, n)
+    return top
+
+
+def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tmp_path):
+    out = tmp_path / "a.json"
+    code, text = bench(capsys, "serve", "--backend", "grpc", "--base-url", cluster["grpc"], "--num-prompts", "6",
+                       "--max-concurrency", "1", "3", "--random-input-len", "300", "--random-output-len", "6",
+                       "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000", "--cluster-state", cluster["state"],
+                       "--result-file", str(out), "--disable-tqdm", "--fail-on-error")
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    assert res["backend"] == "grpc" and len(res["runs"]) == 2
+    for run, conc in zip(res["runs"], (1, 3)):
+        s, recs = run["summary"], run["records"]
+        assert run["load"]["max_concurrency"] == conc and run["label"] == f"concurrency {conc}"
+        assert (s["requests"], s["completed"], s["failed"], s["errors"]) == (6, 6, 0, {})
+        assert [r["warmup"] for r in recs] == [True] + [False] * 6  # --num-warmups 1, kept in the JSON, flagged
+        for r in recs:
+            assert r["outcome"] == "ok" and r["prompt_tokens"] == r["input_len"] == 300
+            assert r["output_tokens"] == r["output_len"] == 6 and len(r["itls"]) == len(r["chunk_times"]) - 1
+            assert 0 < r["ttft"] <= r["e2e"]
+        assert _in_flight_max([r for r in recs if not r["warmup"]]) <= conc  # closed loop: the cap holds
+        assert s["output_tokens"] == 36 and s["output_throughput"] == pytest.approx(36 / s["duration_s"])
+        assert s["slo_attainment"] == 1.0 and s["goodput"] == pytest.approx(s["request_throughput"])
+        srv = run["server"]
+        assert srv["read"] == srv["endpoints"] == 5
+        # 300-token prompts are over router.prefill_threshold_tokens: prefilled remotely, KV pulled over NIXL
+        assert srv["nixl_bytes"] > 0 and 0 < srv["kv_usage_peak"] <= 1 and srv["prefix_cache_queries"] >= 6 * 300
+    assert _in_flight_max([r for r in res["runs"][1]["records"] if not r["warmup"]]) >= 2
+    # every sweep point (and its warm-up) draws fresh prompts: none is served from an earlier one's cache
+    assert [run["server"]["prefix_cache_hits"] for run in res["runs"]] == [0, 0]
+    for suffix in ("_cdf", "_latency", "_throughput", "_goodput"):
+        png = tmp_path / f"a{suffix}.png"
+        assert png.read_bytes()[:8] == PNG and png.stat().st_size > 10_000, suffix
+    assert "==== sweep ====" in text and "concurrency 3" in text and "FAILED" not in text
+
+
+def test_http_chat_open_loop_tenants_and_shared_prefix(cluster, capsys, tmp_path):
+    out = tmp_path / "b.json"
+    code, text = bench(capsys, "serve", "--backend", "openai-chat", "--base-url", cluster["http"] + "/v1",
+                       "--dataset", "shared-prefix", "--prefix-groups", "1", "--prefix-len", "96",
+                       "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--chat-length",
+                       "total", "--tenant", "alice:rate=4,priority=0", "--tenant", "bob:rate=4,priority=10",
+                       "--num-prompts", "8", "--seed", "3", "--cluster-state", cluster["state"],
+                       "--result-file", str(out), "--disable-tqdm")
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    run = res["runs"][0]
+    s, recs = run["summary"], [r for r in run["records"] if not r["warmup"]]
+    assert res["model"] == "smollm2" and run["load"]["request_rate"] == 8.0  # the sum of the tenants' rates
+    assert s["completed"] == 8 and s["failed"] == 0
+    for r in recs:  # the whole chat prompt, template included, is exactly the asked length
+        assert r["prompt_tokens"] == r["input_len"] == 96 + 8 + 30 and r["output_tokens"] == 4
+        assert r["start"] >= r["scheduled"] - 0.01  # open loop: nothing is sent before it is due
+    assert {r["tenant"] for r in recs} == {"alice", "bob"} and set(s["by_tenant"]) == {"alice", "bob"}
+    assert {r["priority"] for r in recs if r["tenant"] == "bob"} == {10}
+    assert run["server"]["prefix_cache_hit_rate"] > 0.3  # one group: the 96-token prefix is reused
+    assert "tenant alice:" in text and "prefix-cache hit rate" in text
+
+    # compare the gRPC sweep's first point with this run: a table of ratios
+    a = tmp_path / "one.json"
+    code, _ = bench(capsys, "serve", "--backend", "openai", "--base-url", cluster["http"], "--num-prompts", "2",
+                    "--random-input-len", "20", "--random-output-len", "3", "--ignore-eos", "--num-warmups", "0",
+                    "--result-file", str(a), "--disable-tqdm", "--no-plots")
+    assert code == 0
+    ra = json.loads(a.read_text())["runs"][0]
+    assert [r["prompt_tokens"] for r in ra["records"]] == [20, 20] and ra["summary"]["output_tokens"] == 6
+    code, cmp = bench(capsys, "compare", str(a), str(out))
+    assert code == 0 and "B/A" in cmp and "request throughput req/s" in cmp
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_errors_are_counted_by_kind_and_shown_first(cluster, capsys, tmp_path, backend):
+    url = cluster["grpc"] if backend == "grpc" else cluster["http"]
+    out = tmp_path / "e.json"
+    code, text = bench(capsys, "serve", "--backend", backend, "--base-url", url, "--num-prompts", "3",
+                       "--random-input-len", str(MAX_LEN + 10), "--random-output-len", "4", "--num-warmups", "0",
+                       "--result-file", str(out), "--no-plots", "--disable-tqdm", "--fail-on-error")
+    kind = "INVALID_ARGUMENT" if backend == "grpc" else "HTTP 400"
+    s = json.loads(out.read_text())["runs"][0]["summary"]
+    assert code == 1 and s["errors"] == {kind: 3} and s["completed"] == 0
+    lines = text.splitlines()
+    assert lines[1] == f"!! 3 of 3 requests FAILED: {kind} ×3" and str(MAX_LEN) in lines[2]

@@ -1,0 +1,106 @@
+"""Workloads: input lengths are exact under the target's tokenizer, the same seed gives the same stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loadgen.workloads import (
+    DATASETS,
+    PromptBuilder,
+    Tenant,
+    WorkloadConfig,
+    build_requests,
+    parse_range,
+    ratio_range,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from common.loader import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def builder(tok):
+    return PromptBuilder(tok)
+
+
+@pytest.mark.parametrize("dataset", DATASETS)
+def test_input_lengths_are_exact_for_ids_and_text(tok, builder, dataset):
+    cfg = WorkloadConfig(dataset=dataset, input_len=(5, 300), output_len=(1, 64), prefix_groups=3, prefix_len=40,
+                         long_input_len=(1500, 2500), seed=11)
+    reqs = build_requests(cfg, builder, 25)
+    for r in reqs:
+        assert len(r.prompt_ids) == r.input_len
+        assert tok.encode(r.prompt_text) == list(r.prompt_ids)  # the HTTP targets see the same tokens
+    if dataset == "long-prompt":
+        assert all(1500 <= r.input_len <= 2500 for r in reqs)
+    if dataset in ("random", "long-prompt", "shared-prefix"):
+        assert all(1 <= r.output_len <= 64 for r in reqs)
+    if dataset == "random":
+        assert all(5 <= r.input_len <= 300 for r in reqs)
+
+
+def test_chat_total_counts_the_template(tok, builder):
+    cfg = WorkloadConfig(input_len=(40, 200), chat_length="total", seed=3)
+    for r in build_requests(cfg, builder, 20):
+        full = tok.apply_chat_template([{"role": "user", "content": r.prompt_text}])
+        assert len(tok.encode(full, add_special_tokens=False)) == r.input_len
+        assert len(r.prompt_ids) == r.input_len - builder.chat_overhead()
+    with pytest.raises(ValueError, match="chat template"):
+        build_requests(WorkloadConfig(input_len=(5, 5), chat_length="total"), builder, 1)
+
+
+def test_fixed_lengths_and_the_same_seed_gives_the_same_stream(builder):
+    cfg = WorkloadConfig(input_len=(64, 64), output_len=(32, 32), seed=5)
+    a = build_requests(cfg, builder, 30)
+    assert all(r.input_len == 64 and r.output_len == 32 for r in a)
+    assert a == build_requests(cfg, builder, 30)
+    assert a[:10] == build_requests(cfg, builder, 10)  # a prefix of the stream does not depend on its length
+    b = build_requests(WorkloadConfig(input_len=(64, 64), output_len=(32, 32), seed=6), builder, 30)
+    assert [r.prompt_ids for r in a] != [r.prompt_ids for r in b]
+    assert len({r.prompt_ids for r in a}) == 30
+
+
+def test_shared_prefix_groups_share_exactly_their_prefix(builder):
+    cfg = WorkloadConfig(dataset="shared-prefix", prefix_groups=4, prefix_len=48, input_len=(16, 16), seed=2)
+    reqs = build_requests(cfg, builder, 60)
+    assert {r.group for r in reqs} == {0, 1, 2, 3}
+    prefix = {}
+    for r in reqs:
+        assert r.input_len == 64
+        prefix.setdefault(r.group, r.prompt_ids[:48])
+        assert r.prompt_ids[:48] == prefix[r.group]
+    assert len(set(prefix.values())) == 4
+    assert len({r.prompt_ids[48:] for r in reqs}) == 60  # suffixes differ
+
+
+def test_tenants_get_shares_by_rate_and_sharegpt_has_its_shape(builder):
+    tenants = [Tenant("a", rate=1.0, priority=0, api_key="ka"), Tenant("b", rate=3.0, priority=10)]
+    reqs = build_requests(WorkloadConfig(input_len=(2, 2), output_len=(1, 1), seed=9), builder, 2000, tenants)
+    share_b = sum(r.tenant.name == "b" for r in reqs) / len(reqs)
+    assert abs(share_b - 0.75) < 4 * np.sqrt(0.75 * 0.25 / 2000)
+    assert {r.tenant.priority for r in reqs if r.tenant.name == "b"} == {10}
+    sg = build_requests(WorkloadConfig(dataset="sharegpt", seed=1), builder, 800)
+    ins = np.array([r.input_len for r in sg])
+    outs = np.array([r.output_len for r in sg])
+    assert ins.min() >= 4 and ins.max() <= 1024 and np.all(ins + outs <= 2048)
+    assert 130 < ins.mean() < 190 and 60 < np.median(ins) < 130  # heavy right tail: mean well above the median
+    assert 290 < outs.mean() < 380
+    fixed = build_requests(WorkloadConfig(dataset="sharegpt", sharegpt_output_len=50, seed=1), builder, 20)
+    assert {r.output_len for r in fixed} == {50}
+
+
+def test_ranges():
+    assert parse_range("128") == (128, 128) and parse_range("10:20") == (10, 20) and parse_range(7) == (7, 7)
+    assert ratio_range(100, 0.5) == (50, 150)
+    for bad in ("0", "20:10", "x"):
+        with pytest.raises(ValueError):
+            parse_range(bad)
+    with pytest.raises(ValueError, match="range-ratio"):
+        ratio_range(100, 1.0)
+    with pytest.raises(ValueError, match="unknown dataset"):
+        next(iter(build_requests(WorkloadConfig(dataset="nope"), None, 1)))  # type: ignore[arg-type]
