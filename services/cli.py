@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     from services.cluster import cli as cluster_cli
 
     cluster_cli.add_parsers(sub)
+    from services.cluster import ray_pools
+
+    ray_pools.add_parser(sub)
     from loadgen import cli as bench_cli
 
     bench_cli.add_parser(sub)
