@@ -13,7 +13,20 @@
 
 template <typename T>
 static inline void load_row(const T* src, float* dst, int64_t d) {
+#pragma omp simd
   for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+static inline float dot(const float* a, const float* b, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+static inline void axpy(float w, const float* x, float* y, int64_t d) {
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) y[i] += w * x[i];
 }
 
 template <typename T>
@@ -48,10 +61,7 @@ static void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, 
         const T* k = cp + blk * s_block + layer * s_layer + (t % bs) * s_tok + h * D;
         load_row(k, krow.data(), D);
         for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-          for (int64_t i = 0; i < D; ++i) s += qg[i] * krow[i];
-          s *= fscale;
+          const float s = dot(qf.data() + g * D, krow.data(), D) * fscale;
           scores[g * n + t] = s;
           if (s > mx[g]) mx[g] = s;
         }
@@ -72,9 +82,7 @@ static void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, 
         const T* v = cp + blk * s_block + layer * s_layer + s_kv + (t % bs) * s_tok + h * D;
         load_row(v, krow.data(), D);
         for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * n + t];
-          float* ag = acc.data() + g * D;
-          for (int64_t i = 0; i < D; ++i) ag[i] += w * krow[i];
+          axpy(scores[g * n + t], krow.data(), acc.data() + g * D, D);
         }
       }
       for (int64_t g = 0; g < G; ++g) {
