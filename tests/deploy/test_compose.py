@@ -101,11 +101,14 @@ def test_gpu_profile_gives_prefill_and_decode_a_gpu_each(resolved):
     services = tokenmill_services(resolved)
     gpu = {n: s for n, s in services.items() if "gpu" in (s.get("profiles") or [])}
     assert sorted(s["command"][0] for s in gpu.values()) == ["decode", "prefill"]
+    ids = []
     for name, svc in gpu.items():
-        devices = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+        [device] = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], name
+        ids += device["device_ids"]
         assert svc["image"] == "tokenmill:cuda" and svc["build"]["args"]["VARIANT"] == "cuda"
         assert svc["environment"]["TOKENMILL_ENGINE__DEVICE"] == "cuda"
+    assert sorted(ids) == ["0", "1"], "prefill and decode must get a GPU each"
     for name, svc in services.items():
         if name not in gpu:
             assert "deploy" not in svc and svc["image"] == "tokenmill:cpu", name
@@ -207,3 +210,27 @@ def test_health_command_follows_a_real_service():
     r = subprocess.run([*health, f"http://{HOST}:{base + 1000}/metrics"], capture_output=True, text=True,
                        timeout=30, env=env)
     assert r.returncode == 1 and r.stderr, "a stopped service must fail its health check"
+
+
+def test_the_sources_the_image_copies_build_a_complete_package(tmp_path):
+    """What the build stage COPYs (nothing else of the repository) must make a wheel with every role's service."""
+    import shutil
+    import zipfile
+
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    srcs = [src for ln in lines if ln.startswith("COPY ") and "--from=" not in ln
+            for src in ln.split()[1:-1] if src != "."]
+    assert {"pyproject.toml", "common", "services", "protos"} <= set(srcs)
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    for src in srcs:
+        (shutil.copytree if (ROOT / src).is_dir() else shutil.copy)(ROOT / src, ctx / src)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path / "whl"), str(ctx)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    [wheel] = (tmp_path / "whl").glob("tokenmill-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for role in ROLES:
+        assert f"services/{role}/server.py" in names, role
+    assert "tokenmill/v1/frontend_pb2.py" in names and "services/cluster/ray_pools.py" in names
+    assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
