@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of the gateway, beside its gRPC ``Frontend`` in the same process and event loop.
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``,
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
 ``GET /health`` (200 only while a tokenizer, the router and at least one decode worker serve), ``GET /metrics``.
 Every choice of a request runs through ``GatewayService.generate``: the same path, metrics and errors as gRPC.
 
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
-from tokenmill.v1 import frontend_pb2, router_pb2
+from tokenmill.v1 import frontend_pb2, router_pb2, tokenizer_pb2
 
 from common import rpc, telemetry
 from services.gateway import openai_api as oa
@@ -135,6 +136,8 @@ class HttpFrontend:
         app.router.add_post("/v1/chat/completions", functools.partial(self.completions, kind="chat"))
         app.router.add_post("/v1/completions", functools.partial(self.completions, kind="completion"))
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         return app
@@ -192,7 +195,47 @@ class HttpFrontend:
         now = int(time.time())
         return _json({"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "tokenmill", "root": self.names[0],
-             "max_model_len": None} for name in self.names]})
+             "max_model_len": self.gw.cfg.cluster.engine.max_model_len} for name in self.names]})
+
+    async def _body(self, request: web.Request) -> Any:
+        raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise oa.bad(f"the request body is not valid JSON ({e})") from e
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: ``{prompt}`` or ``{messages}`` → ``{count, max_model_len, tokens}`` (the pool's
+        tokenizer and chat template, exactly what a request would be given)."""
+        self._auth(request)
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise oa.bad("the request body must be a JSON object")
+        self._resolve_model(body.get("model"))
+        if "messages" in body:
+            treq = tokenizer_pb2.TokenizeRequest(chat=oa.messages(body))
+            treq.chat.add_generation_prompt = bool(body.get("add_generation_prompt", True))
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise oa.bad("send prompt (a string) or messages", "prompt")
+            treq = tokenizer_pb2.TokenizeRequest(text=prompt,
+                                                 add_special_tokens=bool(body.get("add_special_tokens", True)))
+        resp = await self.gw.tokenizers.call(lambda stub: stub.Tokenize(treq, timeout=30), "tokenizer")
+        ids = list(resp.token_ids)
+        return _json({"count": len(ids), "max_model_len": self.gw.cfg.cluster.engine.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: ``{tokens}`` → ``{prompt}``."""
+        self._auth(request)
+        body = await self._body(request)
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in ids):
+            raise oa.bad("tokens must be a list of token ids (integers >= 0)", "tokens")
+        dreq = tokenizer_pb2.DetokenizeRequest(token_ids=ids, skip_special_tokens=False)
+        resp = await self.gw.tokenizers.call(lambda stub: stub.Detokenize(dreq, timeout=30), "tokenizer")
+        return _json({"prompt": resp.text})
 
     async def health(self, request: web.Request) -> web.Response:
         ok, why = await self.ready()
@@ -281,11 +324,7 @@ class HttpFrontend:
     # -- completions ---------------------------------------------------------------------------------------
     async def completions(self, request: web.Request, kind: oa.Kind) -> web.StreamResponse:
         tenant = self._auth(request)
-        raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise oa.bad(f"the request body is not valid JSON ({e})") from e
+        body = await self._body(request)
         parsed = oa.parse(body, kind, self._resolve_model)
         ok, why = await self.ready()
         if not ok:

@@ -171,7 +171,7 @@ def _params(body: dict[str, Any], kind: Kind) -> tuple[common_pb2.SamplingParams
     return p, want_logprobs
 
 
-def _messages(body: dict[str, Any]) -> tokenizer_pb2.ChatMessages:
+def messages(body: dict[str, Any]) -> tokenizer_pb2.ChatMessages:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages must be a non-empty list of {role, content} objects", "messages")
@@ -244,7 +244,7 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
         raise bad("cache_salt must be a string", "cache_salt")
     inputs: list[dict[str, Any]]
     if kind == "chat":
-        inputs = [{"chat": _messages(body)}]
+        inputs = [{"chat": messages(body)}]
     else:
         inputs = _prompts(body.get("prompt"))
     reqs = []

@@ -245,3 +245,22 @@ def test_config_helpers():
     assert parse_api_keys(("a:k1", "k2", "x:y:k3")) == {"k1": "a", "k2": "key-1", "k3": "x:y"}
     assert served_model_names("smollm2", ()) == ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert served_model_names("/m/llama.gguf", ("llama",)) == ["llama"]
+
+
+def test_tokenize_and_detokenize_like_vllm(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode()}) as st:
+            root = f"http://{HOST}:{st.gw.http.port}"
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"{root}/tokenize", json={"model": "smollm2", "prompt": "Hello world"}) as r:
+                    got = await r.json()
+                assert r.status == 200 and got["tokens"] == tok.encode("Hello world") and got["count"] == 2
+                async with s.post(f"{root}/tokenize", json={"messages": CHAT}) as r:
+                    got = await r.json()
+                assert got["tokens"] == tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False)
+                async with s.post(f"{root}/detokenize", json={"tokens": got["tokens"]}) as r:
+                    assert (await r.json())["prompt"] == tok.apply_chat_template(CHAT)
+                async with s.post(f"{root}/detokenize", json={"tokens": [-1]}) as r:
+                    assert r.status == 400 and (await r.json())["error"]["param"] == "tokens"
+
+    asyncio.run(body())
