@@ -103,7 +103,7 @@ def _loads(a: argparse.Namespace, tenants: list[Tenant]) -> list[LoadConfig]:
     rates = a.request_rate or ([sum(t.rate for t in tenants)] if tenants else [math.inf])
     concs = a.max_concurrency or [None]
     if len(rates) > 1 and len(concs) > 1:
-        raise SystemExit("sweep one of --request-rate or --max-concurrency, not both")
+        raise ValueError("sweep one of --request-rate or --max-concurrency, not both")
     if a.duration is None and a.num_prompts is None:
         a.num_prompts = 1000 if concs[0] is None and math.isinf(rates[0]) else 200
     return [LoadConfig(request_rate=r, burstiness=a.burstiness, max_concurrency=c, num_requests=a.num_prompts
@@ -117,7 +117,7 @@ def _workload(a: argparse.Namespace, seed: int) -> WorkloadConfig:
     out = parse_range(a.random_output_len)
     if a.random_range_ratio:
         if inp[0] != inp[1] or out[0] != out[1]:
-            raise SystemExit("--random-range-ratio needs single lengths, not LO:HI ranges")
+            raise ValueError("--random-range-ratio needs single lengths, not LO:HI ranges")
         inp, out = ratio_range(inp[0], a.random_range_ratio), ratio_range(out[0], a.random_range_ratio)
     return WorkloadConfig(dataset=a.dataset_name, input_len=inp, output_len=out, prefix_groups=a.prefix_groups,
                           prefix_len=a.prefix_len, long_input_len=parse_range(a.long_input_len),
@@ -146,8 +146,12 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
     watcher = MetricsWatcher(urls, headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else None)
     started = time.time()
     await watcher.start()
+    records = list(warm_recs)
+    interrupted = False
     try:
-        records = warm_recs + await run_load(target, reqs, load, done)
+        await run_load(target, reqs, load, done, into=records)
+    except asyncio.CancelledError:  # Ctrl-C: keep what was measured, say so
+        interrupted = True
     finally:
         bar.close()
         await watcher.stop()
@@ -159,7 +163,7 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
           "burstiness": load.burstiness, "max_concurrency": load.max_concurrency,
           "num_requests": load.num_requests, "duration_s": load.duration_s, "warmup_s": load.warmup_s,
           "num_warmups": load.num_warmups, "seed": load.seed}
-    return {"label": load.label, "load": lz, "started_unix": started, "summary": summary,
+    return {"label": load.label, "load": lz, "started_unix": started, "interrupted": interrupted, "summary": summary,
             "server": watcher.report(), "records": [r.to_json() for r in records]}
 
 
@@ -181,6 +185,8 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
         for load in loads:
             runs.append(await _one_run(a, target, builder, tenants, load, urls))
             print(format_run(runs[-1], a.backend, where), flush=True)
+            if runs[-1]["interrupted"]:
+                break
     finally:
         await target.close()
     if len(runs) > 1:
@@ -188,6 +194,7 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
     cfg = {k: v for k, v in vars(a).items() if k not in ("func", "api_key") and not callable(v)}
     cfg["tenant"] = [{"name": t.name, "rate": t.rate, "priority": t.priority} for t in tenants]
     return {"tool": "tokenmill bench serve", "backend": a.backend, "target": where,
+            "interrupted": any(r["interrupted"] for r in runs),
             "model": getattr(target, "model", None) or a.model, "config": cfg, "runs": runs}
 
 
@@ -220,6 +227,9 @@ def run(a: argparse.Namespace) -> int:
             if len(result["runs"]) > 1:
                 pngs += plots.sweep_plots(result["runs"], prefix)
             print("plots: " + " ".join(str(p) for p in pngs))
+    if result["interrupted"]:
+        print("interrupted: the figures cover the requests sent until then", file=sys.stderr)
+        return 130
     failed = sum(r["summary"]["failed"] for r in result["runs"])
     return 1 if failed and a.fail_on_error else 0
 

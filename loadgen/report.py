@@ -9,6 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from loadgen.metrics import stats
+
 _LAT = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 
 
@@ -21,6 +23,8 @@ def _f(v: Any, fmt: str = ".1f") -> str:
 def format_run(run: dict[str, Any], backend: str, where: str) -> str:
     s, srv = run["summary"], run.get("server", {})
     lines = [f"==== tokenmill bench serve: {backend} {where} — {run['label']} ===="]
+    if run.get("interrupted"):
+        lines.append("!! INTERRUPTED: the run was stopped early; requests in flight count as cancelled")
     if s["failed"]:
         kinds = ", ".join(f"{k} ×{n}" for k, n in s["errors"].items())
         lines.append(f"!! {s['failed']} of {s['requests']} requests FAILED: {kinds}")
@@ -99,9 +103,17 @@ def _from_vllm(d: dict[str, Any]) -> dict[str, Any]:
     s["completed"] = d.get("completed")
     s["failed"] = d.get("failed", (d.get("num_prompts") or 0) - (d.get("completed") or 0))
     s["goodput"] = d.get("request_goodput")
+    s["input_tokens"], s["output_tokens"] = d.get("total_input_tokens"), d.get("total_output_tokens")
     for ours, theirs in _VLLM_LAT.items():
         s[ours] = {"mean": d.get(f"mean_{theirs}_ms"), "p50": d.get(f"median_{theirs}_ms"),
                    "p90": d.get(f"p90_{theirs}_ms"), "p99": d.get(f"p99_{theirs}_ms")}
+    # the per-request lists it saves (latencies always; ttfts and itls with --save-detailed), in seconds
+    for ours, key in (("e2e_ms", "latencies"), ("ttft_ms", "ttfts")):
+        vals = [v for v in d.get(key) or [] if v]
+        if vals:
+            s[ours] = stats(vals, 1000)
+    if d.get("itls"):
+        s["itl_ms"] = stats([x for r in d["itls"] for x in r], 1000)
     label = f"vllm {d.get('request_rate', '')} req/s, concurrency {d.get('max_concurrency')}"
     return {"label": label, "summary": s}
 
@@ -116,6 +128,7 @@ def load_runs(path: str | Path) -> list[dict[str, Any]]:
 
 
 _ROWS = [("completed", ("completed",)), ("failed", ("failed",)), ("duration s", ("duration_s",)),
+         ("input tokens", ("input_tokens",)), ("output tokens", ("output_tokens",)),
          ("request throughput req/s", ("request_throughput",)), ("output throughput tok/s", ("output_throughput",)),
          ("total throughput tok/s", ("total_token_throughput",)), ("goodput req/s", ("goodput",)),
          ("SLO attainment", ("slo_attainment",))] + [

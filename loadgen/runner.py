@@ -69,41 +69,43 @@ async def run_warmups(target: Target, warmups: Iterator[RequestSpec], load: Load
 
 
 async def run_load(target: Target, requests: Iterator[RequestSpec], load: LoadConfig,
-                   on_done: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
+                   on_done: Callable[[RequestRecord], None] | None = None,
+                   into: list[RequestRecord] | None = None) -> list[RequestRecord]:
     """Drive ``target`` with the measured load; return the records in send order (those due inside
-    ``warmup_s`` flagged ``warmup``)."""
+    ``warmup_s`` flagged ``warmup``), appended to ``into`` as they are sent when given: if the run is cancelled
+    (Ctrl-C), the requests in flight are cancelled (outcome ``cancelled``) and ``into`` holds what was sent."""
     if (load.num_requests is None) == (load.duration_s is None):
         raise ValueError("give a request count or a duration")
     closed = math.isinf(load.request_rate)
     if closed and load.duration_s is not None and not load.max_concurrency:
         raise ValueError("a duration with an infinite request rate needs --max-concurrency (closed loop)")
-    records: list[RequestRecord] = []
+    records: list[RequestRecord] = [] if into is None else into
 
     tasks: list[asyncio.Task[None]] = []
     sem = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
 
-    async def one(spec: RequestSpec, rec: RequestRecord, t0: float, slot_held: bool) -> None:
+    async def one(spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
         try:
             await target.send(spec, rec, t0)
         finally:
-            if slot_held and sem is not None:
+            if sem is not None:
                 sem.release()
             if on_done is not None:
                 on_done(rec)
 
-    t0 = time.perf_counter()
-    if closed and load.duration_s is not None:
-        assert sem is not None
-        while time.perf_counter() - t0 < load.duration_s:
-            await sem.acquire()
-            if time.perf_counter() - t0 >= load.duration_s:
-                sem.release()
-                break
-            spec = next(requests)
-            rec = _record(spec, time.perf_counter() - t0, False)
-            records.append(rec)
-            tasks.append(asyncio.create_task(one(spec, rec, t0, True)))
-    else:
+    async def dispatch(t0: float) -> None:
+        if closed and load.duration_s is not None:
+            assert sem is not None
+            while time.perf_counter() - t0 < load.duration_s:
+                await sem.acquire()
+                if time.perf_counter() - t0 >= load.duration_s:
+                    sem.release()
+                    break
+                spec = next(requests)
+                rec = _record(spec, time.perf_counter() - t0, False)
+                records.append(rec)
+                tasks.append(asyncio.create_task(one(spec, rec, t0)))
+            return
         times = arrival_times(load.request_rate, load.burstiness, load.seed, count=load.num_requests,
                               duration=load.duration_s)
         for due in times:
@@ -115,8 +117,10 @@ async def run_load(target: Target, requests: Iterator[RequestSpec], load: LoadCo
                 await sem.acquire()
             rec = _record(spec, due, due < load.warmup_s)
             records.append(rec)
-            tasks.append(asyncio.create_task(one(spec, rec, t0, True)))
+            tasks.append(asyncio.create_task(one(spec, rec, t0)))
+
     try:
+        await dispatch(time.perf_counter())
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:
         for t in tasks:
@@ -124,4 +128,3 @@ async def run_load(target: Target, requests: Iterator[RequestSpec], load: LoadCo
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     return records
-

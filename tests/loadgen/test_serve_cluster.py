@@ -59,8 +59,8 @@ def _in_flight_max(recs: list[dict]) -> int:
 
 def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tmp_path):
     out = tmp_path / "a.json"
-    code, text = bench(capsys, "serve", "--backend", "grpc", "--base-url", cluster["grpc"], "--num-prompts", "6",
-                       "--max-concurrency", "1", "3", "--random-input-len", "300", "--random-output-len", "6",
+    code, text = bench(capsys, "serve", "--backend", "grpc", "--base-url", cluster["grpc"], "--num-prompts", "4",
+                       "--max-concurrency", "1", "3", "--random-input-len", "300", "--random-output-len", "5",
                        "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000", "--cluster-state", cluster["state"],
                        "--result-file", str(out), "--disable-tqdm", "--fail-on-error")
     assert code == 0, text
@@ -69,19 +69,19 @@ def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tm
     for run, conc in zip(res["runs"], (1, 3)):
         s, recs = run["summary"], run["records"]
         assert run["load"]["max_concurrency"] == conc and run["label"] == f"concurrency {conc}"
-        assert (s["requests"], s["completed"], s["failed"], s["errors"]) == (6, 6, 0, {})
-        assert [r["warmup"] for r in recs] == [True] + [False] * 6  # --num-warmups 1, kept in the JSON, flagged
+        assert (s["requests"], s["completed"], s["failed"], s["errors"]) == (4, 4, 0, {})
+        assert [r["warmup"] for r in recs] == [True] + [False] * 4  # --num-warmups 1, kept in the JSON, flagged
         for r in recs:
             assert r["outcome"] == "ok" and r["prompt_tokens"] == r["input_len"] == 300
-            assert r["output_tokens"] == r["output_len"] == 6 and len(r["itls"]) == len(r["chunk_times"]) - 1
+            assert r["output_tokens"] == r["output_len"] == 5 and len(r["itls"]) == len(r["chunk_times"]) - 1
             assert 0 < r["ttft"] <= r["e2e"]
         assert _in_flight_max([r for r in recs if not r["warmup"]]) <= conc  # closed loop: the cap holds
-        assert s["output_tokens"] == 36 and s["output_throughput"] == pytest.approx(36 / s["duration_s"])
+        assert s["output_tokens"] == 20 and s["output_throughput"] == pytest.approx(20 / s["duration_s"])
         assert s["slo_attainment"] == 1.0 and s["goodput"] == pytest.approx(s["request_throughput"])
         srv = run["server"]
         assert srv["read"] == srv["endpoints"] == 5
         # 300-token prompts are over router.prefill_threshold_tokens: prefilled remotely, KV pulled over NIXL
-        assert srv["nixl_bytes"] > 0 and 0 < srv["kv_usage_peak"] <= 1 and srv["prefix_cache_queries"] >= 6 * 300
+        assert srv["nixl_bytes"] > 0 and 0 < srv["kv_usage_peak"] <= 1 and srv["prefix_cache_queries"] >= 4 * 300
     assert _in_flight_max([r for r in res["runs"][1]["records"] if not r["warmup"]]) >= 2
     # every sweep point (and its warm-up) draws fresh prompts: none is served from an earlier one's cache
     assert [run["server"]["prefix_cache_hits"] for run in res["runs"]] == [0, 0]
@@ -137,3 +137,20 @@ def test_errors_are_counted_by_kind_and_shown_first(cluster, capsys, tmp_path, b
     assert code == 1 and s["errors"] == {kind: 3} and s["completed"] == 0
     lines = text.splitlines()
     assert lines[1] == f"!! 3 of 3 requests FAILED: {kind} ×3" and str(MAX_LEN) in lines[2]
+
+
+def test_ctrl_c_keeps_what_was_measured(cluster, capsys, tmp_path):
+    import threading
+
+    out = tmp_path / "i.json"
+    threading.Timer(2.5, signal.raise_signal, (signal.SIGINT,)).start()  # asyncio.run turns it into a cancel
+    code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], "--num-prompts", "200", "--request-rate", "20",
+                       "--random-input-len", "16", "--random-output-len", "64", "--ignore-eos", "--num-warmups", "0",
+                       "--result-file", str(out), "--no-plots", "--disable-tqdm")
+    res = json.loads(out.read_text())
+    run = res["runs"][0]
+    s = run["summary"]
+    assert code == 130 and res["interrupted"] and run["interrupted"]
+    assert 10 < s["requests"] < 200 and s["errors"].get("cancelled", 0) >= 1
+    assert {r["outcome"] for r in run["records"]} <= {"ok", "cancelled"}
+    assert "!! INTERRUPTED" in text.splitlines()[1]
