@@ -215,7 +215,8 @@ class Launcher:
         gw = [ch for ch in self.children if ch.svc.role == "gateway"]
         lines = [f"tokenmill cluster ready: {len(self.children)} processes, model {c.model}"]
         for g in gw:
-            lines.append(f"  connect: grpc {g.svc.address} (tokenmill.v1.Frontend/Generate; "
+            lines.append(f"  connect: OpenAI API http://{c.host}:{c.gateway.http_port + g.svc.index}/v1 "
+                         f"(model {c.model}); grpc {g.svc.address} (tokenmill.v1.Frontend/Generate; "
                          f"grpcurl -plaintext {g.svc.address} list)")
         lines.append(f"  {'process':<12} {'pid':>8}  {'grpc':<21} metrics")
         for ch in self.children:
