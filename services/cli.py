@@ -19,9 +19,6 @@ def build_parser() -> argparse.ArgumentParser:
     from services.cluster import cli as cluster_cli
 
     cluster_cli.add_parsers(sub)
-    from services.cluster import ray_pools
-
-    ray_pools.add_parser(sub)
     from loadgen import cli as bench_cli
 
     bench_cli.add_parser(sub)
@@ -30,10 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["health"]:  # container health checks, every few seconds: skip importing the engine
-        from services.cluster.cli import health_main
+    if argv[:1] in (["health"], ["ray"]):  # health: every few seconds in a container; neither needs the engine
+        from services.cluster.__main__ import main as cluster_main
 
-        return health_main(argv[1:])
+        return cluster_main(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

@@ -1,4 +1,5 @@
-"""The cluster commands: ``tokenmill up``, ``tokenmill serve ROLE``, ``tokenmill status``, ``tokenmill health``."""
+"""The cluster commands: ``tokenmill up``, ``tokenmill serve ROLE``, ``tokenmill status``, ``tokenmill health``,
+``tokenmill ray up|status|down`` (``services/cluster/ray_pools.py``)."""
 
 from __future__ import annotations
 
@@ -73,10 +74,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--state-file", type=Path, help="the file `tokenmill up` wrote (default as for up)")
     status.set_defaults(func=cmd_status)
 
-    add_health_parser(sub)
-
-
-def add_health_parser(sub: argparse._SubParsersAction) -> None:
     health = sub.add_parser("health", help="exit 0 if a service is SERVING (container health checks)",
                             description="Exit 0 when the gRPC service at HOST:PORT answers SERVING on "
                                         "grpc.health.v1, or when an http(s):// URL answers 200 (the gateway's "
@@ -84,6 +81,10 @@ def add_health_parser(sub: argparse._SubParsersAction) -> None:
     health.add_argument("target", help="HOST:PORT of a gRPC service, or a URL such as http://127.0.0.1:8000/health")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
     health.set_defaults(func=cmd_health)
+
+    from services.cluster import ray_pools  # its own module: it imports this one
+
+    ray_pools.add_parser(sub)
 
 
 def _load(a: argparse.Namespace) -> ClusterConfig | None:
@@ -153,13 +154,6 @@ def cmd_status(a: argparse.Namespace) -> int:
         for p in procs:
             print(f"{p['name']:<12} {p['pid']:>8}  {p['address']:<21} {p['metrics_port']:>7}  {p['health']}")
     return 0 if healthy else 1
-
-
-def health_main(argv: list[str]) -> int:
-    """``tokenmill health …`` without importing the engine (a container runs it every few seconds)."""
-    p = argparse.ArgumentParser(prog="tokenmill")
-    add_health_parser(p.add_subparsers(dest="command", required=True))
-    return int(cmd_health(p.parse_args(["health", *argv])))
 
 
 def cmd_health(a: argparse.Namespace) -> int:

@@ -69,7 +69,7 @@ class ServiceProcess:
         cfg = self.dir / "cluster.yaml"
         cfg.write_text(config_yaml)
         self.address = address
-        cmd = [sys.executable, "-m", "services.cli", "serve", self.role, "--index", str(self.index),
+        cmd = [sys.executable, "-m", "services.cluster", "serve", self.role, "--index", str(self.index),
                "--config", str(cfg)]
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
