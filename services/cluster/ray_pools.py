@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,17 +95,20 @@ class ServiceProcess:
             return ""
 
     def stop(self, timeout_s: float) -> int | None:
-        """SIGTERM (the service drains), then SIGKILL after ``timeout_s``; returns the exit code."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        """SIGTERM (the service drains), then SIGKILL after ``timeout_s``; removes the config and the log.
+        Returns the exit code (None: never started)."""
+        code = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+            code = self.proc.returncode
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return code
 
 
 @dataclass(frozen=True, slots=True)
