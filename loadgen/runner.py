@@ -40,7 +40,8 @@ class LoadConfig:
     def label(self) -> str:
         parts = []
         if not math.isinf(self.request_rate):
-            parts.append(f"{self.request_rate:g} req/s")
+            parts.append(f"{self.request_rate:g} req/s" + (f" (burstiness {self.burstiness:g})"
+                                                           if self.burstiness != 1 else ""))
         if self.max_concurrency:
             parts.append(f"concurrency {self.max_concurrency}")
         return ", ".join(parts) or "all at once"

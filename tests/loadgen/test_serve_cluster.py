@@ -154,3 +154,23 @@ def test_ctrl_c_keeps_what_was_measured(cluster, capsys, tmp_path):
     assert 10 < s["requests"] < 200 and s["errors"].get("cancelled", 0) >= 1
     assert {r["outcome"] for r in run["records"]} <= {"ok", "cancelled"}
     assert "!! INTERRUPTED" in text.splitlines()[1]
+
+
+@pytest.mark.parametrize("mode", ["closed", "open"])
+def test_duration_runs_stop_sending_in_time_and_warmup_seconds_are_left_out(cluster, capsys, tmp_path, mode):
+    out = tmp_path / "d.json"
+    load = ["--max-concurrency", "2"] if mode == "closed" else ["--request-rate", "6", "--warmup-seconds", "0.5"]
+    code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], "--duration", "1.5", *load,
+                       "--random-input-len", "8", "--random-output-len", "3", "--ignore-eos", "--num-warmups", "0",
+                       "--result-file", str(out), "--no-plots", "--disable-tqdm")
+    assert code == 0, text
+    run = json.loads(out.read_text())["runs"][0]
+    recs, s = run["records"], run["summary"]
+    assert run["load"]["duration_s"] == 1.5 and all(r["outcome"] == "ok" for r in recs)
+    assert max(r["scheduled"] for r in recs) < 1.5 and max(r["start"] for r in recs) < 1.6
+    if mode == "closed":
+        assert _in_flight_max(recs) <= 2 and len(recs) >= 2 and not any(r["warmup"] for r in recs)
+    else:
+        warm = [r for r in recs if r["warmup"]]
+        assert all(r["scheduled"] < 0.5 for r in warm) and all(r["scheduled"] >= 0.5 for r in recs if not r["warmup"])
+        assert warm and s["requests"] == len(recs) - len(warm)
