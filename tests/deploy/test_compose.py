@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from common.cluster_config import ROLES, load_cluster_config
-from tests.deploy.conftest import COMPOSE, ROOT
+from tests.deploy.paths import COMPOSE, ROOT
 from tests.services.harness import HOST, free_base_port
 
 TOKENMILL_IMAGES = ("tokenmill:cpu", "tokenmill:cuda")

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from common.cluster_config import ROLES, load_cluster_config
-from tests.deploy.conftest import CHART, KUBE_VALIDATE
+from tests.deploy.paths import CHART, KUBE_VALIDATE
 
 RELEASE = "tm"
 GPU_ON = {"prefill": {"gpus": 1, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",

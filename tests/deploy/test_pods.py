@@ -19,7 +19,7 @@ import yaml
 from tokenmill.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, router_pb2, router_pb2_grpc
 
 from common.rpc import health_status
-from tests.deploy.conftest import CHART
+from tests.deploy.paths import CHART
 from tests.services.harness import free_base_port
 
 RELEASE = "tm"

@@ -21,7 +21,7 @@ import pytest
 from tokenmill.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2
 
 from common.rpc import health_status
-from tests.deploy.conftest import VENV_BIN
+from tests.deploy.paths import VENV_BIN
 from tests.services.harness import free_base_port, port_free
 
 HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
