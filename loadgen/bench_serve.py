@@ -73,7 +73,7 @@ def _rate(s: str) -> float:
     return v
 
 
-def _target(a: argparse.Namespace, opts: SendOptions) -> tuple[Target, str]:
+def _target(a: argparse.Namespace, opts: SendOptions, tenants: list[Tenant]) -> tuple[Target, str]:
     if a.backend == "grpc":
         if a.base_url:
             addr = a.base_url.split("://", 1)[-1].rstrip("/")
@@ -81,7 +81,8 @@ def _target(a: argparse.Namespace, opts: SendOptions) -> tuple[Target, str]:
             addr = f"{a.host}:{a.port or 50051}"
         return GrpcTarget(addr, a.model, opts), addr
     base = a.base_url or f"http://{a.host}:{a.port or 8000}"
-    t = OpenAITarget(base, "chat" if a.backend == "openai-chat" else "completions", a.model, opts)
+    t = OpenAITarget(base, "chat" if a.backend == "openai-chat" else "completions", a.model, opts,
+                     models_key=next((t.api_key for t in tenants if t.api_key), None))
     if a.endpoint:
         t.url = t.base_url + "/" + a.endpoint.lstrip("/")
     return t, t.url
@@ -175,13 +176,13 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
     a.api_key = api_key
     opts = SendOptions(ignore_eos=a.ignore_eos, temperature=a.temperature, timeout=a.request_timeout,
                        api_key=api_key)
-    target, where = _target(a, opts)
+    target, where = _target(a, opts, tenants)
     loads = _loads(a, tenants)
     builder = PromptBuilder(load_tokenizer(a.tokenizer))
     urls = _metrics_urls(a)
-    await target.open()
     runs = []
     try:
+        await target.open()
         for load in loads:
             runs.append(await _one_run(a, target, builder, tenants, load, urls))
             print(format_run(runs[-1], a.backend, where), flush=True)

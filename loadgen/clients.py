@@ -139,7 +139,9 @@ class OpenAITarget:
     ``/v1/completions``. The tenant travels as its API key (``Authorization: Bearer``) and ``x-tenant-id``; its
     priority as the request's ``priority`` field (a vLLM extension)."""
 
-    def __init__(self, base_url: str, endpoint: str, model: str | None, opts: SendOptions) -> None:
+    def __init__(self, base_url: str, endpoint: str, model: str | None, opts: SendOptions,
+                 models_key: str | None = None) -> None:
+        self.models_key = models_key  # for GET /v1/models when there is no default key (a tenant's)
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
@@ -150,7 +152,7 @@ class OpenAITarget:
 
     def headers(self, spec: RequestSpec | None = None) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
-        key = _key(spec, self.opts) if spec else self.opts.api_key
+        key = _key(spec, self.opts) if spec else (self.opts.api_key or self.models_key)
         if key:
             h["Authorization"] = f"Bearer {key}"
         if spec and spec.tenant:

@@ -17,6 +17,7 @@ from tests.services.harness import HOST, free_base_port
 
 MAX_LEN = 1024
 PNG = b"\x89PNG\r\n\x1a\n"
+KEYS = "alice:sk-alice,bob:sk-bob,sk-default"  # the HTTP API wants a key; a key names its tenant
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def cluster(tmp_path_factory):
     cmd = [sys.executable, "-m", "services.cli", "up", "--base-port", str(base), "--gateway-port", str(base + 450),
            "--http-port", str(base + 451), "--tokenizers", "1", "--prefills", "1", "--decodes", "1",
            "--state-file", str(state), "--set", f"engine.max_model_len={MAX_LEN}",
-           "--set", "engine.kv_cache_memory=64MiB", "--grace", "2"]
+           "--set", "engine.kv_cache_memory=64MiB", "--set", f"gateway.api_keys={KEYS}", "--grace", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + 180
@@ -96,7 +97,8 @@ def test_http_chat_open_loop_tenants_and_shared_prefix(cluster, capsys, tmp_path
     code, text = bench(capsys, "serve", "--backend", "openai-chat", "--base-url", cluster["http"] + "/v1",
                        "--dataset", "shared-prefix", "--prefix-groups", "1", "--prefix-len", "96",
                        "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--chat-length",
-                       "total", "--tenant", "alice:rate=4,priority=0", "--tenant", "bob:rate=4,priority=10",
+                       "total", "--tenant", "alice:rate=4,priority=0,key=sk-alice",
+                       "--tenant", "bob:rate=4,priority=10,key=sk-bob",
                        "--num-prompts", "8", "--seed", "3", "--cluster-state", cluster["state"],
                        "--result-file", str(out), "--disable-tqdm")
     assert code == 0, text
@@ -116,6 +118,7 @@ def test_http_chat_open_loop_tenants_and_shared_prefix(cluster, capsys, tmp_path
     # compare the gRPC sweep's first point with this run: a table of ratios
     a = tmp_path / "one.json"
     code, _ = bench(capsys, "serve", "--backend", "openai", "--base-url", cluster["http"], "--num-prompts", "2",
+                    "--api-key", "sk-default",
                     "--random-input-len", "20", "--random-output-len", "3", "--ignore-eos", "--num-warmups", "0",
                     "--result-file", str(a), "--disable-tqdm", "--no-plots")
     assert code == 0
@@ -125,18 +128,21 @@ def test_http_chat_open_loop_tenants_and_shared_prefix(cluster, capsys, tmp_path
     assert code == 0 and "B/A" in cmp and "request throughput req/s" in cmp
 
 
-@pytest.mark.parametrize("backend", ["grpc", "openai"])
+@pytest.mark.parametrize("backend", ["grpc", "openai", "openai-no-key"])
 def test_errors_are_counted_by_kind_and_shown_first(cluster, capsys, tmp_path, backend):
     url = cluster["grpc"] if backend == "grpc" else cluster["http"]
+    key = [] if backend == "openai-no-key" else ["--api-key", "sk-default"]
     out = tmp_path / "e.json"
-    code, text = bench(capsys, "serve", "--backend", backend, "--base-url", url, "--num-prompts", "3",
-                       "--random-input-len", str(MAX_LEN + 10), "--random-output-len", "4", "--num-warmups", "0",
-                       "--result-file", str(out), "--no-plots", "--disable-tqdm", "--fail-on-error")
-    kind = "INVALID_ARGUMENT" if backend == "grpc" else "HTTP 400"
+    code, text = bench(capsys, "serve", "--backend", backend.removesuffix("-no-key"), "--base-url", url, *key,
+                       "--model", "smollm2", "--num-prompts", "3", "--random-input-len", str(MAX_LEN + 10),
+                       "--random-output-len", "4", "--num-warmups", "0", "--result-file", str(out), "--no-plots",
+                       "--disable-tqdm", "--fail-on-error")
+    kind, why = {"grpc": ("INVALID_ARGUMENT", str(MAX_LEN)), "openai": ("HTTP 400", str(MAX_LEN)),
+                 "openai-no-key": ("HTTP 401", "missing API key")}[backend]
     s = json.loads(out.read_text())["runs"][0]["summary"]
     assert code == 1 and s["errors"] == {kind: 3} and s["completed"] == 0
     lines = text.splitlines()
-    assert lines[1] == f"!! 3 of 3 requests FAILED: {kind} ×3" and str(MAX_LEN) in lines[2]
+    assert lines[1] == f"!! 3 of 3 requests FAILED: {kind} ×3" and why in lines[2]
 
 
 def test_ctrl_c_keeps_what_was_measured(cluster, capsys, tmp_path):
