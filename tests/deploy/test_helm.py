@@ -164,6 +164,9 @@ def test_autoscalers_pdbs_and_service_monitor():
     [sm] = by_kind(docs, "ServiceMonitor").values()
     assert sm["metadata"]["labels"]["release"] == "prom"
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    [relabel] = sm["spec"]["endpoints"][0]["relabelings"]  # the dashboard's `role` label
+    assert relabel["targetLabel"] == "role"
+    assert relabel["sourceLabels"] == ["__meta_kubernetes_service_label_app_kubernetes_io_component"]
     for svc in by_kind(docs, "Service").values():
         assert all(svc["metadata"]["labels"][k] == v for k, v in sm["spec"]["selector"]["matchLabels"].items())
         assert "metrics" in [p["name"] for p in svc["spec"]["ports"]]
