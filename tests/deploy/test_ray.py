@@ -28,11 +28,13 @@ HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 
 
 def ray_ports(base: int) -> list[str]:
-    """Every port a Ray node opens, fixed below 32768 (Ray would otherwise pick some in the ephemeral range)."""
+    """Every port a Ray node opens, fixed below 32768 (Ray would otherwise pick some in the ephemeral range),
+    and a small object store."""
     return [f"--node-manager-port={base}", f"--object-manager-port={base + 1}",
             f"--ray-client-server-port={base + 2}", f"--dashboard-agent-listen-port={base + 3}",
             f"--dashboard-agent-grpc-port={base + 4}", f"--runtime-env-agent-port={base + 5}",
-            f"--metrics-export-port={base + 6}", f"--min-worker-port={base + 10}", f"--max-worker-port={base + 60}"]
+            f"--metrics-export-port={base + 6}", f"--min-worker-port={base + 10}", f"--max-worker-port={base + 60}",
+            "--object-store-memory=100000000"]  # the test moves no objects; Ray's default is 30% of memory
 
 
 def free_range(n: int) -> int:
