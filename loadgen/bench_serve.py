@@ -23,7 +23,7 @@ from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions, Tar
 from loadgen.metrics import RequestRecord, Slo, summarize
 from loadgen.report import format_run, format_sweep
 from loadgen.runner import LoadConfig, run_load, run_warmups
-from loadgen.server_metrics import MetricsWatcher, endpoints_from_state
+from loadgen.server_metrics import MetricsWatcher, endpoints_from_state, local_cluster_endpoints
 from loadgen.workloads import (
     DATASETS,
     PromptBuilder,
@@ -73,12 +73,15 @@ def _rate(s: str) -> float:
     return v
 
 
+def _target_address(a: argparse.Namespace) -> str:
+    if a.base_url:
+        return a.base_url.split("://", 1)[-1].rstrip("/")
+    return f"{a.host}:{a.port or 50051}"
+
+
 def _target(a: argparse.Namespace, opts: SendOptions, tenants: list[Tenant]) -> tuple[Target, str]:
     if a.backend == "grpc":
-        if a.base_url:
-            addr = a.base_url.split("://", 1)[-1].rstrip("/")
-        else:
-            addr = f"{a.host}:{a.port or 50051}"
+        addr = _target_address(a)
         return GrpcTarget(addr, a.model, opts), addr
     base = a.base_url or f"http://{a.host}:{a.port or 8000}"
     t = OpenAITarget(base, "chat" if a.backend == "openai-chat" else "completions", a.model, opts,
@@ -94,6 +97,8 @@ def _metrics_urls(a: argparse.Namespace) -> list[str]:
     urls = list(a.metrics_url or [])
     if a.cluster_state:
         urls += endpoints_from_state(a.cluster_state)
+    if not urls and a.backend == "grpc":  # a cluster that `tokenmill up` started here: all of its processes
+        urls = local_cluster_endpoints(_target_address(a))
     if not urls and a.backend != "grpc":
         base = (a.base_url or f"http://{a.host}:{a.port or 8000}").rstrip("/").removesuffix("/v1")
         urls.append(base + "/metrics")
@@ -144,7 +149,7 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
             errors += 1
             bar.set_postfix(errors=errors)
 
-    watcher = MetricsWatcher(urls, headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else None)
+    watcher = MetricsWatcher(urls, interval=a.metrics_interval, headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else None)
     started = time.time()
     await watcher.start()
     records = list(warm_recs)
@@ -218,7 +223,7 @@ def run(a: argparse.Namespace) -> int:
     path = _result_path(a)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, default=_json_default))
+        path.write_text(json.dumps(_finite(result), separators=(",", ":"), allow_nan=False))
         print(f"results: {path}")
         if not a.no_plots:
             from loadgen import plots
@@ -235,10 +240,15 @@ def run(a: argparse.Namespace) -> int:
     return 1 if failed and a.fail_on_error else 0
 
 
-def _json_default(o: Any) -> Any:
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    return str(o)
+def _finite(o: Any) -> Any:
+    """NaN/inf → null: strict JSON, which jq and browsers read."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, list | tuple):
+        return [_finite(v) for v in o]
+    return o
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -295,8 +305,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--goodput", "--slo", dest="goodput", nargs="+", metavar="KEY:MS",
                    help="SLO for goodput: ttft:MS tpot:MS e2e:MS (any subset)")
     m.add_argument("--metrics-url", action="append", help="a Prometheus /metrics URL to diff (repeat)")
-    m.add_argument("--cluster-state", help="read every process's /metrics from a `tokenmill up` state file")
-    m.add_argument("--no-server-metrics", action="store_true")
+    m.add_argument("--cluster-state", help="read every process's /metrics from a `tokenmill up` state file (grpc: "
+                                           "the default state file is read when its gateway is the target)")
+    m.add_argument("--metrics-interval", type=float, default=1.0,
+                   help="seconds between /metrics samples during a run (for the KV usage peak)")
+    m.add_argument("--no-server-metrics", action="store_true",
+                   help="read no /metrics (a cross-check against a client that reads none)")
     m.add_argument("--save-result", action="store_true", help="write the JSON (and plots)")
     m.add_argument("--result-file", "--result-filename", dest="result_file", help="JSON path (implies --save-result)")
     m.add_argument("--result-dir", help="directory for the JSON and plots")

@@ -89,8 +89,14 @@ class RequestRecord:
         return self.start + (self.end or 0.0)
 
     def to_json(self) -> dict[str, Any]:
+        """The record with its derived figures; times rounded to the microsecond. ITLs are the differences of
+        ``chunk_times`` (not stored twice: a long run has millions)."""
         d = asdict(self)
-        d.update(ttft=self.ttft, e2e=self.e2e, tpot=self.tpot, itls=self.itls, output_tokens=self.output_tokens)
+        d.update(ttft=self.ttft, e2e=self.e2e, tpot=self.tpot, output_tokens=self.output_tokens)
+        for k in ("scheduled", "start", "end", "ttft", "e2e", "tpot"):
+            if d[k] is not None:
+                d[k] = round(d[k], 6)
+        d["chunk_times"] = [round(t, 6) for t in self.chunk_times]
         return d
 
 

@@ -3,6 +3,7 @@ against the offered load (rate, or concurrency for a closed-loop sweep). Headles
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ def latency_cdfs(runs: list[dict[str, Any]], path: Path) -> Path:
         for run in runs:
             ok = [r for r in run["records"] if r["outcome"] == "ok" and not r["warmup"] and r["e2e"] is not None]
             if key == "itls":
-                vals = [x for r in ok for x in r["itls"]]
+                vals = [b - a for r in ok for a, b in itertools.pairwise(r["chunk_times"])]
             elif key == "tpot":
                 vals = [r["tpot"] for r in ok if r["output_tokens"] > 1]
             else:

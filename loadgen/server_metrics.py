@@ -56,6 +56,21 @@ def endpoints_from_state(path: str | os.PathLike[str], host: str | None = None) 
     return out
 
 
+def local_cluster_endpoints(grpc_address: str) -> list[str]:
+    """The ``/metrics`` URLs of the local ``tokenmill up`` cluster whose gateway serves ``grpc_address``, from its
+    default state file (``$XDG_RUNTIME_DIR/tokenmill/cluster.json``, else ``~/.cache/tokenmill/cluster.json``);
+    empty when there is none or it is another cluster."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = (Path(base) / "tokenmill" if base else Path.home() / ".cache" / "tokenmill") / "cluster.json"
+    try:
+        st = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not any(p.get("role") == "gateway" and p.get("address") == grpc_address for p in st.get("processes", [])):
+        return []
+    return endpoints_from_state(path)
+
+
 class MetricsWatcher:
     """Scrapes ``urls`` at start, every ``interval`` s during the run (peaks) and at stop. Unreachable endpoints are
     counted, never fatal: the client-side figures stand on their own."""

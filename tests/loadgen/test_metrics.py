@@ -146,3 +146,27 @@ def test_server_metrics_deltas_and_peaks_from_real_endpoints(tmp_path):
     state = tmp_path / "s.json"
     state.write_text(json.dumps({"processes": [{"address": "127.0.0.1:20300", "metrics_port": 21300}]}))
     assert endpoints_from_state(state) == ["http://127.0.0.1:21300/metrics"]
+
+
+def test_the_local_cluster_is_found_from_its_default_state_file(tmp_path, monkeypatch):
+    from loadgen.server_metrics import local_cluster_endpoints
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert local_cluster_endpoints("127.0.0.1:50051") == []
+    (tmp_path / "tokenmill").mkdir()
+    (tmp_path / "tokenmill" / "cluster.json").write_text(json.dumps({"processes": [
+        {"role": "gateway", "address": "127.0.0.1:50051", "metrics_port": 21400},
+        {"role": "decode", "address": "127.0.0.1:20300", "metrics_port": 21300}]}))
+    assert local_cluster_endpoints("127.0.0.1:50051") == ["http://127.0.0.1:21400/metrics",
+                                                          "http://127.0.0.1:21300/metrics"]
+    assert local_cluster_endpoints("127.0.0.1:50052") == []  # another cluster's gateway
+
+
+def test_result_json_is_strict_and_records_are_compact():
+    from loadgen.bench_serve import _finite
+
+    s = summarize([])
+    text = json.dumps(_finite({"s": s, "x": [math.inf, 1.5, (math.nan,)]}), allow_nan=False)
+    assert json.loads(text)["x"] == [None, 1.5, [None]] and json.loads(text)["s"]["request_throughput"] is None
+    d = _timeline()[0].to_json()
+    assert "itls" not in d and d["chunk_times"] == [0.1, 0.15, 0.25, 0.3] and d["tpot"] == round(0.2 / 3, 6)
