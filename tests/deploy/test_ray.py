@@ -154,3 +154,15 @@ def test_ray_up_streams_a_request_through_pools_on_two_nodes_then_down(ray_clust
         down = tokenmill(["ray", "down", *common, "--grace", "2"], env, timeout=180)
     assert down.returncode == 0 and "removed 5 actors" in down.stdout, down.stdout + down.stderr
     assert health_status(f"127.0.0.1:{gw_port}", timeout=0.5) == "UNREACHABLE"
+
+
+def test_a_service_that_fails_to_start_is_named_and_nothing_is_left_behind(ray_cluster):
+    env, address = ray_cluster["env"], ray_cluster["address"]
+    common = ["--address", address, "--name", "tmfail"]
+    up = tokenmill(["ray", "up", *common, "--base-port", str(free_base_port()), "--gateways", "0",
+                    "--tokenizers", "0", "--prefills", "0", "--model", "dummy:no-such-config",
+                    "--startup-timeout", "120"], env)
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert "decode-0 exited" in up.stderr and "no-such-config" in up.stderr, up.stderr
+    st = tokenmill(["ray", "status", *common], env, timeout=120)
+    assert st.returncode == 1 and "tmfail-" not in st.stdout, st.stdout
