@@ -131,7 +131,7 @@ def actor_name(name: str, role: str, index: int) -> str:
 
 
 def member_configs(cluster: ClusterConfig, members: list[tuple[str, int, str]], gateway_host: str
-                   ) -> tuple[dict[tuple[str, int], tuple[str, str]], dict[str, list[str]]]:
+                   ) -> dict[tuple[str, int], tuple[str, str]]:
     """Per (role, index): (config YAML, listen address), from where each landed (``(role, index, node_ip)``).
 
     Every service listens on its node's IP at the role's port for its index (so two on one node never collide);
@@ -146,7 +146,7 @@ def member_configs(cluster: ClusterConfig, members: list[tuple[str, int, str]], 
     for role, index, ip in members:
         d = {**base, "host": gateway_host if role == "gateway" else ip, "advertise_host": ip}
         out[(role, index)] = (yaml.safe_dump(d, sort_keys=False), f"{d['host']}:{cluster.ports(role, index)[0]}")
-    return out, hosts
+    return out
 
 
 def _connect(address: str) -> Any:
@@ -181,25 +181,39 @@ def up(cluster: ClusterConfig, address: str, name: str = "tokenmill", gateway_ho
         gpus, cpus = gpus or {}, cpus or {}
         remote_cls = ray.remote(ServiceProcess)
         actors: dict[tuple[str, int], Any] = {}
+        placed_all = False
         try:
             for role in ROLES:
                 for i in range(cluster.pool(role).count):
                     actors[(role, i)] = remote_cls.options(  # type: ignore[attr-defined]
                         name=actor_name(name, role, i), lifetime="detached", max_restarts=0,
-                        num_cpus=cpus.get(role, 1.0 if role in _WORKERS else 0.0),
+                        num_cpus=cpus.get(role, 1.0) if role in _WORKERS else 0.0,
                         num_gpus=gpus.get(role, 0.0), scheduling_strategy="SPREAD",
                     ).remote(role, i)
-            ips = dict(zip(actors, ray.get([a.node_ip.remote() for a in actors.values()], timeout=300)))
-            configs, _ = member_configs(cluster, [(r, i, ip) for (r, i), ip in ips.items()], gateway_host)
-            env = {"OMP_NUM_THREADS": str(cluster.threads_for_children()), "PYTHONUNBUFFERED": "1"}
-            ray.get([actors[k].start.remote(configs[k][0], configs[k][1], env) for k in actors], timeout=120)
-            _wait_serving(actors, timeout_s or cluster.startup_timeout_s)
+            timeout_s = timeout_s or cluster.startup_timeout_s
+            try:
+                placed = ray.get([a.node_ip.remote() for a in actors.values()], timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError as e:
+                raise RayUpError(f"Ray could not place every actor within {timeout_s:.0f} s: does the cluster have "
+                                 f"the GPUs ({gpus}) and CPUs ({cpus or 'default'}) asked for?") from e
+            placed_all = True
+            ips = dict(zip(actors, placed))
+            configs = member_configs(cluster, [(r, i, ip) for (r, i), ip in ips.items()], gateway_host)
+            ray.get([actors[(r, i)].start.remote(*configs[(r, i)], _child_env(cluster, r, cpus))
+                     for (r, i) in actors], timeout=120)
+            _wait_serving(actors, timeout_s)
         except BaseException:
-            _stop_all([(r, a) for (r, _), a in actors.items()], grace_s=2.0)
+            _stop_all([(r, a) for (r, _), a in actors.items()], grace_s=2.0, drain=placed_all)
             raise
         return [Member(r, i, actor_name(name, r, i), ips[(r, i)], configs[(r, i)][1]) for (r, i) in actors]
     finally:
         ray.shutdown()
+
+
+def _child_env(cluster: ClusterConfig, role: str, cpus: dict[str, float]) -> dict[str, str]:
+    """A worker computes with the CPUs Ray reserved for it (``threads_per_process`` when set); others need one."""
+    threads = cluster.threads_per_process or (int(cpus.get(role, 1.0)) if role in _WORKERS else 1)
+    return {"OMP_NUM_THREADS": str(max(1, threads)), "PYTHONUNBUFFERED": "1"}
 
 
 def _wait_serving(actors: dict[tuple[str, int], Any], timeout_s: float) -> None:
@@ -221,10 +235,17 @@ def _wait_serving(actors: dict[tuple[str, int], Any], timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def _stop_all(actors: list[tuple[str, Any]], grace_s: float) -> None:
+def _stop_all(actors: list[tuple[str, Any]], grace_s: float, drain: bool = True) -> None:
     """Drain every service (SIGTERM) and remove the actors: the gateways first (no new requests), then the
-    tokenizers and workers together, the routers last."""
+    tokenizers and workers together, the routers last. ``drain`` False: remove them at once (actors that Ray
+    has not placed would never answer)."""
     import ray
+
+    if not drain:
+        for _, a in actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        return
 
     waves: dict[int, list[Any]] = {}
     for role, a in actors:
@@ -296,6 +317,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     for role in _WORKERS:
         g.add_argument(f"--{role}-gpus", type=float, default=0.0, metavar="N",
                        help=f"GPUs per {role} actor (Ray num_gpus; >0 also sets engine.device=cuda)")
+        g.add_argument(f"--{role}-cpus", type=int, default=1, metavar="N",
+                       help=f"CPUs Ray reserves per {role} actor, and its compute threads (default 1)")
     u.add_argument("--startup-timeout", type=float, help="seconds to wait for every service to be SERVING (600)")
     u.set_defaults(func=cmd_up)
 
@@ -319,7 +342,9 @@ def cmd_up(a: argparse.Namespace) -> int:
     if cluster is None:
         return 2
     try:
-        members = up(cluster, a.address, a.name, a.gateway_host, gpus=gpus, timeout_s=a.startup_timeout)
+        members = up(cluster, a.address, a.name, a.gateway_host, gpus=gpus,
+                     cpus={role: float(getattr(a, f"{role}_cpus")) for role in _WORKERS},
+                     timeout_s=a.startup_timeout)
     except RayUpError as e:
         print(f"tokenmill ray up: {e}", file=sys.stderr)
         return 1

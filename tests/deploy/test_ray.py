@@ -166,3 +166,13 @@ def test_a_service_that_fails_to_start_is_named_and_nothing_is_left_behind(ray_c
     assert "decode-0 exited" in up.stderr and "no-such-config" in up.stderr, up.stderr
     st = tokenmill(["ray", "status", *common], env, timeout=120)
     assert st.returncode == 1 and "tmfail-" not in st.stdout, st.stdout
+
+
+def test_pools_asking_for_gpus_the_cluster_lacks_are_refused_and_removed(ray_cluster):
+    env, address = ray_cluster["env"], ray_cluster["address"]
+    common = ["--address", address, "--name", "tmgpu"]
+    up = tokenmill(["ray", "up", *common, "--base-port", str(free_base_port()), "--gateways", "0",
+                    "--tokenizers", "0", "--prefills", "0", "--decode-gpus", "1", "--startup-timeout", "4"], env)
+    assert up.returncode == 1 and "could not place every actor" in up.stderr, up.stdout + up.stderr
+    down = tokenmill(["ray", "down", *common], env, timeout=120)
+    assert down.returncode == 0 and "removed 0 actors" in down.stdout, down.stdout + down.stderr
