@@ -27,6 +27,7 @@ from loadgen.server_metrics import MetricsWatcher, endpoints_from_state, local_c
 from loadgen.workloads import (
     DATASETS,
     PromptBuilder,
+    RandomIdsBuilder,
     Tenant,
     WorkloadConfig,
     iter_requests,
@@ -128,7 +129,7 @@ def _workload(a: argparse.Namespace, seed: int) -> WorkloadConfig:
     return WorkloadConfig(dataset=a.dataset_name, input_len=inp, output_len=out, prefix_groups=a.prefix_groups,
                           prefix_len=a.prefix_len, long_input_len=parse_range(a.long_input_len),
                           sharegpt_output_len=a.sharegpt_output_len,
-                          chat_length=a.chat_length if a.backend == "openai-chat" else "content", seed=seed)
+                          chat=a.backend == "openai-chat", chat_length=a.chat_length, seed=seed)
 
 
 async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder, tenants: list[Tenant],
@@ -174,8 +175,6 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
 
 
 async def _main(a: argparse.Namespace) -> dict[str, Any]:
-    from common.loader import load_tokenizer
-
     tenants = list(a.tenant or [])
     api_key = a.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TOKENMILL_API_KEY")
     a.api_key = api_key
@@ -183,7 +182,7 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
                        api_key=api_key)
     target, where = _target(a, opts, tenants)
     loads = _loads(a, tenants)
-    builder = PromptBuilder(load_tokenizer(a.tokenizer))
+    builder = _builder(a)
     urls = _metrics_urls(a)
     runs = []
     try:
@@ -202,6 +201,21 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
     return {"tool": "tokenmill bench serve", "backend": a.backend, "target": where,
             "interrupted": any(r["interrupted"] for r in runs),
             "model": getattr(target, "model", None) or a.model, "config": cfg, "runs": runs}
+
+
+def _builder(a: argparse.Namespace) -> PromptBuilder:
+    """Prompts from ``--tokenizer`` (default: ``--model`` when it is a local path, else the embedded SmolLM2), or
+    random ids for ``--tokenizer ids:VOCAB``."""
+    from common.loader import load_tokenizer
+
+    spec = a.tokenizer
+    if spec and spec.startswith("ids:"):
+        if a.backend != "grpc":
+            raise ValueError("--tokenizer ids:N makes token-id prompts without text: use --backend grpc")
+        return RandomIdsBuilder(int(spec[4:]))
+    if spec is None and a.model and Path(a.model).expanduser().exists():
+        spec = a.model
+    return PromptBuilder(load_tokenizer(spec))
 
 
 def _result_path(a: argparse.Namespace) -> Path | None:
@@ -269,7 +283,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="model name sent with each request (HTTP: default the first of /v1/models)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer the prompts are built from (common.loader spec: a .gguf, an HF directory; "
-                        "default the embedded SmolLM2)")
+                        "default --model if it is a local path, else the embedded SmolLM2); ids:VOCAB for random "
+                        "token ids without a tokenizer (grpc, dummy models)")
     g.add_argument("--request-timeout", type=float, help="cancel a request after this many seconds")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random")

@@ -45,7 +45,10 @@ class RequestSpec:
 
 
 class PromptBuilder:
-    """Exact-length prompts from a tokenizer (``common.tokenizer.TextTokenizer``-like: encode, decode, tk)."""
+    """Exact-length prompts from a tokenizer (``common.tokenizer.TextTokenizer``-like: encode, decode, tk).
+
+    ``prefix`` holds what the tokenizer puts before any text (a BOS for Llama 3, nothing for SmolLM2): a plain
+    prompt of N tokens is ``prefix`` + N − len(prefix) word tokens, so the server's count is N either way."""
 
     def __init__(self, tokenizer) -> None:
         self.tok = tokenizer
@@ -56,16 +59,22 @@ class PromptBuilder:
         self.words = np.array([i for i, e in zip(cands, encs) if e.ids == [i]], dtype=np.int64)
         if len(self.words) < 100:
             raise ValueError(f"the tokenizer has only {len(self.words)} plain-word tokens; cannot build prompts")
+        probe = [int(self.words[0])]
+        full = tokenizer.encode(tokenizer.decode(probe), add_special_tokens=True)
+        self.prefix: tuple[int, ...] = tuple(full[: len(full) - 1])
         self._overhead: int | None = None
 
     def ids(self, n: int, rng: np.random.Generator) -> list[int]:
+        """``n`` random word tokens."""
         return [int(x) for x in rng.choice(self.words, size=n)]
 
-    def text(self, ids: Sequence[int]) -> str:
-        text = self.tok.decode(list(ids))
-        got = len(self.tok.encode(text, add_special_tokens=True))
-        if got != len(ids):  # a tokenizer that adds BOS, or a pre-tokenizer unlike byte-level BPE
-            raise ValueError(f"prompt of {len(ids)} word tokens re-encodes to {got} tokens with this tokenizer")
+    def text(self, words: Sequence[int]) -> str:
+        """The text of word tokens; raises ValueError if it would not re-encode to ``prefix`` + ``words``."""
+        text = self.tok.decode(list(words))
+        got = self.tok.encode(text, add_special_tokens=True)
+        if got != [*self.prefix, *words]:  # a pre-tokenizer unlike byte-level BPE
+            raise ValueError(f"a prompt of {len(words)} word tokens re-encodes to {len(got)} other tokens with "
+                             "this tokenizer")
         return text
 
     def chat_overhead(self) -> int:
@@ -76,6 +85,24 @@ class PromptBuilder:
                                    add_special_tokens=False)
             self._overhead = len(full) - 8
         return self._overhead
+
+
+class RandomIdsBuilder(PromptBuilder):
+    """Token ids drawn from ``[10, vocab)`` without a tokenizer (``--tokenizer ids:VOCAB``), for models that have
+    none (``dummy:…`` weights at a real size): gRPC targets only, the prompts have no text."""
+
+    def __init__(self, vocab: int) -> None:  # no super().__init__: there is no tokenizer
+        if vocab < 100:
+            raise ValueError(f"ids:{vocab}: the vocabulary must have at least 100 ids")
+        self.words = np.arange(10, vocab, dtype=np.int64)
+        self.prefix = ()
+        self._overhead = None
+
+    def text(self, words: Sequence[int]) -> str:
+        return ""
+
+    def chat_overhead(self) -> int:
+        raise ValueError("token-id prompts (--tokenizer ids:N) have no chat template")
 
 
 def parse_range(s: str | int) -> tuple[int, int]:
@@ -117,7 +144,8 @@ class WorkloadConfig:
     prefix_len: int = 512
     long_input_len: tuple[int, int] = (2048, 4096)
     sharegpt_output_len: int | None = None
-    chat_length: str = "content"  # "content": input_len counts the message; "total": after the chat template
+    chat: bool = False  # the prompt is a chat message (the ids are its content, no BOS)
+    chat_length: str = "content"  # chat: "content": input_len counts the message; "total": after the template
     seed: int = 0
 
 
@@ -139,26 +167,29 @@ def iter_requests(cfg: WorkloadConfig, builder: PromptBuilder, tenants: Sequence
             raise ValueError("shared-prefix needs --prefix-groups >= 1 and --prefix-len >= 1")
         prefixes = [builder.ids(cfg.prefix_len, rng) for _ in range(cfg.prefix_groups)]
     weights = np.array([t.rate for t in tenants], dtype=float)
-    overhead = builder.chat_overhead() if cfg.chat_length == "total" else 0
+    # tokens the target adds around the words: the chat template, or the tokenizer's BOS for a plain prompt
+    lead: tuple[int, ...] = () if cfg.chat else builder.prefix
+    overhead = (builder.chat_overhead() if cfg.chat_length == "total" else 0) if cfg.chat else len(lead)
     i = 0
     while True:
         group: int | None = None
         if cfg.dataset == "sharegpt":
-            n_in = max(_quantile_sample(rng, INPUT_QUANTILES), overhead + 1)  # a chat needs its template
+            n_in = max(_quantile_sample(rng, INPUT_QUANTILES), overhead + 1)  # room for the template or BOS
             n_out = cfg.sharegpt_output_len or min(_quantile_sample(rng, OUTPUT_QUANTILES), 2048 - n_in)
         else:
             n_in = _uniform(rng, cfg.long_input_len if cfg.dataset == "long-prompt" else cfg.input_len)
             n_out = _uniform(rng, cfg.output_len)
         if prefixes:  # the input length is the suffix that follows the group's prefix
             group = int(rng.integers(len(prefixes)))
-            ids = prefixes[group] + builder.ids(n_in, rng)
-            n_in = len(ids) + overhead
+            words = prefixes[group] + builder.ids(n_in, rng)
+            n_in = len(words) + overhead
         else:
             if n_in - overhead < 1:
-                raise ValueError(f"input length {n_in} leaves no room after the chat template ({overhead} tokens)")
-            ids = builder.ids(n_in - overhead, rng)
+                raise ValueError(f"input length {n_in} leaves no room after the chat template or BOS "
+                                 f"({overhead} tokens)")
+            words = builder.ids(n_in - overhead, rng)
         tenant = tenants[int(rng.choice(len(tenants), p=weights / weights.sum()))] if tenants else None
-        yield RequestSpec(i, tuple(ids), builder.text(ids), n_in, n_out, tenant, group)
+        yield RequestSpec(i, (*lead, *words), builder.text(words), n_in, n_out, tenant, group)
         i += 1
 
 

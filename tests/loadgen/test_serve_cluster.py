@@ -181,3 +181,15 @@ def test_duration_runs_stop_sending_in_time_and_warmup_seconds_are_left_out(clus
         warm = [r for r in recs if r["warmup"]]
         assert all(r["scheduled"] < 0.5 for r in warm) and all(r["scheduled"] >= 0.5 for r in recs if not r["warmup"])
         assert warm and s["requests"] == len(recs) - len(warm)
+
+
+def test_token_id_prompts_for_models_without_a_tokenizer(cluster, capsys, tmp_path):
+    out = tmp_path / "ids.json"
+    code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], "--tokenizer", "ids:49152", "--num-prompts",
+                       "2", "--random-input-len", "30", "--random-output-len", "2", "--ignore-eos", "--num-warmups",
+                       "0", "--result-file", str(out), "--no-plots", "--disable-tqdm", "--fail-on-error")
+    assert code == 0, text
+    recs = json.loads(out.read_text())["runs"][0]["records"]
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in recs] == [(30, 2), (30, 2)]
+    code = main(["bench", "serve", "--backend", "openai", "--base-url", cluster["http"], "--tokenizer", "ids:100"])
+    assert code == 2 and "use --backend grpc" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import pytest
 from loadgen.workloads import (
     DATASETS,
     PromptBuilder,
+    RandomIdsBuilder,
     Tenant,
     WorkloadConfig,
     build_requests,
@@ -45,13 +46,13 @@ def test_input_lengths_are_exact_for_ids_and_text(tok, builder, dataset):
 
 
 def test_chat_total_counts_the_template(tok, builder):
-    cfg = WorkloadConfig(input_len=(40, 200), chat_length="total", seed=3)
+    cfg = WorkloadConfig(input_len=(40, 200), chat=True, chat_length="total", seed=3)
     for r in build_requests(cfg, builder, 20):
         full = tok.apply_chat_template([{"role": "user", "content": r.prompt_text}])
         assert len(tok.encode(full, add_special_tokens=False)) == r.input_len
         assert len(r.prompt_ids) == r.input_len - builder.chat_overhead()
     with pytest.raises(ValueError, match="chat template"):
-        build_requests(WorkloadConfig(input_len=(5, 5), chat_length="total"), builder, 1)
+        build_requests(WorkloadConfig(input_len=(5, 5), chat=True, chat_length="total"), builder, 1)
 
 
 def test_fixed_lengths_and_the_same_seed_gives_the_same_stream(builder):
@@ -104,3 +105,26 @@ def test_ranges():
         ratio_range(100, 1.0)
     with pytest.raises(ValueError, match="unknown dataset"):
         next(iter(build_requests(WorkloadConfig(dataset="nope"), None, 1)))  # type: ignore[arg-type]
+
+
+def test_a_tokenizer_that_adds_bos_counts_it(tok):
+    from common.tokenizer import TextTokenizer
+
+    llama_like = TextTokenizer(tok.tk, tok.chat_template, tok.bos_token, tok.eos_token, add_bos=True)
+    b = PromptBuilder(llama_like)
+    assert b.prefix == (llama_like.bos_id,)
+    for dataset in ("random", "shared-prefix"):
+        for r in build_requests(WorkloadConfig(dataset=dataset, input_len=(3, 90), prefix_len=20, seed=4), b, 10):
+            assert r.prompt_ids[0] == llama_like.bos_id and len(r.prompt_ids) == r.input_len
+            assert llama_like.encode(r.prompt_text) == list(r.prompt_ids)  # what the server counts
+    chat = build_requests(WorkloadConfig(input_len=(50, 50), chat=True), b, 3)
+    assert all(r.prompt_ids[0] != llama_like.bos_id and len(r.prompt_ids) == 50 for r in chat)
+
+
+def test_token_id_prompts_without_a_tokenizer():
+    b = RandomIdsBuilder(512)
+    reqs = build_requests(WorkloadConfig(input_len=(1, 300), seed=1), b, 20)
+    assert all(len(r.prompt_ids) == r.input_len and r.prompt_text == "" for r in reqs)
+    assert min(min(r.prompt_ids) for r in reqs) >= 10 and max(max(r.prompt_ids) for r in reqs) < 512
+    with pytest.raises(ValueError, match="no chat template"):
+        build_requests(WorkloadConfig(chat=True, chat_length="total"), b, 1)
