@@ -321,12 +321,6 @@ def _coerce(t: Any, value: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, key)
-    if origin is tuple:  # tuple[str, ...]: a YAML list or a comma-separated string (env, --set)
-        items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ConfigError(f"{key}: {value!r} is not valid (expected a list or a comma-separated string)")
-        return tuple(_coerce(args[0], item.strip() if isinstance(item, str) else item, key)
-                     for item in items if not (isinstance(item, str) and not item.strip()))
     try:
         if origin is Literal:
             if value not in args:
