@@ -61,8 +61,12 @@ def format_run(run: dict[str, Any], backend: str, where: str) -> str:
         if "nixl_bytes" in srv:
             parts.append(f"NIXL {srv['nixl_bytes'] / 2**20:.1f} MiB in {srv.get('nixl_seconds', 0):.2f} s"
                          + (f" ({srv['nixl_failures']:.0f} failed)" if srv.get("nixl_failures") else ""))
-        lines.append(f"server ({srv['read']} of {srv['endpoints']} /metrics): " + ("; ".join(parts) or "no known "
-                                                                                          "metrics"))
+        if "ttft_mean_ms" in srv:
+            parts.append(f"gateway TTFT mean {_f(srv['ttft_mean_ms'])} ms, e2e mean {_f(srv.get('e2e_mean_ms'))} ms")
+        if not any(k in srv for k in ("prefix_cache_queries", "kv_usage_peak", "nixl_bytes")):
+            parts.append("no worker metrics (prefix cache, KV and NIXL live on the workers: pass --cluster-state or "
+                         "--metrics-url)")
+        lines.append(f"server ({srv['read']} of {srv['endpoints']} /metrics): " + "; ".join(parts))
         for url, d in (srv.get("by_endpoint") or {}).items():
             if "prefix_cache_hit_rate" in d:
                 lines.append(f"  {url}: prefix-cache hit rate {_f(100 * d['prefix_cache_hit_rate'])} % of "

@@ -1,12 +1,13 @@
 """Server-side figures beside the client's: the targets' Prometheus ``/metrics`` read before and after a run (and
 sampled during it for peaks), reported as deltas.
 
-Reported: prefix-cache hit rate (hits / queries over the run, in prompt tokens, over every worker's cache: a
-prompt prefilled remotely is looked up on the prefill worker and again on the decode worker; ``by_endpoint`` has
-each process's own figures), KV usage peak (the highest
-``kv_cache_usage_perc`` any worker showed while sampled), NIXL bytes, seconds and failures (counted by the
-side that pulls, the decode worker). Counters and gauges of the same name are summed over the scraped endpoints; a name no
-endpoint exports is left out (a vLLM server exports other names: ``vllm:`` ones are read too where they match).
+Reported: prefix-cache hit rate (hits / queries over the run, in prompt tokens, over every worker's cache: a prompt
+prefilled remotely is looked up on the prefill worker and again on the decode worker; ``by_endpoint`` has each
+process's own figures), KV usage peak (the highest ``kv_cache_usage_perc`` any worker showed while sampled), NIXL
+bytes, seconds and failures (counted by the side that pulls, the decode worker), and the gateway's mean TTFT and e2e
+from its histograms (the server's view: the client's figures should be a little above them; the gap is what the
+client and the network add). Counters and gauges of the same name are summed over the endpoints; a name no endpoint
+exports is left out (a vLLM server's ``vllm:`` names are read too where they mean the same).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ _COUNTERS = {
     "nixl_bytes": ("tokenmill:nixl_xfer_bytes",),
     "nixl_seconds": ("tokenmill:nixl_xfer_seconds",),
     "nixl_failures": ("tokenmill:nixl_xfer_failures",),
+    # the gateway's own latency histograms (vLLM's server has the same names): the server's view of TTFT and e2e
+    "ttft_sum": ("tokenmill:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum"),
+    "ttft_count": ("tokenmill:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+    "e2e_sum": ("tokenmill:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
+    "e2e_count": ("tokenmill:e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
 }
 _KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
@@ -149,10 +155,15 @@ class MetricsWatcher:
             out["prefix_cache_hit_rate"] = h / q if q > 0 else math.nan
         if self.kv_peak is not None:
             out["kv_usage_peak"] = self.kv_peak
+        for k in ("ttft", "e2e"):  # mean over the run, ms: the client's figure minus this is the client's share
+            n, total = out.pop(f"{k}_count", 0.0), out.pop(f"{k}_sum", 0.0)
+            if n > 0:
+                out[f"{k}_mean_ms"] = 1000 * total / n
         by = {}
         for u in both:  # per process: prefill and decode workers each look prompts up in their own cache
             d = {k: sum(self.after[u][n] - self.before[u].get(n, 0.0) for n in names if n in self.after[u])
-                 for k, names in _COUNTERS.items() if any(n in self.after[u] for n in names)}
+                 for k, names in _COUNTERS.items()
+                 if any(n in self.after[u] for n in names) and not k.startswith(("ttft", "e2e"))}
             if any(d.values()):
                 if d.get("prefix_cache_queries"):
                     d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / d["prefix_cache_queries"]

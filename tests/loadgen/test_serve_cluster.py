@@ -84,6 +84,9 @@ def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tm
         assert srv["read"] == srv["endpoints"] == 5
         # 300-token prompts are over router.prefill_threshold_tokens: prefilled remotely, KV pulled over NIXL
         assert srv["nixl_bytes"] > 0 and 0 < srv["kv_usage_peak"] <= 1 and srv["prefix_cache_queries"] >= 4 * 300
+        # the server's own view (gateway histograms): its TTFT is below the client's, by the client's and the
+        # network's share (its e2e ends at the end of the stream, the client's at the last token: no order there)
+        assert 0 < srv["ttft_mean_ms"] <= s["ttft_ms"]["mean"] and srv["e2e_mean_ms"] > 0
     assert _in_flight_max([r for r in res["runs"][1]["records"] if not r["warmup"]]) >= 2
     # every sweep point (and its warm-up) draws fresh prompts: none is served from an earlier one's cache
     assert [run["server"]["prefix_cache_hits"] for run in res["runs"]] == [0, 0]
