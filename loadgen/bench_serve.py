@@ -150,20 +150,25 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
             errors += 1
             bar.set_postfix(errors=errors)
 
-    watcher = MetricsWatcher(urls, interval=a.metrics_interval, headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else None)
+    watcher = MetricsWatcher(urls, interval=a.metrics_interval)  # no API key: /metrics may be anyone's
     started = time.time()
     await watcher.start()
     records = list(warm_recs)
     interrupted = False
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     try:
         await run_load(target, reqs, load, done, into=records)
     except asyncio.CancelledError:  # Ctrl-C: keep what was measured, say so
         interrupted = True
     finally:
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         bar.close()
         await watcher.stop()
     slo = Slo.parse(a.goodput)
     summary = summarize(records, slo)
+    # the client's own CPU over the run: on a machine it shares with the server, this much was not the server's
+    summary["client_cpu_s"] = cpu
+    summary["client_cpu_share"] = cpu / wall if wall > 0 else math.nan
     if tenants:
         summary["by_tenant"] = {t.name: summarize([r for r in records if r.tenant == t.name], slo) for t in tenants}
     lz = {"request_rate": None if math.isinf(load.request_rate) else load.request_rate,

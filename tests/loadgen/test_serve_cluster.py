@@ -80,6 +80,7 @@ def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tm
         assert _in_flight_max([r for r in recs if not r["warmup"]]) <= conc  # closed loop: the cap holds
         assert s["output_tokens"] == 20 and s["output_throughput"] == pytest.approx(20 / s["duration_s"])
         assert s["slo_attainment"] == 1.0 and s["goodput"] == pytest.approx(s["request_throughput"])
+        assert s["client_cpu_s"] > 0 and 0 < s["client_cpu_share"] < 0.5  # the client leaves the CPU to the server
         srv = run["server"]
         assert srv["read"] == srv["endpoints"] == 5
         # 300-token prompts are over router.prefill_threshold_tokens: prefilled remotely, KV pulled over NIXL
