@@ -272,14 +272,13 @@ def _finite(o: Any) -> Any:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="load-test a serving endpoint (gRPC Generate or OpenAI HTTP)",
-                       description=__doc__.split("\n\n")[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("target")
     g.add_argument("--backend", choices=BACKENDS, default="grpc",
-                   help="grpc: tokenmill.v1.Frontend/Generate; openai: /v1/completions; openai-chat: "
+                   help="grpc (default): tokenmill.v1.Frontend/Generate; openai: /v1/completions; openai-chat: "
                         "/v1/chat/completions")
     g.add_argument("--base-url", help="http://HOST:PORT for HTTP backends, HOST:PORT for grpc (overrides --host/--port)")
-    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     g.add_argument("--port", type=int, help="default 50051 (grpc) or 8000 (HTTP)")
     g.add_argument("--endpoint", help="HTTP path instead of /v1/completions or /v1/chat/completions")
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (default $OPENAI_API_KEY, "
@@ -292,22 +291,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "token ids without a tokenizer (grpc, dummy models)")
     g.add_argument("--request-timeout", type=float, help="cancel a request after this many seconds")
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random")
-    w.add_argument("--random-input-len", default="256", help="input tokens: N or LO:HI (uniform)")
-    w.add_argument("--random-output-len", default="128", help="output tokens (max_tokens): N or LO:HI")
+    w.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random",
+                   help="default random")
+    w.add_argument("--random-input-len", default="256", help="input tokens: N or LO:HI (uniform); default 256")
+    w.add_argument("--random-output-len", default="128", help="output tokens (max_tokens): N or LO:HI; default 128")
     w.add_argument("--random-range-ratio", type=float, default=0.0, help="as vLLM: lengths uniform in N·[1-r, 1+r]")
-    w.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: G groups")
-    w.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: P-token prefix per group (the "
-                                                                "suffix is --random-input-len)")
+    w.add_argument("--prefix-groups", type=int, default=4, help="shared-prefix: G groups (default 4)")
+    w.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: P-token prefix per group, default "
+                                                                "512 (the suffix is --random-input-len)")
     w.add_argument("--long-input-len", default="2048:4096", help="long-prompt: input tokens, N or LO:HI")
     w.add_argument("--sharegpt-output-len", type=int, help="sharegpt: fixed output length instead of the table's")
     w.add_argument("--chat-length", choices=("content", "total"), default="content",
-                   help="openai-chat: input length counts the message (content, as vLLM) or the whole prompt "
-                        "after the chat template (total)")
+                   help="openai-chat: input length counts the message (content, the default, as vLLM) or the "
+                        "whole prompt after the chat template (total)")
     w.add_argument("--tenant", action="append", type=parse_tenant, metavar="NAME:rate=R,priority=P,key=K",
                    help="multi-tenant mix (repeat): each tenant's share of requests follows its rate; without "
                         "--request-rate the offered rate is the sum of the tenants' rates")
-    w.add_argument("--seed", type=int, default=0, help="same seed, same request stream and arrival times")
+    w.add_argument("--seed", type=int, default=0, help="same seed, same request stream and arrival times (default 0)")
     w.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
     w.add_argument("--temperature", type=float, help="default: the server's")
     lo = p.add_argument_group("load")
@@ -315,10 +315,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lo.add_argument("--duration", type=float, help="seconds per run instead of a count")
     lo.add_argument("--request-rate", type=_rate, nargs="+", help="open loop, req/s; several values = a sweep "
                                                                   "(default inf: as fast as allowed)")
-    lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson, <1 bursty")
+    lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps: 1 Poisson (default), <1 bursty")
     lo.add_argument("--max-concurrency", type=int, nargs="+",
                     help="cap on requests in flight; with an infinite rate, closed loop; several values = a sweep")
-    lo.add_argument("--num-warmups", type=int, default=1, help="requests sent (and waited for) before the clock")
+    lo.add_argument("--num-warmups", type=int, default=1, help="requests sent (and waited for) before the clock (default 1)")
     lo.add_argument("--warmup-seconds", type=float, default=0.0,
                     help="requests due in the first S seconds are sent but left out of the figures")
     m = p.add_argument_group("metrics and output")
@@ -328,13 +328,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--cluster-state", help="read every process's /metrics from a `tokenmill up` state file (grpc: "
                                            "the default state file is read when its gateway is the target)")
     m.add_argument("--metrics-interval", type=float, default=1.0,
-                   help="seconds between /metrics samples during a run (for the KV usage peak)")
+                   help="seconds between /metrics samples during a run, for the KV usage peak (default 1)")
     m.add_argument("--no-server-metrics", action="store_true",
                    help="read no /metrics (a cross-check against a client that reads none)")
     m.add_argument("--save-result", action="store_true", help="write the JSON (and plots)")
     m.add_argument("--result-file", "--result-filename", dest="result_file", help="JSON path (implies --save-result)")
     m.add_argument("--result-dir", help="directory for the JSON and plots")
-    m.add_argument("--no-plots", action="store_true")
+    m.add_argument("--no-plots", action="store_true", help="write the JSON only")
     m.add_argument("--disable-tqdm", action="store_true")
     m.add_argument("--fail-on-error", action="store_true", help="exit 1 when any request failed")
     p.set_defaults(func=run)
