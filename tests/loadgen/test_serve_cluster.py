@@ -102,15 +102,15 @@ def test_http_chat_open_loop_tenants_and_shared_prefix(cluster, capsys, tmp_path
     code, text = bench(capsys, "serve", "--backend", "openai-chat", "--base-url", cluster["http"] + "/v1",
                        "--dataset", "shared-prefix", "--prefix-groups", "1", "--prefix-len", "96",
                        "--random-input-len", "8", "--random-output-len", "4", "--ignore-eos", "--chat-length",
-                       "total", "--tenant", "alice:rate=4,priority=0,key=sk-alice",
-                       "--tenant", "bob:rate=4,priority=10,key=sk-bob",
+                       "total", "--tenant", "alice:rate=2,priority=0,key=sk-alice",
+                       "--tenant", "bob:rate=2,priority=10,key=sk-bob",
                        "--num-prompts", "8", "--seed", "3", "--cluster-state", cluster["state"],
                        "--result-file", str(out), "--disable-tqdm")
     assert code == 0, text
     res = json.loads(out.read_text())
     run = res["runs"][0]
     s, recs = run["summary"], [r for r in run["records"] if not r["warmup"]]
-    assert res["model"] == "smollm2" and run["load"]["request_rate"] == 8.0  # the sum of the tenants' rates
+    assert res["model"] == "smollm2" and run["load"]["request_rate"] == 4.0  # the sum of the tenants' rates
     assert s["completed"] == 8 and s["failed"] == 0
     for r in recs:  # the whole chat prompt, template included, is exactly the asked length
         assert r["prompt_tokens"] == r["input_len"] == 96 + 8 + 30 and r["output_tokens"] == 4
@@ -193,7 +193,7 @@ def test_duration_runs_stop_sending_in_time_and_warmup_seconds_are_left_out(clus
     run = json.loads(out.read_text())["runs"][0]
     recs, s = run["records"], run["summary"]
     assert run["load"]["duration_s"] == 1.5 and all(r["outcome"] == "ok" for r in recs)
-    assert max(r["scheduled"] for r in recs) < 1.5 and max(r["start"] for r in recs) < 1.6
+    assert max(r["scheduled"] for r in recs) < 1.5 and max(r["start"] for r in recs) < 2.0
     if mode == "closed":
         assert _in_flight_max(recs) <= 2 and len(recs) >= 2 and not any(r["warmup"] for r in recs)
     else:
