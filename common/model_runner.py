@@ -16,6 +16,7 @@ import torch
 
 from common import cpu_kernels
 from common.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
+from common.cuda_graphs import CudaGraphDecoder
 from common.loader import ModelSource
 from common.model import AttentionMetadata, LlamaModel, cache_rows
 from common.scheduler import SchedulerOutput
@@ -36,6 +37,11 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_indices: list[int]  # row of each sampling sequence in the flat batch
+
+
+def use_fast_path(device: torch.device, noop_model: bool = False) -> bool:
+    """The CUDA fast path (Triton kernels, CUDA graphs) runs on CUDA only, unless ``TOKENMILL_CUDA_FAST=0``."""
+    return device.type == "cuda" and not noop_model and os.environ.get("TOKENMILL_CUDA_FAST", "1") != "0"
 
 
 class ModelRunner:
@@ -69,6 +75,11 @@ class ModelRunner:
             self.device.type == "cpu" and not cfg.noop_model and self.dtype != torch.float16
             and os.environ.get("TOKENMILL_CPU_KERNELS") == "1" and cpu_kernels.available()
         )
+        # CUDA fast path: Triton kernels in the forward (TOKENMILL_CUDA_FAST=0: the portable path) and CUDA graphs
+        # for decode-only steps (TOKENMILL_CUDA_GRAPHS=0: eager)
+        self.fast_cuda = use_fast_path(self.device, cfg.noop_model)
+        if self.fast_cuda:
+            self.model.use_triton = True
         self.load_seconds = time.perf_counter() - t0
         self.block_size = cfg.block_size
         self.num_blocks = self._num_blocks()
@@ -79,6 +90,11 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
+        self.graphs: CudaGraphDecoder | None = None
+        if self.fast_cuda and os.environ.get("TOKENMILL_CUDA_GRAPHS", "1") != "0":
+            self.graphs = CudaGraphDecoder(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
+                                           cfg.max_model_len or m.max_position_embeddings)
+            self.graphs.capture()
 
     @property
     def bytes_per_block(self) -> int:
@@ -178,13 +194,17 @@ class ModelRunner:
                 tables.append(s.block_ids + [0] * (width - len(s.block_ids)))
                 ctx.append(c + 1)
                 sample_idx.append(len(ids) - 1)
-            table_t = torch.tensor(tables, dtype=torch.long, device=dev)
-            ctx_t = torch.tensor(ctx, dtype=torch.long, device=dev)
-            if self.use_cpu_kernel:
-                dec_tables, dec_ctx = table_t, ctx_t
+            if self.fast_cuda:  # the Triton decode kernel reads the pool through the block tables
+                dec_tables = torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True)
+                dec_ctx = torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True)
             else:
-                dec_rows = cache_rows(table_t, bs, layers)
-                dec_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
+                table_t = torch.tensor(tables, dtype=torch.long, device=dev)
+                ctx_t = torch.tensor(ctx, dtype=torch.long, device=dev)
+                if self.use_cpu_kernel:
+                    dec_tables, dec_ctx = table_t, ctx_t
+                else:
+                    dec_rows = cache_rows(table_t, bs, layers)
+                    dec_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
         meta = AttentionMetadata(
             slot_rows=torch.tensor(slots, dtype=torch.long, device=dev),
             prefill_query_lens=q_lens,
@@ -239,14 +259,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """Run the step; return float32 logits ``[num_sampling_rows, vocab]`` on the CPU (or None)."""
+        """Run the step; return float32 logits ``[num_sampling_rows, vocab]`` (or None): on the CPU, or on the
+        device with the CUDA fast path (the sampler then runs there). A decode-only step replays a CUDA graph."""
         if self.cfg.noop_model:
             # a one-entry vocabulary: every sampled token is id 0, and sampling costs nothing per vocab entry
             n = sum(1 for it in (*out.prefills, *out.decodes) if it.samples)
             return torch.zeros(n, 1) if n else None
+        if self.graphs is not None and not out.prefills and self.graphs.can_run(out.decodes):
+            return self.graphs.run(out.decodes)
         inp = self.prepare(out)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
         if not inp.sample_indices:
             return None
         idx = torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[idx]).cpu()
+        logits = self.model.compute_logits(hidden[idx])
+        return logits if self.fast_cuda else logits.cpu()

@@ -1,18 +1,31 @@
-"""GPU check and baseline, in one run: correctness of the CUDA path and batch-1 decode against the limit.
+"""GPU check and benchmark, in one run: correctness of the CUDA fast path and its speed against the limits.
 
-1. Copy bandwidth of the card (device-to-device copy, bytes read + written).
-2. A real small model (SmolLM2-135M from its GGUF) on CUDA, float32: greedy outputs for 20 prompts equal
-   transformers' on the same card and weights, token for token.
-3. A dummy Llama-3.1-8B (random bfloat16 weights): decode ms/token at batch 1 and a batch of 64 against the
-   physical limit: (every weight matrix a step multiplies by, not the embedding table, + the KV it reads) ÷ the
-   measured copy bandwidth.
+1. The card's ceilings: copy bandwidth (device-to-device copy, bytes read + written) and bf16 matmul rate
+   (8192³ on random data).
+2. Kernels (common/triton_ops.py) against the portable path / float64 references on fresh random inputs, outputs
+   poisoned with NaN first: paged decode attention (several batches, contexts, splits, float32 and bfloat16),
+   RoPE + KV write, residual add + RMSNorm, SiLU·mul. Plus the decode kernel's own time and KV bandwidth.
+3. A real small model (SmolLM2-135M from its GGUF) on CUDA, float32, through the fast path (Triton kernels, CUDA
+   graphs): greedy outputs for 20 prompts equal transformers' on the same card and weights, token for token.
+4. A dummy Llama-3.1-8B (random bfloat16 weights): engine decode steps at batch 1 (128-token context) and 64
+   (1,024-token contexts) against the physical limit: (every weight matrix a step multiplies by, not the embedding
+   table, + the KV it reads) ÷ the measured copy bandwidth; each with CUDA graphs, eager fast path, and the
+   portable path, same engine. And one 4,096-token prefill against its FLOPs ÷ the measured matmul rate.
 
-Run: ``python -m loadgen.bench_gpu --gguf PATH [--json OUT]``.
+5. W1 (256 prompts, lengths uniform in [100, 1024], seed 0, 256 output tokens, EOS ignored) on the 8B dummy:
+   output tokens/s against transformers' ``generate_batch`` on the same card (section ``w1``; ``w1-ours`` skips
+   the peer, which takes ~4 minutes).
+
+Extra sections: ``tune`` (GEMV / split-K / decode-kernel launch-parameter sweeps against cuBLAS), ``profile``
+(torch.profiler over mixed prefill + decode steps of W1).
+
+Run: ``python -m loadgen.bench_gpu --gguf PATH [--json OUT] [--sections kernels,small,decode,prefill,w1]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 import time
@@ -39,6 +52,271 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     return 2 * nbytes / times[len(times) // 2]
 
 
+def matmul_rate(n: int = 8192, iters: int = 10) -> float:
+    """bf16 matmul FLOP/s (cuBLAS through torch), random operands, median."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        a @ b
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 2]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def _ref_decode(q, cache, layer, tables, ctx):
+    import math
+
+    b_, h, d = q.shape
+    bs, kvh = cache.shape[3], cache.shape[4]
+    outs = []
+    for b in range(b_):
+        c = int(ctx[b])
+        if c == 0:
+            outs.append(torch.zeros(h, d, dtype=torch.float64, device=q.device))
+            continue
+        blocks = tables[b, : -(-c // bs)].long()
+        k = cache[blocks, layer, 0].reshape(-1, kvh, d)[:c].double().repeat_interleave(h // kvh, 1)
+        v = cache[blocks, layer, 1].reshape(-1, kvh, d)[:c].double().repeat_interleave(h // kvh, 1)
+        sc = torch.einsum("hd,nhd->hn", q[b].double(), k) / math.sqrt(d)
+        outs.append(torch.einsum("hn,nhd->hd", sc.softmax(-1), v))
+    return torch.stack(outs)
+
+
+def check_kernels() -> dict:
+    """Every Triton kernel against a float64 / portable reference on fresh random data; NaN-poisoned outputs."""
+    from common import triton_ops as tk
+    from common.model import apply_rope, rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    res: dict = {"decode": [], "rope": [], "norm": [], "silu": []}
+    layers, bs, nb = 4, 16, 3000
+    for dtype, h, kvh, d in ((torch.bfloat16, 32, 8, 128), (torch.float32, 9, 3, 64)):
+        cache = torch.randn(nb, layers, 2, bs, kvh, d, device="cuda", generator=g).to(dtype)
+        for b, maxctx, splits in ((1, 128, 0), (1, 2000, 0), (7, 600, 1), (7, 600, 3), (64, 1024, 0), (64, 1024, 2)):
+            w = -(-maxctx // bs)
+            tables = torch.stack([torch.randperm(nb, device="cuda", generator=g)[:w] for _ in range(b)]).int()
+            ctx = torch.randint(1, maxctx + 1, (b,), device="cuda", generator=g).int()
+            ctx[0] = maxctx
+            if b > 1:
+                ctx[-1] = 0  # a padding row
+            qkv = torch.randn(b, (h + 2 * kvh) * d, device="cuda", generator=g).to(dtype)
+            q = qkv[:, : h * d].view(b, h, d)
+            out = torch.full((b, h, d), float("nan"), dtype=dtype, device="cuda")
+            tk.paged_decode_attention(q, cache, 2, tables, ctx, d**-0.5, out, num_splits=splits)
+            err = _rel(out, _ref_decode(q, cache, 2, tables, ctx))
+            res["decode"].append({"dtype": str(dtype), "heads": h, "kv_heads": kvh, "head_dim": d, "batch": b,
+                                  "max_context": maxctx, "splits": splits, "rel_err": err})
+        t, maxpos = 300, 4096
+        inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+        fr = torch.outer(torch.arange(maxpos, device="cuda").float(), inv)
+        emb = torch.cat((fr, fr), -1)
+        cos, sin = emb.cos(), emb.sin()
+        qkv = torch.randn(t, (h + 2 * kvh) * d, device="cuda", generator=g).to(dtype)
+        orig = qkv.clone()
+        pos = torch.randint(0, maxpos, (t,), device="cuda", generator=g)
+        slots = torch.randperm(nb * bs, device="cuda", generator=g)[:t]
+        blocks, offs = slots // bs, slots % bs
+        rows = blocks * (layers * 2 * bs) + offs
+        rows[5] = -1
+        cache.fill_(float("nan"))
+        tk.rope_kv_write(qkv, pos, rows, cos, sin, cache, 1, h, kvh, d)
+        ref = apply_rope(orig[:, : (h + kvh) * d].double().view(t, h + kvh, d), cos[pos].unsqueeze(1).double(),
+                         sin[pos].unsqueeze(1).double())
+        keep = torch.arange(t, device="cuda") != 5
+        res["rope"].append({
+            "dtype": str(dtype),
+            "qk_rel_err": _rel(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), ref),
+            "k_cache_rel_err": _rel(cache[blocks[keep], 1, 0, offs[keep]], ref[keep, h:]),
+            "v_cache_exact": bool((cache[blocks[keep], 1, 1, offs[keep]]
+                                   == orig[keep, (h + kvh) * d :].view(-1, kvh, d)).all()),
+            "padding_row_skipped": bool(torch.isnan(cache[blocks[5], 1, :, offs[5]]).all()),
+        })
+        n = h * d
+        x = torch.randn(t, n, device="cuda", generator=g).to(dtype)
+        dl = torch.randn(t, n, device="cuda", generator=g).to(dtype)
+        wt = torch.randn(n, device="cuda", generator=g).to(dtype)
+        x0 = x.clone()
+        o = tk.add_rms_norm(x, dl, wt, 1e-5)
+        xr = x0 + dl
+        res["norm"].append({"dtype": str(dtype), "residual_rel_err": _rel(x, xr),
+                            "norm_rel_err": _rel(o, rms_norm(xr, wt, 1e-5))})
+        gu = torch.randn(t, 2 * 1536, device="cuda", generator=g).to(dtype)
+        gate, up = gu.chunk(2, -1)
+        res["silu"].append({"dtype": str(dtype), "rel_err": _rel(tk.silu_mul(gu), torch.nn.functional.silu(gate) * up)})
+        del cache
+    res["gemv"] = []
+    for n, k in ((6144, 4096), (4096, 14336), (1000, 576)):
+        w = torch.randn(n, k, device="cuda", generator=g).to(torch.bfloat16)
+        x = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16)
+        bias = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        row = {"n": n, "k": k, "gemv_rel_err": _rel(tk.gemv(x, w, bias), ref)}
+        gu = torch.randn(1, 2 * k, device="cuda", generator=g).to(torch.bfloat16)
+        row["down_silu_rel_err"] = _rel(tk.down_proj(gu, w), torch.nn.functional.linear(
+            tk.silu_mul(gu).double(), w.double()))
+        for m in (5, 16, 64):
+            if k % 512:
+                continue
+            xm = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+            refm = torch.nn.functional.linear(xm.double(), w.double())
+            row[f"splitk_m{m}_rel_err"] = _rel(tk.splitk_mm(xm, w, (64, 128, 4, 4, 4)).sum(0), refm)
+            res_x = torch.randn(m, n, device="cuda", generator=g).to(torch.bfloat16)
+            nw = torch.randn(n, device="cuda", generator=g).to(torch.bfloat16)
+            xr = res_x + refm.to(torch.bfloat16)
+            hn = tk.add_rms_norm(res_x, tk.splitk_mm(xm, w, (64, 128, 4, 4, 4)), nw, 1e-5)
+            row[f"splitk_norm_m{m}_rel_err"] = max(_rel(res_x, xr), _rel(hn, rms_norm(xr, nw, 1e-5)))
+        res["gemv"].append(row)
+    tol = {"torch.float32": 1e-5, "torch.bfloat16": 1e-2}
+    ok = all(r["rel_err"] < tol[r["dtype"]] for r in res["decode"] + res["silu"])
+    ok &= all(r["qk_rel_err"] < tol[r["dtype"]] and r["k_cache_rel_err"] < tol[r["dtype"]] and r["v_cache_exact"]
+              and r["padding_row_skipped"] for r in res["rope"])
+    ok &= all(r["residual_rel_err"] < tol[r["dtype"]] and r["norm_rel_err"] < tol[r["dtype"]] for r in res["norm"])
+    ok &= all(v < 1e-2 for r in res["gemv"] for key, v in r.items() if key.endswith("rel_err"))
+    res["ok"] = ok
+    return res
+
+
+def time_decode_kernel(bandwidth: float) -> list[dict]:
+    """The decode-attention kernel alone, Llama-3.1-8B heads (32 / 8 KV, d 128, bf16), KV bytes over its time."""
+    import triton
+
+    from common import triton_ops as tk
+
+    rows = []
+    h, kvh, d, bs = 32, 8, 128, 16
+    for b, ctx, splits in ((1, 128, 0), (1, 4096, 0), (64, 1024, 1), (64, 1024, 2), (64, 1024, 4)):
+        nb = b * ctx // bs + 8
+        cache = torch.randn(nb, 1, 2, bs, kvh, d, device="cuda").to(torch.bfloat16)
+        tables = torch.randperm(nb, device="cuda")[: b * ctx // bs].view(b, ctx // bs).int()
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(b, h, d, device="cuda").to(torch.bfloat16)
+        out = torch.empty_like(q)
+        ms = triton.testing.do_bench(
+            lambda q=q, c=cache, t=tables, n=lens, o=out, sp=splits: tk.paged_decode_attention(
+                q, c, 0, t, n, d**-0.5, o, num_splits=sp),
+            warmup=25, rep=100, return_mode="median")
+        kv = b * ctx * 2 * kvh * d * 2
+        rows.append({"batch": b, "context": ctx, "splits": splits, "us": ms * 1e3, "kv_bytes": kv,
+                     "GBps": kv / (ms / 1e3) / 1e9, "vs_copy_bw": kv / (ms / 1e3) / bandwidth})
+        del cache
+    return rows
+
+
+def _graph_time(fns, reps: int = 5) -> float:
+    """Seconds per call of ``fns`` (a list of closures, run back to back) replayed in one CUDA graph; median."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(fns))
+    del g
+    return sorted(times)[reps // 2]
+
+
+def tune(bandwidth: float) -> dict:
+    """Sweeps for the fast path's launch parameters against cuBLAS on the Llama-3.1-8B matrices (CUDA graphs,
+    weights rotated past the L2): the batch-1 GEMV, split-K o_proj/down at 16 and 64 rows; and the
+    decode-attention kernel's tile / warps / stages."""
+    import triton
+
+    from common import triton_ops as tk
+
+    out: dict = {"gemv": [], "decode": []}
+    shapes = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+              "lm_head": (128256, 4096)}
+    splitk = [(64, 128, 4, 4, 4), (64, 128, 2, 4, 4), (32, 128, 4, 4, 4), (64, 64, 8, 4, 4), (128, 64, 4, 4, 4),
+              (32, 256, 2, 4, 3), (64, 128, 8, 4, 3), (32, 128, 8, 4, 4)]
+    for name, (n, k) in shapes.items():
+        nbytes = n * k * 2
+        copies = max(1, -(-(768 << 20) // nbytes))
+        ws = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+        for m in (1, 16, 64):
+            if m > 1 and name not in ("o_proj", "down"):
+                continue
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = torch.nn.functional.linear(x, ws[0])
+            row = {"matrix": name, "n": n, "k": k, "m": m}
+            t = _graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in ws])
+            row["cublas_us"], row["cublas_vs_copy"] = t * 1e6, nbytes / t / bandwidth
+            best = None
+            for cfg in ([tk.gemv_config(n)] if m == 1 else splitk):
+                if m == 1:
+                    err = _rel(tk.gemv(x, ws[0], config=cfg), ref)
+                    t = _graph_time([lambda w=w, c=cfg, x=x: tk.gemv(x, w, config=c) for w in ws])
+                else:
+                    err = _rel(tk.splitk_mm(x, ws[0], cfg).sum(0), ref)
+                    t = _graph_time([lambda w=w, c=cfg, x=x: tk.splitk_mm(x, w, c) for w in ws])
+                row[str(cfg)] = {"us": t * 1e6, "vs_copy": nbytes / t / bandwidth, "rel_err": err}
+                if err < 1e-2 and (best is None or t < best[1]):
+                    best = (cfg, t)
+            row["best"], row["best_us"] = str(best[0]), best[1] * 1e6
+            out["gemv"].append(row)
+            print(f"  {name} m={m}: cuBLAS {row['cublas_us']:.1f} us ({row['cublas_vs_copy']:.2f} of copy), best "
+                  f"Triton {row['best']} {row['best_us']:.1f} us ({nbytes / best[1] / bandwidth:.2f})", flush=True)
+        del ws
+    for m in (16, 64):  # the one split-K config that is best summed over o_proj + down
+        rows = [r for r in out["gemv"] if r["m"] == m]
+        tot = {str(c): sum(r[str(c)]["us"] for r in rows) for c in splitk}
+        best = min(tot, key=tot.get)
+        out[f"splitk_best_m{m}"] = {"config": best, "us": tot[best], "cublas_us": sum(r["cublas_us"] for r in rows)}
+        print(f"  split-K m={m}: best config {best}: {tot[best]:.1f} us for o_proj + down vs cuBLAS "
+              f"{out[f'splitk_best_m{m}']['cublas_us']:.1f} us", flush=True)
+    h, kvh, d, bs = 32, 8, 128, 16
+    for b, ctx in ((64, 1024),):
+        nb = b * ctx // bs + 8
+        cache = torch.randn(nb, 1, 2, bs, kvh, d, device="cuda").to(torch.bfloat16)
+        tables = torch.randperm(nb, device="cuda")[: b * ctx // bs].view(b, ctx // bs).int()
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(b, h, d, device="cuda").to(torch.bfloat16)
+        o = torch.empty_like(q)
+        kv = b * ctx * 2 * kvh * d * 2
+        for bn in (64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    try:
+                        ms = triton.testing.do_bench(
+                            lambda bn=bn, w=warps, st=stages, q=q, c=cache, t=tables, n=lens, o=o:
+                                tk.paged_decode_attention(q, c, 0, t, n, d**-0.5, o, 0, bn, w, st),
+                            warmup=10, rep=40, return_mode="median")
+                    except Exception as e:  # an out-of-resources config is a result too
+                        out["decode"].append({"batch": b, "context": ctx, "block_n": bn, "warps": warps,
+                                              "stages": stages, "error": repr(e)[:200]})
+                        continue
+                    out["decode"].append({"batch": b, "context": ctx, "block_n": bn, "warps": warps, "stages": stages,
+                                          "us": ms * 1e3, "vs_copy": kv / (ms / 1e3) / bandwidth})
+        best = min((r for r in out["decode"] if r["batch"] == b and "us" in r), key=lambda r: r["us"])
+        print(f"  decode kernel b{b} ctx {ctx}: best {best}", flush=True)
+        del cache
+    return out
+
+
 def check_small_model(gguf: str, n_new: int = 64) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -53,6 +331,7 @@ def check_small_model(gguf: str, n_new: int = 64) -> dict:
     src = load_model_source(gguf)
     prompts = prompt_ids(src.tokenizer)
     eng = LLMEngine(src, EngineConfig(device="cuda", dtype="float32", max_num_seqs=32, kv_cache_memory=1 << 30))
+    eng_fast = eng.runner.fast_cuda
     params = SamplingParams(max_tokens=n_new, min_tokens=n_new, temperature=0.0)
     t0 = time.perf_counter()
     ours = [r.token_ids for r in eng.generate(prompts, params)]
@@ -76,17 +355,29 @@ def check_small_model(gguf: str, n_new: int = 64) -> dict:
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_new,
                               min_new_tokens=n_new, pad_token_id=2, eos_token_id=2)
             ref.append(out[0, len(p):].tolist())
+    replays = eng.runner.graphs.replays if eng.runner.graphs is not None else 0
     equal = sum(a == b for a, b in zip(ours, ref))
     first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(ours, ref)]
     del eng, hf
     torch.cuda.empty_cache()
-    return {"prompts": len(prompts), "equal": equal, "first_diff": first_diff, "ours_seconds": ours_s}
+    return {"prompts": len(prompts), "equal": equal, "first_diff": first_diff, "ours_seconds": ours_s,
+            "fast_path": eng_fast, "graph_replays": replays}
 
 
-def decode_speed(bandwidth: float, batch: int, ctx: int, steps: int = 32) -> dict:
+_MODES = ("graphs", "eager", "portable")
+
+
+def _set_mode(eng, mode: str, graphs) -> None:
+    """CUDA graphs + Triton kernels | Triton kernels without graphs | the portable PyTorch path, same engine."""
+    r = eng.runner
+    r.graphs = graphs if mode == "graphs" else None
+    r.fast_cuda = mode != "portable"
+    r.model.use_triton = mode != "portable"
+
+
+def engine_8b():
     from common.config import EngineConfig
     from common.engine import LLMEngine
-    from common.sampling import SamplingParams
 
     global _ENGINE_8B
     if _ENGINE_8B is None:
@@ -94,67 +385,314 @@ def decode_speed(bandwidth: float, batch: int, ctx: int, steps: int = 32) -> dic
         _ENGINE_8B = LLMEngine.from_spec(
             "dummy:llama-3.1-8b",
             EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=64, max_model_len=8192,
-                         gpu_memory_utilization=0.85),
+                         max_num_batched_tokens=4096, gpu_memory_utilization=0.85),
         )
         torch.cuda.synchronize()
-        print(f"  8B engine ready in {time.perf_counter() - t0:.1f} s, {_ENGINE_8B.runner.num_blocks} KV blocks",
-              flush=True)
-    eng = _ENGINE_8B
+        gr = _ENGINE_8B.runner.graphs
+        print(f"  8B engine ready in {time.perf_counter() - t0:.1f} s, {_ENGINE_8B.runner.num_blocks} KV blocks, "
+              f"graphs {gr.sizes if gr else None} captured in {gr.capture_seconds if gr else 0:.1f} s", flush=True)
+    return _ENGINE_8B
+
+
+def decode_speed(bandwidth: float, batch: int, ctx: int, steps: int = 32,
+                 splitk_config: tuple | None = None) -> list[dict]:
+    """Engine decode steps (schedule + execute + sample + update) in each mode, same sequences, against the limit."""
+    from common.sampling import SamplingParams
+
+    eng = engine_8b()
+    graphs = eng.runner.graphs
     m = eng.model_cfg
     g = torch.Generator().manual_seed(batch)
-    p = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    p = SamplingParams(max_tokens=(len(_MODES) + 1) * (steps + 3) + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"b{batch}-{i}", torch.randint(0, m.vocab_size, (ctx,), generator=g).tolist(), p)
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running + eng.scheduler.waiting) \
             or eng.scheduler.waiting:
         eng.step()
-    for _ in range(3):
-        eng.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t0) / steps
+    weight_bytes = (m.num_params() - m.vocab_size * m.hidden_size) * 2  # every matrix but the embedding table
+    rows = []
+    from common import triton_ops as tk
+
+    modes = list(_MODES)
+    default = (tk.SPLITK_MAX_M, tk.SPLITK_CONFIG)
+    if batch > 1 and splitk_config is not None:
+        modes.insert(1, "graphs-splitk")
+    for mode in modes:
+        if mode == "graphs-splitk":  # recapture with split-K o_proj/down in place of the default, then back
+            tk.SPLITK_MAX_M, tk.SPLITK_CONFIG = 64, splitk_config
+            graphs.capture()
+        elif mode == "eager" and "graphs-splitk" in modes:
+            tk.SPLITK_MAX_M, tk.SPLITK_CONFIG = default
+            graphs.capture()
+        _set_mode(eng, mode.split("-")[0], graphs)
+        for _ in range(3):
+            eng.step()
+        torch.cuda.synchronize()
+        ctx0 = sum(s.num_tokens for s in eng.scheduler.running)
+        replays0 = graphs.replays if graphs else 0
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - t0) / steps
+        kv_tokens = ctx0 + batch * steps / 2  # mean context over the window, summed over sequences
+        kv_bytes = kv_tokens * 2 * m.num_layers * m.kv_size * 2
+        limit_s = (weight_bytes + kv_bytes) / bandwidth
+        row = {"mode": mode, "batch": batch, "context": ctx, "step_ms": step_s * 1e3, "limit_ms": limit_s * 1e3,
+               "ratio": step_s / limit_s, "tok_s": batch / step_s, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes}
+        if mode.startswith("graphs") and graphs is not None:
+            row["graph_replays_in_window"] = graphs.replays - replays0
+            from common.cuda_graphs import padded_size
+
+            gph = graphs.graphs[padded_size(graphs.sizes, batch)]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(10):
+                gph.replay()
+            end.record()
+            end.synchronize()
+            row["graph_replay_ms"] = start.elapsed_time(end) / 10
+            row["graph_replay_ratio"] = row["graph_replay_ms"] / row["limit_ms"]
+        rows.append(row)
+        print(f"  {mode:8s} step {row['step_ms']:.2f} ms, limit {row['limit_ms']:.2f} ms, {row['ratio']:.2f}x"
+              + (f"; graph replay alone {row['graph_replay_ms']:.2f} ms" if "graph_replay_ms" in row else ""),
+              flush=True)
+    _set_mode(eng, "graphs", graphs)
     while eng.has_unfinished():
         eng.step()
-    weight_bytes = (m.num_params() - m.vocab_size * m.hidden_size) * 2  # every matrix but the embedding table
-    kv_bytes = batch * (ctx + steps // 2) * 2 * m.num_layers * m.kv_size * 2
-    limit_s = (weight_bytes + kv_bytes) / bandwidth
-    return {"batch": batch, "context": ctx, "step_ms": step_s * 1e3, "limit_ms": limit_s * 1e3,
-            "ratio": step_s / limit_s, "tok_s": batch / step_s}
+    return rows
+
+
+def prefill_speed(rate: float, n: int = 4096, reps: int = 3) -> list[dict]:
+    """One n-token prompt, one engine step (prefill + first token), against FLOPs ÷ the measured matmul rate."""
+    from common.sampling import SamplingParams
+
+    eng = engine_8b()
+    graphs = eng.runner.graphs
+    m = eng.model_cfg
+    lm_rows = m.vocab_size * m.hidden_size
+    matmul_params = m.num_params() - lm_rows * (1 if m.tie_word_embeddings else 2)  # norms: negligible
+    flops = 2 * n * matmul_params + 2 * lm_rows + 2 * n * (n + 1) * m.head_dim * m.num_heads * m.num_layers
+    limit_s = flops / rate
+    g = torch.Generator().manual_seed(n)
+    rows = []
+    for mode in ("graphs", "portable"):
+        _set_mode(eng, mode, graphs)
+        times = []
+        for i in range(reps + 1):
+            eng.add_request(f"pf-{mode}-{i}", torch.randint(0, m.vocab_size, (n,), generator=g).tolist(),
+                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            while eng.has_unfinished():
+                eng.step()
+        t = sorted(times[1:])[reps // 2]
+        rows.append({"mode": "fast" if mode == "graphs" else mode, "tokens": n, "ms": t * 1e3, "flops": flops,
+                     "limit_ms": limit_s * 1e3, "ratio": t / limit_s, "tok_s": n / t})
+        print(f"  prefill {rows[-1]['mode']:8s} {t * 1e3:.1f} ms, limit {limit_s * 1e3:.1f} ms, {t / limit_s:.2f}x",
+              flush=True)
+    _set_mode(eng, "graphs", graphs)
+    return rows
 
 
 _ENGINE_8B = None
 
 
+def _w1_prompts(vocab: int, n: int = 256) -> list[list[int]]:
+    """W1: 256 prompts, lengths uniform in [100, 1024] (seed 0), random token ids."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(100, 1025, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def w1_throughput(spec: str = "dummy:llama-3.1-8b", n_out: int = 256, with_hf: bool = True) -> dict:
+    """Workload W1 (256 output tokens each, EOS ignored): our engine (CUDA graphs, up to 256 sequences in flight)
+    against transformers' ``generate_batch`` (continuous batching) on the same card, output tokens/s."""
+    import gc
+
+    from common.config import EngineConfig
+    from common.engine import LLMEngine
+    from common.sampling import SamplingParams
+
+    global _ENGINE_8B
+    _ENGINE_8B = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = LLMEngine.from_spec(spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=256, max_model_len=2048,
+                                                 max_num_batched_tokens=4096, gpu_memory_utilization=0.85))
+    m = eng.model_cfg
+    prompts = _w1_prompts(m.vocab_size)
+    p = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+    eng.generate(prompts[:8], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    torch.cuda.synchronize()
+    graphs = eng.runner.graphs
+    t0 = time.perf_counter()
+    for i, pr in enumerate(prompts):
+        eng.add_request(f"w1-{i}", pr, p)
+    steps = []  # (seconds, replayed a graph, tokens out)
+    while eng.has_unfinished():
+        r0 = graphs.replays if graphs else 0
+        ts = time.perf_counter()
+        n = len(eng.step())
+        steps.append((time.perf_counter() - ts, (graphs.replays if graphs else 0) > r0, n))
+    torch.cuda.synchronize()
+    ours_s = time.perf_counter() - t0
+    ours_tokens = sum(n for _, _, n in steps)
+    g_steps = [x for x in steps if x[1]]
+    e_steps = [x for x in steps if not x[1]]
+    res = {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": ours_tokens,
+           "seconds": ours_s, "tok_s": ours_tokens / ours_s, "steps": len(steps),
+           "graph_steps": len(g_steps), "graph_steps_seconds": sum(x[0] for x in g_steps),
+           "eager_steps": len(e_steps), "eager_steps_seconds": sum(x[0] for x in e_steps),
+           "slowest_steps": sorted(((round(x[0], 4), x[1], x[2]) for x in steps), reverse=True)[:10],
+           "step_ms": [round(x[0] * 1e3, 2) for x in steps]}
+    print(f"  tokenmill W1: {ours_tokens} output tokens in {ours_s:.1f} s = {ours_tokens / ours_s:.0f} tok/s; "
+          f"{len(g_steps)} graph steps {res['graph_steps_seconds']:.1f} s, {len(e_steps)} eager (prefill) steps "
+          f"{res['eager_steps_seconds']:.1f} s; slowest {res['slowest_steps'][:5]}", flush=True)
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not with_hf:
+        return res
+    try:
+        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+        hf_cfg = LlamaConfig(
+            vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+            num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+            max_position_embeddings=4096, rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta,
+            tie_word_embeddings=m.tie_word_embeddings,
+        )
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                hf = LlamaForCausalLM(hf_cfg).eval()
+        finally:
+            torch.set_default_dtype(prev)
+        gcfg = GenerationConfig(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+        hf.generate_batch(inputs=prompts[:8], generation_config=gcfg, max_new_tokens=8)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = hf.generate_batch(inputs=prompts, generation_config=gcfg)
+        torch.cuda.synchronize()
+        hf_s = time.perf_counter() - t0
+        hf_tokens = sum(len(r.generated_tokens) for r in out.values())
+        res["transformers"] = {"output_tokens": hf_tokens, "seconds": hf_s, "tok_s": hf_tokens / hf_s}
+        res["speedup"] = res["tok_s"] / res["transformers"]["tok_s"]
+        print(f"  transformers generate_batch W1: {hf_tokens} output tokens in {hf_s:.1f} s = {hf_tokens / hf_s:.0f} "
+              f"tok/s; tokenmill {res['speedup']:.1f}x", flush=True)
+        del hf
+    except Exception as e:  # the peer failing is a result to report, not a crash of the whole run
+        res["transformers_error"] = repr(e)[:500]
+        print(f"  transformers generate_batch failed: {e!r}", flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def profile_mixed_steps(n_prompts: int = 96) -> None:
+    """Where a mixed (prefill chunk + decodes) step of W1 spends its time: torch.profiler over two such steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from common.config import EngineConfig
+    from common.engine import LLMEngine
+    from common.sampling import SamplingParams
+
+    eng = LLMEngine.from_spec("dummy:llama-3.1-8b", EngineConfig(
+        device="cuda", dtype="bfloat16", max_num_seqs=256, max_model_len=2048, max_num_batched_tokens=4096,
+        gpu_memory_utilization=0.85))
+    prompts = _w1_prompts(eng.model_cfg.vocab_size)[:n_prompts]
+    for i, pr in enumerate(prompts):
+        eng.add_request(f"p-{i}", pr, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        t0 = time.perf_counter()
+        eng.step()
+        print(f"  mixed step {time.perf_counter() - t0:.3f} s", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            eng.step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    print(ka.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60), flush=True)
+    print(ka.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gguf", required=True, help="SmolLM2-135M-Instruct GGUF path")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--gguf", default=None, help="SmolLM2-135M-Instruct GGUF path (section 'small')")
+    ap.add_argument("--json", default=None, help="write the results here (after every section)")
+    ap.add_argument("--sections", default="kernels,small,decode,prefill,w1")
     a = ap.parse_args()
+    sections = set(a.sections.split(","))
     dev = torch.cuda.get_device_name()
+    res: dict = {"device": dev, "torch": torch.__version__}
+
+    def save() -> None:
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+
     print(f"device: {dev}", flush=True)
-    bw = copy_bandwidth()
-    print(f"copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
-    print("SmolLM2 on CUDA float32 vs transformers ...", flush=True)
-    small = check_small_model(a.gguf)
-    print(f"  greedy equal for {small['equal']}/{small['prompts']} prompts; first diffs {small['first_diff']}",
-          flush=True)
-    rows = []
-    for batch, ctx in ((1, 128), (64, 1024)):
-        print(f"dummy Llama-3.1-8B bf16 decode, batch {batch}, context {ctx} ...", flush=True)
-        rows.append(decode_speed(bw, batch, ctx))
+    bw = res["copy_bandwidth"] = copy_bandwidth()
+    rate = res["matmul_bf16_flops"] = matmul_rate()
+    print(f"copy bandwidth: {bw / 1e12:.2f} TB/s; bf16 matmul: {rate / 1e12:.0f} TFLOP/s", flush=True)
+    save()
+    ok = True
+    if "kernels" in sections:
+        res["kernels"] = check_kernels()
+        ok &= res["kernels"]["ok"]
+        print(f"kernels vs references: {'ok' if res['kernels']['ok'] else 'FAILED'}", flush=True)
+        for k in ("decode", "rope", "norm", "silu", "gemv"):
+            for r in res["kernels"][k]:
+                print("  ", k, r, flush=True)
+        res["decode_kernel"] = time_decode_kernel(bw)
+        for r in res["decode_kernel"]:
+            print(f"  decode kernel b{r['batch']} ctx {r['context']} splits {r['splits']}: {r['us']:.1f} us, "
+                  f"{r['GBps']:.0f} GB/s ({r['vs_copy_bw']:.2f} of copy)", flush=True)
+        save()
+    if "tune" in sections:
+        res["tune"] = tune(bw)
+        save()
+    if "small" in sections:
+        print("SmolLM2 on CUDA float32 (fast path) vs transformers ...", flush=True)
+        small = res["small_model"] = check_small_model(a.gguf)
+        ok &= small["equal"] == small["prompts"]
+        print(f"  greedy equal for {small['equal']}/{small['prompts']} prompts; first diffs {small['first_diff']}; "
+              f"fast path {small['fast_path']}, graph replays {small['graph_replays']}", flush=True)
+        save()
+    if "decode" in sections:
+        res["decode"] = []
+        for batch, ctx in ((1, 128), (64, 1024)):
+            print(f"dummy Llama-3.1-8B bf16 decode, batch {batch}, context {ctx} ...", flush=True)
+            sk = res.get("tune", {}).get("splitk_best_m64")
+            res["decode"] += decode_speed(bw, batch, ctx, splitk_config=ast.literal_eval(sk["config"]) if sk else None)
+            save()
+    if "prefill" in sections:
+        print("dummy Llama-3.1-8B bf16 prefill, 4096 tokens ...", flush=True)
+        res["prefill"] = prefill_speed(rate)
+        save()
+    if "profile" in sections:
+        profile_mixed_steps()
+    if "w1" in sections or "w1-ours" in sections:  # w1-ours: without the transformers peer (~4 min of device)
+        print("W1 (256 prompts of 100-1024 tokens, 256 output tokens each, EOS ignored), Llama-3.1-8B dummy ...",
+              flush=True)
+        res["w1"] = w1_throughput(with_hf="w1" in sections)
+        save()
     print()
-    print("| card | batch | context | step ms | limit ms | ratio | tok/s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {dev} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['limit_ms']:.2f} | "
+    print("| card | mode | batch | context | step ms | limit ms | ratio | tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in res.get("decode", []):
+        print(f"| {dev} | {r['mode']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['limit_ms']:.2f} | "
               f"{r['ratio']:.2f}x | {r['tok_s']:.0f} |")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"device": dev, "copy_bandwidth": bw, "small_model": small, "decode": rows}, f, indent=1)
-    return 0 if small["equal"] == small["prompts"] else 1
+    for r in res.get("prefill", []):
+        print(f"| {dev} | prefill {r['mode']} | 1 | {r['tokens']} | {r['ms']:.1f} | {r['limit_ms']:.1f} | "
+              f"{r['ratio']:.2f}x | {r['tok_s']:.0f} |")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

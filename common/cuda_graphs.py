@@ -1,0 +1,177 @@
+"""CUDA graphs for decode steps.
+
+A decode-only step of B sequences runs as the replay of a graph captured for the smallest captured batch size
+≥ B; the rows past B are padding (context length 0, KV slot −1: the kernels skip them). Inputs go through
+persistent buffers: the step's token ids, positions, KV slots, context lengths and block tables are written into
+one pinned host buffer (:class:`DecodeStaging`, plain CPU code, tested on CPU) and copied to the device buffer the
+graphs read with one asynchronous copy; the step's only host synchronization is the sampler reading the tokens.
+
+The graphs replay ``LlamaModel.forward`` on its CUDA fast path (``common/triton_ops.py``) plus the logits matmul.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from common.model import AttentionMetadata, LlamaModel
+from common.scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+_IDS, _POS, _SLOT, _CTX = range(4)
+
+
+def decode_num_splits(batch: int, kv_heads: int, sms: int, max_splits: int = 16) -> int:
+    """Splits of each sequence's context (flash-decoding) so that a decode launch fills the chip: one program per
+    (sequence, KV head, split); at least ~2 programs per multiprocessor, at most ``max_splits``."""
+    programs = batch * kv_heads
+    if programs >= sms:
+        return 1
+    return max(1, min(max_splits, -(-2 * sms // programs)))
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Captured decode batch sizes: 1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (which is always included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8)) + [max_num_seqs]
+    return sorted(set(sizes))
+
+
+def padded_size(sizes: Sequence[int], batch: int) -> int | None:
+    """The smallest captured size that holds ``batch`` rows, or None."""
+    for s in sizes:
+        if s >= batch:
+            return s
+    return None
+
+
+class DecodeStaging:
+    """Host side of the persistent decode inputs: one int32 buffer ``[4 · max_batch + max_batch · width]``
+    (ids, positions, layer-0 K rows of the new token, context lengths, then the block-table rows)."""
+
+    def __init__(self, max_batch: int, width: int, block_size: int, num_layers: int, pin: bool) -> None:
+        self.max_batch, self.width, self.block_size = max_batch, width, block_size
+        self.per_block = num_layers * 2 * block_size
+        self.host = torch.zeros(4 * max_batch + max_batch * width, dtype=torch.int32, pin_memory=pin)
+        self._np = self.host.numpy()
+        self.head = self._np[: 4 * max_batch].reshape(4, max_batch)
+        self.tables = self._np[4 * max_batch :].reshape(max_batch, width)
+        self._row_lists: list[list[int] | None] = [None] * max_batch  # the block_ids list each row holds
+        self._row_lens = [0] * max_batch
+
+    def fits(self, decodes: Sequence[ScheduledSeq]) -> bool:
+        return len(decodes) <= self.max_batch and all(len(d.seq.block_ids) <= self.width for d in decodes)
+
+    def fill(self, decodes: Sequence[ScheduledSeq], padded: int) -> int:
+        """Write the step's rows and padding up to ``padded`` rows; returns how many int32 to copy.
+
+        A block-table row is rewritten only where it changed: a sequence's ``block_ids`` list only grows by
+        ``append`` (the block manager replaces the whole list when it frees or re-matches one), so a row that
+        still holds the same list object only needs the entries appended since the last step."""
+        bs, per_block = self.block_size, self.per_block
+        tables, row_lists, row_lens = self.tables, self._row_lists, self._row_lens
+        b = len(decodes)
+        ids, pos, slot, ctx = [0] * padded, [0] * padded, [-1] * padded, [0] * padded
+        for i, d in enumerate(decodes):
+            s = d.seq
+            c = s.num_computed_tokens
+            bl = s.block_ids
+            ids[i] = s.token_at(c)
+            pos[i] = c
+            slot[i] = bl[c // bs] * per_block + c % bs
+            ctx[i] = c + 1
+            n = len(bl)
+            if row_lists[i] is bl:
+                if n > row_lens[i]:
+                    tables[i, row_lens[i] : n] = bl[row_lens[i] : n]
+            else:
+                tables[i, :n] = bl
+                row_lists[i] = bl
+            row_lens[i] = n
+        head = self.head
+        head[_IDS, :padded] = ids
+        head[_POS, :padded] = pos
+        head[_SLOT, :padded] = slot
+        head[_CTX, :padded] = ctx
+        for i in range(b, padded):
+            row_lists[i] = None
+        return 4 * self.max_batch + padded * self.width
+
+
+class CudaGraphDecoder:
+    """Captures and replays decode steps; owns the persistent device inputs and the logits outputs."""
+
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, max_batch: int,
+                 max_model_len: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        width = -(-max_model_len // block_size)
+        self.sizes = graph_batch_sizes(max_batch)
+        self.staging = DecodeStaging(max_batch, width, block_size, model.cfg.num_layers, pin=True)
+        self.dev = torch.zeros(self.staging.host.numel(), dtype=torch.int32, device=self.device)
+        self._copied = torch.cuda.Event()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.replays = 0
+        self.capture_seconds = 0.0
+
+    def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        mb, width = self.staging.max_batch, self.staging.width
+        head = self.dev[: 4 * mb].view(4, mb)
+        tables = self.dev[4 * mb :].view(mb, width)[:b]
+        bs = self.staging.block_size
+        meta = AttentionMetadata(
+            slot_rows=head[_SLOT, :b], prefill_query_lens=[], prefill_context_lens=[], prefill_rows=[],
+            num_decode_tokens=b, decode_rows=None, decode_mask=None, layer_stride=2 * bs, kv_stride=bs,
+            decode_block_tables=tables, decode_context_lens=head[_CTX, :b],
+        )
+        return head[_IDS, :b], head[_POS, :b], meta
+
+    def _run(self, b: int) -> torch.Tensor:
+        ids, pos, meta = self._inputs(b)
+        return self.model.compute_logits(self.model(ids, pos, meta, self.kv_cache))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size (largest first, sharing one memory pool). Inputs are all padding."""
+        t0 = time.perf_counter()
+        self.staging.fill([], self.staging.max_batch)
+        self.dev.copy_(self.staging.host)
+        pool = None
+        side = torch.cuda.Stream(self.device)
+        for b in sorted(self.sizes, reverse=True):
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compile the kernels, create the cuBLAS handles
+                    self._run(b)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.logits[b] = self._run(b)
+            pool = g.pool()
+            self.graphs[b] = g
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.sizes), self.sizes, self.capture_seconds)
+
+    def can_run(self, decodes: Sequence[ScheduledSeq]) -> bool:
+        return len(decodes) > 0 and self.staging.fits(decodes)
+
+    def run(self, decodes: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Replay for these decodes; returns float32 logits ``[len(decodes), vocab]`` on the device (a view of the
+        graph's output, valid until the next replay)."""
+        b = len(decodes)
+        padded = padded_size(self.sizes, b)
+        assert padded is not None
+        self._copied.synchronize()  # the previous step's copy has read the pinned buffer
+        n = self.staging.fill(decodes, padded)
+        self.dev[:n].copy_(self.staging.host[:n], non_blocking=True)
+        self._copied.record()
+        self.graphs[padded].replay()
+        self.replays += 1
+        return self.logits[padded][:b]
+

@@ -1,0 +1,382 @@
+"""Triton kernels of the CUDA fast path: paged decode attention straight from the block-major KV pool, fused
+RoPE + KV write, fused residual add + RMSNorm, fused SiLU·mul.
+
+Imported only on CUDA (``common.model`` imports it lazily); the portable PyTorch path in ``common.model`` stays the
+reference for CPU and tests. ``loadgen/bench_gpu.py`` checks every kernel here against that path on random data
+and then runs the engine through them (SmolLM2 greedy vs transformers, Llama-3.1-8B decode vs the limit).
+
+The pool is ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``. A token's K of layer ``l`` lies at element
+``(row + l * 2 * block_size) * kv_heads * head_dim`` where ``row`` is its layer-0 K row (``common.model.cache_rows``);
+its V ``block_size * kv_heads * head_dim`` further. All such offsets are computed in int64 (an 8B pool holds
+more than 2^31 elements).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from common.cuda_graphs import decode_num_splits
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
+
+
+# ---- paged decode attention ---------------------------------------------------------------------------------
+# Arguments that change from step to step are not specialized on (Triton would otherwise compile a variant for
+# each value class: == 1, divisible by 16, other), so a serving run compiles each kernel once or twice, not per shape.
+@triton.jit(do_not_specialize=["q_stride_b", "table_stride", "out_stride_b", "num_splits"])
+def _paged_decode_kernel(
+    q_ptr, q_stride_b,
+    cache_ptr, blk_stride, v_off,
+    table_ptr, table_stride, ctx_ptr,
+    out_ptr, out_stride_b,
+    part_ptr, lse_ptr,
+    scale, num_splits, num_heads,
+    KVH: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + b)
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, ctx)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    hmask = offs_h < G
+    heads = kh * G + offs_h
+    q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n
+        nmask = tok < hi
+        blk = tl.load(table_ptr + b * table_stride + tok // BS, mask=nmask, other=0).to(tl.int64)
+        base = blk * blk_stride + ((tok % BS) * KVH + kh) * D
+        k = tl.load(cache_ptr + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(nmask[None, :], sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + v_off + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    if DIRECT:
+        tl.store(out_ptr + b * out_stride_b + heads[:, None] * D + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    else:
+        row = (b * num_heads + heads) * num_splits + s
+        tl.store(part_ptr + row[:, None] * D + offs_d[None, :], o, mask=hmask[:, None])
+        tl.store(lse_ptr + row, m_i + tl.log(l_i), mask=hmask)
+
+
+@triton.jit(do_not_specialize=["out_stride_b", "num_splits"])
+def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, out_stride_b, num_heads, num_splits,
+                         D: tl.constexpr, BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    smask = offs_s < num_splits
+    row = (b * num_heads + h) * num_splits + offs_s
+    lse = tl.load(lse_ptr + row, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    denom = tl.sum(w, 0)
+    parts = tl.load(part_ptr + row[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + b * out_stride_b + h * D + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    scale: float, out: torch.Tensor, num_splits: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """One query token per sequence against its paged context, read in place from the pool.
+
+    q: [B, H, D] (rows may be strided, heads contiguous); block_tables: [B, W] int32; context_lens: [B] int32
+    (0: the row is padding, its output is zeros); out: [B, H, D] with contiguous heads. ``num_splits`` 0 picks
+    :func:`decode_num_splits`. Launch shapes depend only on B and the splits, so a CUDA graph can hold it."""
+    bsz, heads, d = q.shape
+    _, _, _, bs, kvh, _ = kv_cache.shape
+    g = heads // kvh
+    assert q.stride(2) == 1 and q.stride(1) == d and out.stride(2) == 1 and out.stride(1) == d
+    if num_splits <= 0:
+        num_splits = decode_num_splits(bsz, kvh, num_sms(q.device))
+    cache_l = kv_cache.select(1, layer)
+    block_h = max(16, triton.next_power_of_2(g))
+    ieee = q.dtype == torch.float32
+    common = dict(KVH=kvh, G=g, BLOCK_H=block_h, D=d, BS=bs, BLOCK_N=block_n, IEEE=ieee, num_warps=num_warps,
+                  num_stages=num_stages)
+    if num_splits == 1:
+        _paged_decode_kernel[(bsz, kvh, 1)](
+            q, q.stride(0), cache_l, kv_cache.stride(0), kv_cache.stride(2), block_tables, block_tables.stride(0),
+            context_lens, out, out.stride(0), out, out, scale, 1, heads, DIRECT=True, **common,
+        )
+        return out
+    part = torch.empty((bsz, heads, num_splits, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(bsz, kvh, num_splits)](
+        q, q.stride(0), cache_l, kv_cache.stride(0), kv_cache.stride(2), block_tables, block_tables.stride(0),
+        context_lens, out, out.stride(0), part, lse, scale, num_splits, heads, DIRECT=False, **common,
+    )
+    _merge_splits_kernel[(bsz, heads)](
+        part, lse, out, out.stride(0), heads, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4,
+    )
+    return out
+
+
+# ---- RoPE + KV write ----------------------------------------------------------------------------------------
+@triton.jit
+def _rope_kv_write_kernel(
+    qkv_ptr, qkv_stride, pos_ptr, slot_ptr, cos_ptr, sin_ptr, cos_stride,
+    cache_ptr, layer_off, v_off,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+):
+    t = tl.program_id(0)
+    j = tl.program_id(1)  # 0..H-1: query heads; H..H+KVH-1: KV heads
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    offs = tl.arange(0, HALF)
+    c = tl.load(cos_ptr + pos * cos_stride + offs)
+    sn = tl.load(sin_ptr + pos * cos_stride + offs)
+    base = qkv_ptr + t.to(tl.int64) * qkv_stride + j * D
+    x1 = tl.load(base + offs).to(tl.float32)
+    x2 = tl.load(base + HALF + offs).to(tl.float32)
+    o1 = (x1 * c - x2 * sn).to(qkv_ptr.dtype.element_ty)
+    o2 = (x2 * c + x1 * sn).to(qkv_ptr.dtype.element_ty)
+    tl.store(base + offs, o1)
+    tl.store(base + HALF + offs, o2)
+    if j >= H:
+        kh = j - H
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        ok = (offs < HALF) & (slot >= 0)
+        dst = cache_ptr + layer_off + slot * (KVH * D) + kh * D
+        tl.store(dst + offs, o1, mask=ok)
+        tl.store(dst + HALF + offs, o2, mask=ok)
+        vsrc = base + KVH * D
+        tl.store(dst + v_off + offs, tl.load(vsrc + offs), mask=ok)
+        tl.store(dst + v_off + HALF + offs, tl.load(vsrc + HALF + offs), mask=ok)
+
+
+def rope_kv_write(
+    qkv: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    kv_cache: torch.Tensor, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> None:
+    """Rotate Q and K of ``qkv`` ([T, (H + 2·KVH)·D], rows contiguous) in place with rotate-half RoPE at
+    ``positions``, and write K and V into the pool at ``slot_rows`` (layer-0 K rows; negative: padding, skipped).
+    cos/sin: float32 ``[max_pos, D]`` tables (first half == second half)."""
+    t = qkv.shape[0]
+    if t == 0:
+        return
+    bs = kv_cache.shape[3]
+    row = num_kv_heads * head_dim
+    _rope_kv_write_kernel[(t, num_heads + num_kv_heads)](
+        qkv, qkv.stride(0), positions, slot_rows, cos, sin, cos.stride(0),
+        kv_cache, layer * 2 * bs * row, bs * row,
+        H=num_heads, KVH=num_kv_heads, D=head_dim, HALF=head_dim // 2, num_warps=1,
+    )
+
+
+# ---- residual add + RMSNorm, SiLU·mul ---------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["t"])
+def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, out_ptr, n, t, eps, HAS_DELTA: tl.constexpr, NUM_PARTS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + row * n + offs, mask=m, other=0.0)
+    if HAS_DELTA:
+        if NUM_PARTS == 0:
+            d = tl.load(d_ptr + row * n + offs, mask=m, other=0.0).to(tl.float32)
+        else:  # fp32 split-K partials [NUM_PARTS, t, n]: their sum, rounded as a matmul output would be
+            d = tl.zeros([BLOCK], tl.float32)
+            for p in tl.static_range(NUM_PARTS):
+                d += tl.load(d_ptr + (p * t + row) * n + offs, mask=m, other=0.0)
+            d = d.to(x.dtype).to(tl.float32)
+        x = (x.to(tl.float32) + d).to(x.dtype)
+        tl.store(x_ptr + row * n + offs, x, mask=m)
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+    normed = (xf * r).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (when given), then return RMSNorm(x) with the reference's rounding (norm in float32,
+    cast, times the weight in the activation dtype). x: contiguous [T, N]; delta: contiguous [T, N], or fp32
+    split-K partials [S, T, N] (:func:`splitk_mm`) that are summed here."""
+    t, n = x.shape
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    block = triton.next_power_of_2(n)
+    parts = delta.shape[0] if delta is not None and delta.dim() == 3 else 0
+    _add_rms_norm_kernel[(t,)](
+        x, delta if delta is not None else x, weight, out, n, t, eps, HAS_DELTA=delta is not None, NUM_PARTS=parts,
+        BLOCK=block, num_warps=8 if block >= 2048 else 4,
+    )
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = col < inter
+    g = tl.load(gu_ptr + row * 2 * inter + col, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * 2 * inter + inter + col, mask=m, other=0.0)
+    s = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
+    tl.store(out_ptr + row * inter + col, (s * u.to(tl.float32)).to(u.dtype), mask=m)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused [T, 2·I] gate/up output, in one pass."""
+    t, two_i = gu.shape
+    inter = two_i // 2
+    out = torch.empty((t, inter), dtype=gu.dtype, device=gu.device)
+    if t == 0:
+        return out
+    block = 1024
+    _silu_mul_kernel[(t, triton.cdiv(inter, block))](gu, out, inter, BLOCK=block, num_warps=4)
+    return out
+
+
+# ---- bandwidth-bound matrix products for decode (batch 1: GEMV; small batches: split-K GEMM) ---------------------
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, k, stride_w, HAS_BIAS: tl.constexpr, SILU_INPUT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < n
+    offs_k = tl.arange(0, BLOCK_K)
+    wp = w_ptr + rows.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kmask = (k0 + offs_k) < k
+        w = tl.load(wp + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+        if SILU_INPUT:  # x is a fused [gate | up] row: the input is silu(gate) * up, rounded as silu_mul does
+            g = tl.load(x_ptr + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + k + k0 + offs_k, mask=kmask, other=0.0)
+            sg = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
+            x = (sg * u.to(tl.float32)).to(u.dtype).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+
+def gemv_config(n: int) -> tuple[int, int, int, int]:
+    """BLOCK_N, BLOCK_K, num_warps, num_stages by output size, from the sweep in ``bench_gpu --sections tune`` on an
+    H200 (Llama-3.1-8B matrices, 2026-11-26): lm_head-sized, gate_up-sized, and the rest."""
+    if n >= 65536:
+        return (16, 256, 4, 3)
+    if n >= 16384:
+        return (8, 256, 4, 4)
+    return (16, 512, 8, 3)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+         config: tuple[int, int, int, int] | None = None, silu_input: bool = False) -> torch.Tensor:
+    """``F.linear`` for one row (x: [1, K] contiguous, or [1, 2K] with ``silu_input``; w: [N, K] rows contiguous),
+    streaming W once."""
+    n, k = w.shape
+    bn, bk, warps, stages = config or gemv_config(n)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, b if b is not None else w, y, n, k, w.stride(0),
+                                        HAS_BIAS=b is not None, SILU_INPUT=silu_input, BLOCK_N=bn, BLOCK_K=bk,
+                                        num_warps=warps, num_stages=stages)
+    return y
+
+
+@triton.jit(do_not_specialize=["m"])
+def _splitk_mm_kernel(x_ptr, w_ptr, p_ptr, m, n, k_per_split, stride_x, stride_w,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """partials[s, m, n] = x[m, ks] · w[n, ks] over split s's K range (fp32)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sp = tl.program_id(1)
+    rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    mmask = rm < m
+    nmask = rn < n
+    k0 = sp * k_per_split
+    xp = x_ptr + rm[:, None] * stride_x + k0 + rk[None, :]
+    wp = w_ptr + rn.to(tl.int64)[None, :] * stride_w + k0 + rk[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        a = tl.load(xp + kk, mask=mmask[:, None], other=0.0)
+        bt = tl.load(wp + kk, mask=nmask[None, :], other=0.0)
+        acc = tl.dot(a, bt, acc)
+    tl.store(p_ptr + (sp * m + rm[:, None]) * n + rn[None, :], acc, mask=mmask[:, None] & nmask[None, :])
+
+
+def splitk_mm(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """``x @ w.T`` for a few rows as fp32 partial sums ``[splits, M, N]`` (their sum is the product): W streamed
+    once by (N / BLOCK_N) × splits programs. K must divide into splits × BLOCK_K. The partials are summed by the
+    consumer (:func:`add_rms_norm` takes them as its delta)."""
+    m, k = x.shape
+    n = w.shape[0]
+    bn, bk, splits, warps, stages = config
+    assert k % (splits * bk) == 0
+    bm = max(16, triton.next_power_of_2(m))
+    parts = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    _splitk_mm_kernel[(triton.cdiv(n, bn), splits, triton.cdiv(m, bm))](
+        x, w, parts, m, n, k // splits, x.stride(0), w.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, num_stages=stages)
+    return parts
+
+
+SPLITK_MAX_M = 0  # decode rows up to which the residual projections (o_proj, down) use splitk_mm (0: never)
+SPLITK_CONFIG = (64, 128, 4, 4, 4)  # BLOCK_N, BLOCK_K, splits, num_warps, num_stages
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The fast path's ``F.linear``: the Triton GEMV for one row of bf16/fp16, cuBLAS otherwise (float32 keeps
+    cuBLAS: its numerics are the reference's)."""
+    if x.shape[0] == 1 and x.dtype != torch.float32 and w.stride(-1) == 1:
+        return gemv(x.contiguous(), w, b)
+    return torch.nn.functional.linear(x, w, b)
+
+
+def residual_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A projection whose output only feeds :func:`add_rms_norm` (o_proj, down): split-K partials for small
+    batches where configured (the norm kernel sums them), :func:`linear` otherwise."""
+    m, k = x.shape
+    if 1 < m <= SPLITK_MAX_M and x.dtype != torch.float32 and k % (SPLITK_CONFIG[1] * SPLITK_CONFIG[2]) == 0:
+        return splitk_mm(x.contiguous(), w, SPLITK_CONFIG)
+    return linear(x, w)
+
+
+def down_proj(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``residual_linear(silu_mul(gu), w)``; at one row the SiLU·mul is fused into the GEMV's input loads."""
+    if gu.shape[0] == 1 and gu.dtype != torch.float32 and gu.is_contiguous() and w.stride(-1) == 1:
+        return gemv(gu, w, silu_input=True)
+    return residual_linear(silu_mul(gu), w)

@@ -1,0 +1,141 @@
+"""The CUDA fast path's CPU-testable parts: dispatch, CUDA-graph batch sizes, decode input staging, split choice.
+
+The kernels and graphs themselves need a GPU: ``python -m loadgen.bench_gpu`` ran them on an H200 (2026-11-26,
+docs/gpu-2026-11-26-h200-fast.json): every Triton kernel against float64 / portable references on random data, and
+SmolLM2 through the fast path (CUDA graphs) greedy-equal to transformers for 20/20 prompts. Where Triton is
+installed, the last test here runs the same kernels on CPU through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common.cuda_graphs import DecodeStaging, decode_num_splits, graph_batch_sizes, padded_size
+from common.model_runner import use_fast_path
+from common.scheduler import ScheduledSeq
+
+
+def test_fast_path_only_on_cuda(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_CUDA_FAST", raising=False)
+    assert not use_fast_path(torch.device("cpu"))
+    assert use_fast_path(torch.device("cuda"))
+    assert not use_fast_path(torch.device("cuda"), noop_model=True)
+    monkeypatch.setenv("TOKENMILL_CUDA_FAST", "0")
+    assert not use_fast_path(torch.device("cuda"))
+
+
+def test_cpu_runner_keeps_the_portable_path(make_engine):
+    eng = make_engine()
+    assert not eng.runner.fast_cuda and eng.runner.graphs is None and not eng.runner.model.use_triton
+
+
+def test_graph_batch_sizes_and_padding():
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(1) == [1]
+    sizes = graph_batch_sizes(20)
+    assert sizes[-1] == 20
+    assert [padded_size(sizes, b) for b in (1, 3, 8, 9, 17, 20)] == [1, 4, 8, 16, 20, 20]
+    assert padded_size(sizes, 21) is None
+
+
+def test_decode_num_splits_fills_the_chip():
+    assert decode_num_splits(64, 8, 132) == 1  # 512 programs already
+    assert decode_num_splits(1, 8, 132) == 16  # capped
+    assert decode_num_splits(4, 8, 132) == 9  # ceil(264 / 32)
+    assert decode_num_splits(16, 8, 132) == 3
+    assert decode_num_splits(1, 3, 132, max_splits=200) == 88
+
+
+def _decode(seq_id: int, tokens: list[int], computed: int, blocks: list[int]) -> ScheduledSeq:
+    seq = SimpleNamespace(num_computed_tokens=computed, token_at=lambda i: tokens[i], block_ids=blocks, id=seq_id)
+    return ScheduledSeq(seq, 1)  # type: ignore[arg-type]
+
+
+def test_decode_staging_rows_and_padding():
+    bs, layers = 4, 3
+    st = DecodeStaging(max_batch=4, width=5, block_size=bs, num_layers=layers, pin=False)
+    decodes = [_decode(0, list(range(100, 110)), 9, [7, 3, 9]), _decode(1, [5, 6], 1, [2])]
+    n = st.fill(decodes, padded=4)
+    assert n == 4 * 4 + 4 * 5
+    ids, pos, slot, ctx = (st.head[i].tolist() for i in range(4))
+    assert ids == [109, 6, 0, 0] and pos == [9, 1, 0, 0] and ctx == [10, 2, 0, 0]
+    per_block = layers * 2 * bs
+    assert slot[:2] == [9 * per_block + 1, 2 * per_block + 1]  # position 9 → block index 2 (id 9), offset 1
+    assert slot[2:] == [-1, -1]  # padding rows write nothing
+    assert st.tables[0, :3].tolist() == [7, 3, 9] and st.tables[1, :1].tolist() == [2]
+    flat = st.host[:n]
+    assert flat[: 16].view(4, 4)[3].tolist() == [10, 2, 0, 0]
+    # a smaller step afterwards re-pads the rows it no longer uses
+    st.fill(decodes[1:], padded=2)
+    assert st.head[3].tolist()[:2] == [2, 0] and st.head[2].tolist()[:2] == [2 * per_block + 1, -1]
+    assert st.fits(decodes) and not st.fits([_decode(2, [1], 0, list(range(6)))])
+
+
+def test_decode_staging_rewrites_only_changed_table_rows():
+    st = DecodeStaging(max_batch=2, width=6, block_size=2, num_layers=1, pin=False)
+    blocks = [4, 5]
+    d = _decode(0, list(range(10)), 3, blocks)
+    st.fill([d], padded=1)
+    assert st.tables[0, :2].tolist() == [4, 5]
+    blocks.append(8)  # the block manager grows the list in place
+    d = _decode(0, list(range(10)), 4, blocks)
+    st.fill([d], padded=1)
+    assert st.tables[0, :3].tolist() == [4, 5, 8] and st.head[2, 0] == 8 * 4 + 0
+    d = _decode(0, list(range(10)), 4, [1, 2, 3])  # a new list (freed and re-allocated): the whole row again
+    st.fill([d], padded=1)
+    assert st.tables[0, :3].tolist() == [1, 2, 3]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU CI)")
+def test_fast_forward_matches_portable_in_triton_interpreter():
+    """Greedy tokens of the fast forward (eager, and through the graph decoder's staging without graphs) equal the
+    portable path's, with Triton's CPU interpreter."""
+    code = r"""
+import os, torch
+from unittest import mock
+from common import model_runner, cuda_graphs
+from common.config import EngineConfig
+from common.engine import LLMEngine
+from common.sampling import SamplingParams
+
+class NoGraphs(cuda_graphs.CudaGraphDecoder):
+    def __init__(self, model, kv, bs, mb, mlen):
+        self.model, self.kv_cache, self.device = model, kv, kv.device
+        self.sizes = cuda_graphs.graph_batch_sizes(mb)
+        self.staging = cuda_graphs.DecodeStaging(mb, -(-mlen // bs), bs, model.cfg.num_layers, pin=False)
+        self.dev = torch.zeros_like(self.staging.host)
+        self.replays = 0
+    def capture(self):
+        pass
+    def run(self, decodes):
+        b = len(decodes); p = cuda_graphs.padded_size(self.sizes, b)
+        n = self.staging.fill(decodes, p)
+        self.dev[:n].copy_(self.staging.host[:n]); self.replays += 1
+        return self._run(p)[:b]
+
+cfg = EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, kv_cache_memory=64 << 20, max_model_len=256)
+g = torch.Generator().manual_seed(0)
+ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 37, 20)]
+p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+ref = [r.token_ids for r in LLMEngine.from_spec("dummy:tiny-llama", cfg).generate(ps, p)]
+with mock.patch.object(model_runner, "use_fast_path", lambda d, n=False: True), \
+     mock.patch.object(model_runner, "CudaGraphDecoder", NoGraphs):
+    eng = LLMEngine.from_spec("dummy:tiny-llama", cfg)
+    out = [r.token_ids for r in eng.generate(ps, p)]
+    assert eng.runner.graphs.replays > 0
+    again = [r.token_ids for r in eng.generate([q + [7, 8] for q in ps], p)]  # cached prefixes
+ref2 = [r.token_ids for r in LLMEngine.from_spec("dummy:tiny-llama", cfg).generate([q + [7, 8] for q in ps], p)]
+assert out == ref and again == ref2, (out, ref, again, ref2)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
