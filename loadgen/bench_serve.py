@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,9 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
                    load: LoadConfig, urls: list[str]) -> dict[str, Any]:
     from tqdm import tqdm
 
+    if a.cache_salt == "auto":  # a fresh salt per run: nothing of an earlier run (or tool) is served from cache
+        target.opts = dataclasses.replace(target.opts, cache_salt=uuid.uuid4().hex)
+
     reqs = iter_requests(_workload(a, load.seed), builder, tenants)
     warm = iter_requests(_workload(a, load.seed + WARMUP_SEED_OFFSET), builder, tenants)
     warm_recs = await run_warmups(target, warm, load) if load.num_warmups else []
@@ -184,7 +189,7 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
     api_key = a.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TOKENMILL_API_KEY")
     a.api_key = api_key
     opts = SendOptions(ignore_eos=a.ignore_eos, temperature=a.temperature, timeout=a.request_timeout,
-                       api_key=api_key)
+                       api_key=api_key, cache_salt=a.cache_salt if a.cache_salt != "auto" else None)
     target, where = _target(a, opts, tenants)
     loads = _loads(a, tenants)
     builder = _builder(a)
@@ -290,6 +295,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "default --model if it is a local path, else the embedded SmolLM2); ids:VOCAB for random "
                         "token ids without a tokenizer (grpc, dummy models)")
     g.add_argument("--request-timeout", type=float, help="cancel a request after this many seconds")
+    g.add_argument("--cache-salt", help="sent with every request: the server's prefix cache is shared only within "
+                                        "one salt; 'auto' = a fresh salt per run (a rerun of a seed is then not "
+                                        "served from the cache of the run before)")
     w = p.add_argument_group("workload")
     w.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random",
                    help="default random")

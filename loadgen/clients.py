@@ -29,12 +29,14 @@ class SendOptions:
     temperature: float | None = None
     timeout: float | None = None  # seconds; a request past it is cancelled (outcome "cancelled", kind "timeout")
     api_key: str | None = None  # the default key; a tenant's own key wins
+    cache_salt: str | None = None  # scopes the server's prefix cache: runs with different salts share no blocks
 
 
 class Target(Protocol):
     """A serving endpoint. ``open`` before the first ``send``, ``close`` after the last."""
 
     name: str
+    opts: SendOptions
 
     async def open(self) -> None: ...
 
@@ -95,7 +97,7 @@ class GrpcTarget:
             params.temperature = self.opts.temperature
         return frontend_pb2.GenerateRequest(
             model=self.model or "", prompt_token_ids=frontend_pb2.TokenIds(ids=spec.prompt_ids), params=params,
-            priority=spec.tenant.priority if spec.tenant else 0)
+            priority=spec.tenant.priority if spec.tenant else 0, cache_salt=self.opts.cache_salt or "")
 
     async def send(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
         import grpc
@@ -193,6 +195,8 @@ class OpenAITarget:
             p["temperature"] = self.opts.temperature
         if spec.tenant and spec.tenant.priority:
             p["priority"] = spec.tenant.priority
+        if self.opts.cache_salt:
+            p["cache_salt"] = self.opts.cache_salt
         return p
 
     async def send(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:

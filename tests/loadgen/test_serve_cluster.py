@@ -212,3 +212,16 @@ def test_token_id_prompts_for_models_without_a_tokenizer(cluster, capsys, tmp_pa
     assert [(r["prompt_tokens"], r["output_tokens"]) for r in recs] == [(30, 2), (30, 2)]
     code = main(["bench", "serve", "--backend", "openai", "--base-url", cluster["http"], "--tokenizer", "ids:100"])
     assert code == 2 and "use --backend grpc" in capsys.readouterr().err
+
+
+def test_a_rerun_of_one_seed_hits_the_prefix_cache_unless_salted(cluster, capsys, tmp_path):
+    hits = []
+    for i, salt in enumerate(([], [], ["--cache-salt", "auto"])):
+        out = tmp_path / f"s{i}.json"
+        code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], "--num-prompts", "2", "--seed", "77",
+                           "--random-input-len", "64", "--random-output-len", "2", "--ignore-eos", "--num-warmups",
+                           "0", "--cluster-state", cluster["state"], "--result-file", str(out), "--no-plots",
+                           "--disable-tqdm", *salt)
+        assert code == 0, text
+        hits.append(json.loads(out.read_text())["runs"][0]["server"]["prefix_cache_hits"])
+    assert hits[0] == 0 and hits[1] >= 48 and hits[2] == 0  # 3 full blocks of a 64-token prompt, or more

@@ -76,7 +76,8 @@ def test_payloads_follow_the_openai_api():
                                   "priority": 10}
     assert chat.headers(spec)["Authorization"] == "Bearer sk-t" and chat.headers(spec)["x-tenant-id"] == "t"
     assert chat.headers()["Authorization"] == "Bearer sk-d"
-    comp = OpenAITarget("http://h:1", "completions", "m", SendOptions())
+    comp = OpenAITarget("http://h:1", "completions", "m", SendOptions(cache_salt="run-1"))
     assert comp.url == "http://h:1/v1/completions"
     p = comp.payload(RequestSpec(0, (1,), "x", 1, 5))
-    assert (p["prompt"], p["max_tokens"]) == ("x", 5) and "ignore_eos" not in p and "priority" not in p
+    assert (p["prompt"], p["max_tokens"], p["cache_salt"]) == ("x", 5, "run-1")
+    assert "ignore_eos" not in p and "priority" not in p
