@@ -111,7 +111,8 @@ def _from_vllm(d: dict[str, Any]) -> dict[str, Any]:
     s["goodput"] = d.get("request_goodput")
     s["input_tokens"], s["output_tokens"] = d.get("total_input_tokens"), d.get("total_output_tokens")
     for ours, theirs in _VLLM_LAT.items():
-        s[ours] = {"mean": d.get(f"mean_{theirs}_ms"), "p50": d.get(f"median_{theirs}_ms"),
+        s[ours] = {"mean": d.get(f"mean_{theirs}_ms"),
+                   "p50": d.get(f"median_{theirs}_ms", d.get(f"p50_{theirs}_ms")),
                    "p90": d.get(f"p90_{theirs}_ms"), "p99": d.get(f"p99_{theirs}_ms")}
     # the per-request lists it saves (latencies always; ttfts and itls with --save-detailed), in seconds
     for ours, key in (("e2e_ms", "latencies"), ("ttft_ms", "ttfts")):

@@ -84,7 +84,7 @@ def test_compare_prints_ratios_and_reads_vllm_results(tmp_path):
     ours = {"label": "a", "summary": summarize(_timeline(), Slo.parse("ttft:150"))}
     vllm = {"completed": 3, "num_prompts": 5, "duration": 2.2, "request_throughput": 1.5 / 1.1,
             "output_throughput": 9 / 2.2, "total_token_throughput": 1.0, "mean_ttft_ms": 350 / 3,
-            "median_ttft_ms": 200.0, "p99_ttft_ms": 1.0, "mean_tpot_ms": 1.0, "latencies": [0.1, 0.3, 0.5],
+            "median_ttft_ms": 200.0, "p99_ttft_ms": 1.0, "mean_tpot_ms": 1.0, "p50_tpot_ms": 5.0, "latencies": [0.1, 0.3, 0.5],
             "total_input_tokens": 60, "total_output_tokens": 9}
     (tmp_path / "v.json").write_text(json.dumps(vllm))
     from loadgen.report import load_runs
@@ -93,6 +93,7 @@ def test_compare_prints_ratios_and_reads_vllm_results(tmp_path):
     rows = {ln[:26].strip(): ln[26:].split() for ln in text.splitlines() if ln[:1].isalpha()}
     assert rows["request throughput req/s"] == ["2.73", "1.36", "0.500"]
     assert rows["TTFT mean ms"][2] == "1.000" and rows["TTFT p50 ms"][2] == "2.000"
+    assert rows["TPOT p50 ms"][1] == "5.00"  # --metric-percentiles 50 names it p50, not median
     assert rows["failed"][:2] == ["2.00", "2.00"] and rows["input tokens"][2] == "1.000"
     assert rows["E2E mean ms"][1:] == ["300.00", f"{300 / s_e2e_mean(ours):.3f}"]  # from vLLM's per-request list
     with pytest.raises(ValueError, match="runs"):
