@@ -130,6 +130,12 @@ def _num_prompts(a: argparse.Namespace, c: int) -> int:
     return a.num_prompts or max(8, 4 * c)
 
 
+def _seed(client: str, c: int) -> str:
+    """A prompt seed per (client, concurrency), the same for both servers: no run is served from the prefix
+    cache an earlier run filled (both tools draw the same prompts from the same seed)."""
+    return str(1000 * CLIENTS.index(client) + c)
+
+
 def run_vllm_client(a: argparse.Namespace, url: str, model: str, c: int, venv: Path, hf_dir: Path, work: Path
                     ) -> dict[str, Any]:
     out = work / f"vllm-client-{c}.json"
@@ -138,7 +144,7 @@ def run_vllm_client(a: argparse.Namespace, url: str, model: str, c: int, venv: P
            "--base-url", url, "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", str(hf_dir),
            "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
            str(a.output_len), "--num-prompts", str(_num_prompts(a, c)), "--max-concurrency", str(c),
-           "--ignore-eos", "--temperature", "0", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--ignore-eos", "--temperature", "0", "--seed", _seed("vllm", c), "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(work), "--result-filename",
            out.name, "--disable-tqdm"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(), cwd=work, timeout=3600)
@@ -158,7 +164,7 @@ def run_tokenmill_client(a: argparse.Namespace, url: str, model: str, c: int, hf
     cmd = [sys.executable, "-m", "services.cli", "bench", "serve", "--backend", "openai-chat", "--base-url", url,
            "--model", model, "--tokenizer", str(hf_dir), "--dataset-name", "random", "--random-input-len",
            str(a.input_len), "--random-output-len", str(a.output_len), "--num-prompts", str(_num_prompts(a, c)),
-           "--max-concurrency", str(c), "--ignore-eos", "--temperature", "0", "--seed", "0", "--no-plots",
+           "--max-concurrency", str(c), "--ignore-eos", "--temperature", "0", "--seed", _seed("tokenmill", c), "--no-plots",
            "--no-server-metrics", "--disable-tqdm", "--result-file", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1], timeout=3600)
     if r.returncode != 0 or not out.is_file():

@@ -78,6 +78,9 @@ def check_ports_free(cluster: ClusterConfig) -> None:
     for svc in planned(cluster):
         for kind, port in (("gRPC", svc.grpc_port), ("metrics", svc.metrics_port)):
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                # as the servers themselves bind: a port whose last connections are in TIME_WAIT (a cluster
+                # stopped a moment ago) is free; one with a listener is not
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 try:
                     s.bind((cluster.host, port))
                 except OSError as e:

@@ -171,3 +171,26 @@ def test_a_child_that_dies_is_named_and_stops_the_rest(tmp_path):
     assert "missing.gguf" in err  # the child's last log lines say why
     assert "stopping 2 processes" in out
     assert not os.path.exists(state)
+
+
+def test_port_check_refuses_a_listener_but_not_time_wait():
+    """Restarting right after a stop must work: the last connections of the old cluster sit in TIME_WAIT."""
+    import socket
+
+    from services.cluster.launcher import LaunchError, check_ports_free
+
+    base = free_base_port()
+    cfg = load_cluster_config(overrides={"base_port": base, "tokenizer.count": 1}, env={})
+    router = cfg.service("router", 0).grpc_port
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((HOST, router))
+    srv.listen()
+    cli = socket.create_connection((HOST, router))
+    conn, _ = srv.accept()
+    with pytest.raises(LaunchError, match=f"router-0 gRPC port {HOST}:{router} is taken"):
+        check_ports_free(cfg)
+    conn.close()  # the server side closes first: its end of the connection goes to TIME_WAIT
+    srv.close()
+    cli.close()
+    check_ports_free(cfg)
