@@ -225,10 +225,13 @@ def traced(name: str, kind: SpanKind = SERVER) -> Callable[[F], F]:
 
 
 @contextlib.contextmanager
-def stream_span(name: str, kind: SpanKind = SERVER, attributes: Attributes = None) -> Iterator[trace.Span]:
-    """A span around the body of an async generator (a streaming handler), current inside it; ended on exit.
-    A client cancellation is marked ``cancelled``, not an error."""
-    s = TRACER.start_span(name, kind=kind, attributes=attributes)
+def stream_span(name: str, kind: SpanKind = SERVER, attributes: Attributes = None,
+                parent: otel_context.Context | None = None) -> Iterator[trace.Span]:
+    """A span around the body of an async generator (a streaming handler) or a coroutine, current inside it
+    (tasks started there inherit it); ended on exit. A client cancellation is marked ``cancelled``, not an
+    error. ``parent``: the caller's context for a request that did not come over gRPC (the HTTP API's
+    ``traceparent``, from ``incoming_context``); None: the current one."""
+    s = TRACER.start_span(name, context=parent, kind=kind, attributes=attributes)
     try:
         with _activated(trace.set_span_in_context(s)):
             yield s
@@ -280,19 +283,3 @@ def record_span(name: str, start_ns: int, end_ns: int, parent: otel_context.Cont
     """A finished span from timestamps taken elsewhere (``time.time_ns()``, e.g. on the engine thread)."""
     finish(start_span(name, parent=parent, start_ns=start_ns, attributes=attributes), end_ns, None, error)
 
-
-@contextlib.contextmanager
-def server_span(name: str, parent: otel_context.Context | None, attributes: Attributes = None
-                ) -> Iterator[trace.Span]:
-    """A SERVER span for a request that did not come over gRPC (the HTTP API): a child of ``parent`` (the
-    caller's ``traceparent``, from ``incoming_context``) or a new root; current inside the block, so tasks
-    started there inherit it."""
-    s = TRACER.start_span(name, context=parent, kind=SERVER, attributes=attributes)
-    try:
-        with trace.use_span(s, end_on_exit=False, record_exception=False, set_status_on_exception=False):
-            yield s
-    except BaseException as e:
-        fail(s, e)
-        raise
-    finally:
-        s.end()

@@ -98,14 +98,8 @@ def tokenmill_server(a: argparse.Namespace, log: Path):
            str(a.base_port + 450), "--http-port", str(port), "--set", f"engine.dtype={a.dtype}",
            *a.tokenmill_args.split()]
     _say(f"starting tokenmill: {' '.join(cmd)} (log {log})")
-    with open(log, "w") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1])
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_health(url, proc, 600, "tokenmill")
+    with _serving(cmd, log, port, 600, "tokenmill", cwd=Path(__file__).resolve().parents[1]) as url:
         yield url, "smollm2"
-    finally:
-        _stop(proc)
 
 
 @contextlib.contextmanager
@@ -116,12 +110,20 @@ def vllm_server(a: argparse.Namespace, hf_dir: Path, venv: Path, work: Path, log
     cmd = [str(vllm_python(venv)), str(cli), "serve", str(hf_dir), "--served-model-name", "smollm2", "--dtype",
            a.dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"]
     _say(f"starting vLLM: {' '.join(cmd)} (log {log}; its first start compiles for ~2 min)")
+    with _serving(cmd, log, port, 900, "vLLM", cwd=work, env=vllm_env()) as url:
+        yield url, "smollm2"
+
+
+@contextlib.contextmanager
+def _serving(cmd: list[str], log: Path, port: int, timeout: float, what: str, cwd: Path,
+             env: dict[str, str] | None = None):
+    """Run a server command (output to ``log``) until the block exits; yields its URL once /health is 200."""
     with open(log, "w") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=vllm_env(), cwd=work)
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, cwd=cwd, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_health(url, proc, 900, "vLLM")
-        yield url, "smollm2"
+        _wait_health(url, proc, timeout, what)
+        yield url
     finally:
         _stop(proc)
 

@@ -340,7 +340,8 @@ class HttpFrontend:
         self.inflight += 1
         self.tenant_inflight[tenant] += 1
         try:
-            with telemetry.server_span(f"openai.{kind}", parent, {"request_id": rid, "tenant": tenant}):
+            with telemetry.stream_span(f"openai.{kind}", telemetry.SERVER, {"request_id": rid, "tenant": tenant},
+                                       parent):
                 if parsed.stream:
                     return await self._stream(request, parsed, builder, tenant)
                 return await self._unary(parsed, builder, tenant)

@@ -4,16 +4,13 @@ with every record, the PNGs, exact lengths, server-side deltas, errors at the to
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from services.cli import main
-from tests.services.harness import HOST, free_base_port
+from tests.services.harness import running_cluster
 
 MAX_LEN = 1024
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -22,25 +19,10 @@ KEYS = "alice:sk-alice,bob:sk-bob,sk-default"  # the HTTP API wants a key; a key
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cluster")
-    base = free_base_port()
-    state = tmp / "state.json"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--base-port", str(base), "--gateway-port", str(base + 450),
-           "--http-port", str(base + 451), "--tokenizers", "1", "--prefills", "1", "--decodes", "1",
-           "--state-file", str(state), "--set", f"engine.max_model_len={MAX_LEN}",
-           "--set", "engine.kv_cache_memory=64MiB", "--set", f"gateway.api_keys={KEYS}", "--grace", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 180
-    while not (state.exists() and json.loads(state.read_text()).get("ready")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"cluster not ready: {proc.communicate()}")
-        time.sleep(0.3)
-    yield {"grpc": f"{HOST}:{base + 450}", "http": f"http://{HOST}:{base + 451}", "state": str(state)}
-    proc.send_signal(signal.SIGTERM)
-    _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-2000:]
+    with running_cluster(tmp_path_factory.mktemp("cluster"), "--tokenizers", "1", "--prefills", "1", "--decodes",
+                         "1", "--set", f"engine.max_model_len={MAX_LEN}", "--set", "engine.kv_cache_memory=64MiB",
+                         "--set", f"gateway.api_keys={KEYS}", "--grace", "2", timeout=180) as info:
+        yield {"grpc": info["gateway"], "http": info["http"], "state": info["state"]}
 
 
 def bench(capsys, *args: str) -> tuple[int, str]:

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
 import random
+import signal
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -110,3 +117,31 @@ async def wait_for_workers(router_address: str, n: int, timeout: float = 5.0) ->
             if asyncio.get_running_loop().time() > deadline:
                 raise AssertionError(f"router knows {len(ws)} workers, expected {n}: {ws}")
             await asyncio.sleep(0.02)
+
+
+@contextlib.contextmanager
+def running_cluster(tmp: Path, *args: str, timeout: float = 240) -> Iterator[dict[str, Any]]:
+    """``tokenmill up`` as a user runs it, on a free port range, until the block exits (then SIGTERM, and the
+    launcher must exit 0). ``args``: more ``up`` options. Yields the state file's content plus ``base``,
+    ``gateway`` (gRPC HOST:PORT), ``http`` (the OpenAI API root URL) and ``state`` (its path)."""
+    base = free_base_port()
+    state = tmp / "state.json"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--base-port", str(base), "--gateway-port", str(base + 450),
+           "--http-port", str(base + 451), "--state-file", str(state), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + timeout
+    try:
+        while not (state.exists() and json.loads(state.read_text()).get("ready")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"tokenmill up was not ready: {proc.communicate()}")
+            time.sleep(0.3)
+        info = json.loads(state.read_text())
+        info.update(base=base, gateway=f"{HOST}:{base + 450}", http=f"http://{HOST}:{base + 451}", state=str(state))
+        yield info
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            _out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err[-2000:]

@@ -4,11 +4,8 @@ the public ``Frontend.Generate`` API and checked against the single-process engi
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -25,38 +22,17 @@ from tokenmill.v1 import (
 
 from common.sampling import SamplingParams
 from tests.prompts import CHAT, PLAIN
-from tests.services.harness import HOST, free_base_port
+from tests.services.harness import HOST, running_cluster
 
 MAX_LEN = 1024
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cluster")
-    base = free_base_port()
-    state = tmp / "state.json"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--base-port", str(base), "--gateway-port", str(base + 450),
-           "--http-port", str(base + 451), "--decodes", "2", "--tokenizers", "1", "--state-file", str(state),
-           "--set", f"engine.max_model_len={MAX_LEN}", "--set", "router.prefill_threshold_tokens=200",
-           "--grace", "3"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"tokenmill up exited: {proc.communicate()}")
-        if state.exists() and json.loads(state.read_text()).get("ready"):
-            break
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail(f"cluster not ready: {proc.communicate()}")
-    info = json.loads(state.read_text())
-    info["gateway"] = f"{HOST}:{base + 450}"
-    yield info
-    proc.send_signal(signal.SIGTERM)
-    _out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-2000:]
+    with running_cluster(tmp_path_factory.mktemp("cluster"), "--decodes", "2", "--tokenizers", "1",
+                         "--set", f"engine.max_model_len={MAX_LEN}", "--set", "router.prefill_threshold_tokens=200",
+                         "--grace", "3") as info:
+        yield info
 
 
 def procs(info, role):
