@@ -118,8 +118,8 @@ class Launcher:
         Raises LaunchError before starting anything (a cluster already runs, a port is taken)."""
         self._refuse_if_running()
         check_ports_free(self.cluster)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop_requested.set())
+        previous = {sig: signal.signal(sig, lambda *_: self.stop_requested.set())
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._start_all()
             self._write_state(ready=False)  # `tokenmill status` works during start-up too
@@ -135,6 +135,8 @@ class Launcher:
         finally:
             self.stop_all()
             self.state_file.unlink(missing_ok=True)
+            for sig, handler in previous.items():  # an in-process caller gets its own handlers back
+                signal.signal(sig, handler)
 
     # -- start -------------------------------------------------------------------------------------------
     def _refuse_if_running(self) -> None:
