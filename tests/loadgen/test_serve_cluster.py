@@ -132,43 +132,41 @@ def test_errors_are_counted_by_kind_and_shown_first(cluster, capsys, tmp_path, b
     assert lines[1] == f"!! 3 of 3 requests FAILED: {kind} ×3" and why in lines[2]
 
 
-def _ctrl_c_once_requests_run(metrics_url: str, seen: list[str]) -> None:
-    """SIGINT this process (asyncio.run turns it into a cancel) once the gateway has had requests for 1 s.
-    ``seen`` gets what happened (for the test's failure message)."""
+def _running_requests(metrics_url: str) -> float:
     import urllib.request
 
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-        except OSError as e:  # a slow scrape on a loaded machine: try again, never let the watcher die silently
-            seen.append(f"scrape failed: {e}")
-            time.sleep(0.05)
-            continue
-        if any(ln.startswith("tokenmill:num_requests_running ") and float(ln.split()[1]) > 0
-               for ln in text.splitlines()):
-            time.sleep(1.0)
-            seen.append("SIGINT sent")
-            signal.raise_signal(signal.SIGINT)
-            return
-        time.sleep(0.05)
-    seen.append("no request seen running in 120 s")
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:  # a slow scrape on a loaded machine: ask again
+        return 0.0
+    return sum(float(ln.split()[1]) for ln in text.splitlines()
+               if ln.startswith("tokenmill:num_requests_running "))
 
 
-def test_ctrl_c_keeps_what_was_measured(cluster, capsys, tmp_path):
-    import threading
+def test_ctrl_c_keeps_what_was_measured(cluster, tmp_path):
+    """Ctrl-C on the command, as a user presses it: the command in a process of its own gets SIGINT once requests
+    run, and must exit 130 with what it measured saved. (A process of its own because the in-process version,
+    raising SIGINT inside pytest, returned 0 twice in the full CI run and never alone; why is not known.)"""
+    import subprocess
+    import sys
 
     out = tmp_path / "i.json"
-    seen: list[str] = []
-    threading.Thread(target=_ctrl_c_once_requests_run, args=(cluster["http"] + "/metrics", seen),
-                     daemon=True).start()
-    code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], "--num-prompts", "200", "--request-rate", "20",
-                       "--random-input-len", "16", "--random-output-len", "64", "--ignore-eos", "--num-warmups", "0",
-                       "--result-file", str(out), "--no-plots", "--disable-tqdm")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", cluster["grpc"],
+                             "--num-prompts", "200", "--request-rate", "20", "--random-input-len", "16",
+                             "--random-output-len", "64", "--ignore-eos", "--num-warmups", "0", "--result-file",
+                             str(out), "--no-plots", "--disable-tqdm"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while _running_requests(cluster["http"] + "/metrics") <= 0:
+        assert proc.poll() is None and time.monotonic() < deadline, "no request was seen running"
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    text, err = proc.communicate(timeout=120)
     res = json.loads(out.read_text())
     run = res["runs"][0]
     s = run["summary"]
-    assert code == 130 and res["interrupted"] and run["interrupted"], (code, seen[-5:], signal.getsignal(signal.SIGINT))
+    assert proc.returncode == 130 and res["interrupted"] and run["interrupted"], err[-2000:]
     assert 5 < s["requests"] < 200 and s["errors"].get("cancelled", 0) >= 1
     assert {r["outcome"] for r in run["records"]} <= {"ok", "cancelled"}
     assert "!! INTERRUPTED" in text.splitlines()[1]
