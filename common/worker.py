@@ -58,19 +58,21 @@ class WorkerMetrics:
         self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
                                       registry=r)
 
-    def refresh(self, engine: LLMEngine, agent: KvTransferAgent | None) -> None:
+    def bind(self, engine: LLMEngine, agent: KvTransferAgent | None) -> None:
+        """Read the engine's and the agent's state at scrape time, so ``/metrics`` is never a report interval
+        behind. Every read is a length or a number the engine thread replaces whole (atomic under the GIL)."""
         bm = engine.block_manager
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        self.kv_used.set(bm.usage())
-        self.kv_free.set(bm.num_free_blocks)
-        self.kv_total.set(bm.num_blocks)
-        self.prefix_queries.set(bm.stats.queries)
-        self.prefix_hits.set(bm.stats.hits)
+        self.running.set_function(lambda: engine.num_running)
+        self.waiting.set_function(lambda: engine.num_waiting)
+        self.kv_used.set_function(bm.usage)
+        self.kv_free.set_function(lambda: bm.num_free_blocks)
+        self.kv_total.set_function(lambda: bm.num_blocks)
+        self.prefix_queries.set_function(lambda: bm.stats.queries)
+        self.prefix_hits.set_function(lambda: bm.stats.hits)
         if agent is not None:
-            self.nixl_bytes.set(agent.bytes_transferred)
-            self.nixl_seconds.set(agent.transfer_seconds)
-            self.nixl_failures.set(agent.failures)
+            self.nixl_bytes.set_function(lambda: agent.bytes_transferred)
+            self.nixl_seconds.set_function(lambda: agent.transfer_seconds)
+            self.nixl_failures.set_function(lambda: agent.failures)
 
 
 def build_engine(cfg: ServiceConfig) -> LLMEngine:
@@ -135,6 +137,7 @@ class WorkerBase:
         self.aio = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(build_engine, self.cfg)
         self.agent = await asyncio.to_thread(make_agent, self.cfg, self.engine)
+        self.metrics.bind(self.engine, self.agent)
         self.loop = EngineLoop(self.engine, self.on_outputs, self.on_tick, self.busy, idle_tick_s=0.005)
         self.loop.start()
         interval = self.cfg.cluster.pool(self.cfg.role).report_interval_s  # type: ignore[union-attr]
@@ -150,7 +153,6 @@ class WorkerBase:
             assert self.loop is not None
 
             def snap(e: LLMEngine) -> router_pb2.WorkerLoad:
-                self.metrics.refresh(e, self.agent)
                 self._fan_out_events(e)
                 load = engine_load(e, self.cfg.name, self.cfg.address, self.role_proto, full=first,
                                    draining=self.draining)
