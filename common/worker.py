@@ -135,11 +135,16 @@ class WorkerBase:
 
     async def start(self) -> None:
         self.aio = asyncio.get_running_loop()
-        self.engine = await asyncio.to_thread(build_engine, self.cfg)
-        self.agent = await asyncio.to_thread(make_agent, self.cfg, self.engine)
-        self.metrics.bind(self.engine, self.agent)
-        self.loop = EngineLoop(self.engine, self.on_outputs, self.on_tick, self.busy, idle_tick_s=0.005)
+
+        def setup() -> LLMEngine:  # on the engine thread, the process's only torch thread (see common/engine_loop)
+            engine = build_engine(self.cfg)
+            self.agent = make_agent(self.cfg, engine)
+            return engine
+
+        self.loop = EngineLoop(setup, self.on_outputs, self.on_tick, self.busy, idle_tick_s=0.005)
         self.loop.start()
+        self.engine = await asyncio.wrap_future(self.loop.ready)
+        self.metrics.bind(self.engine, self.agent)
         interval = self.cfg.cluster.pool(self.cfg.role).report_interval_s  # type: ignore[union-attr]
         # every router replica keeps its own view: each gets this worker's stream
         self._report_tasks = [
