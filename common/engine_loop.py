@@ -98,6 +98,7 @@ class EngineLoop:
                 self.engine = self._factory()
             except BaseException as e:
                 self.error = e
+                self._stopping = True  # later submits fail at once
                 self.ready.set_exception(e)
                 self._fail_pending()
                 return
