@@ -1,9 +1,9 @@
 """CPU kernels compiled on first use (``torch.utils.cpp_extension``; needs a C++ compiler, cached afterwards).
 
 ``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy
-(see csrc/paged_attention_cpu.cpp). The engine uses it only with ``TOKENMILL_CPU_KERNELS=1``: this scalar version
-measured slower in the engine than the portable gather + SDPA path (see common/model_runner.py). If the compiler
-is missing, ``available()`` is False and the model keeps the portable PyTorch path.
+(see csrc/paged_attention_cpu.cpp). The engine uses it for bfloat16 on CPU (``TOKENMILL_CPU_KERNELS=0`` turns it
+off, ``=1`` on for float32 too; see common/model_runner.py). If the compiler is missing, ``available()`` is False
+and the model keeps the portable PyTorch path.
 """
 
 from __future__ import annotations
@@ -48,6 +48,11 @@ def _load() -> Any:
 
 def available() -> bool:
     return _load() is not None
+
+
+def vectorized() -> bool:
+    """Compiled with the AVX-512 path (the scalar one is slower than the portable PyTorch path)."""
+    return available() and bool(getattr(_module, "vectorized", False))
 
 
 def paged_decode_attention(q: Any, cache: Any, layer: int, tables: Any, ctx_lens: Any, scale: float) -> Any:

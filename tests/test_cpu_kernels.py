@@ -14,11 +14,12 @@ def test_the_kernel_compiles_here():
     assert cpu_kernels.available()
 
 
+@pytest.mark.parametrize("n_seqs", [2, 5])  # a job per (sequence, kv head) / per sequence
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_the_portable_path(dtype):
+def test_decode_attention_matches_the_portable_path(dtype, n_seqs):
     g = torch.Generator().manual_seed(7)
     nb, layers, bs, kvh, d, heads = 40, 3, 16, 2, 32, 6
-    ctx = [1, 16, 17, 70, 33]  # one token, a full block, one past a block, several blocks
+    ctx = [1, 16, 17, 70, 33][:n_seqs]  # one token, a full block, one past a block, several blocks
     b = len(ctx)
     width = max(-(-c // bs) for c in ctx)
     cache = torch.randn(nb, layers, 2, bs, kvh, d, generator=g).to(dtype)
