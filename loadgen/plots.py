@@ -22,6 +22,13 @@ def _cdf(ax: Any, values: list[float], label: str) -> None:
     ax.step(x, np.arange(1, len(x) + 1) / len(x), where="post", label=label)
 
 
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def latency_cdfs(runs: list[dict[str, Any]], path: Path) -> Path:
     """TTFT, TPOT, ITL and e2e CDFs, one line per run. ``runs``: the JSON runs (``label``, ``records``)."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
@@ -45,9 +52,7 @@ def latency_cdfs(runs: list[dict[str, Any]], path: Path) -> Path:
     if len(runs) > 1:
         axes.flat[0].legend(fontsize=8)
     fig.suptitle("latency CDFs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
     return path
 
 
@@ -73,10 +78,7 @@ def sweep_plots(runs: list[dict[str, Any]], prefix: Path) -> list[Path]:
         ax.set_ylabel("ms")
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out.append(prefix.with_name(prefix.name + "_latency.png"))
-    fig.savefig(out[-1], dpi=100)
-    plt.close(fig)
+    out.append(_save(fig, prefix.with_name(prefix.name + "_latency.png")))
 
     fig, a1 = plt.subplots(figsize=(7, 4.5))
     a1.plot(x, [r["summary"]["request_throughput"] for r in runs], marker="o", color="C0", label="requests/s")
@@ -89,10 +91,7 @@ def sweep_plots(runs: list[dict[str, Any]], prefix: Path) -> list[Path]:
     a2.set_ylabel("output tokens/s", color="C1")
     a1.set_title("throughput vs load")
     a1.grid(alpha=0.3)
-    fig.tight_layout()
-    out.append(prefix.with_name(prefix.name + "_throughput.png"))
-    fig.savefig(out[-1], dpi=100)
-    plt.close(fig)
+    out.append(_save(fig, prefix.with_name(prefix.name + "_throughput.png")))
 
     fig, a1 = plt.subplots(figsize=(7, 4.5))
     if any("goodput" in r["summary"] for r in runs):
@@ -111,8 +110,5 @@ def sweep_plots(runs: list[dict[str, Any]], prefix: Path) -> list[Path]:
     a1.set_ylabel("requests/s")
     a1.legend(loc="upper left")
     a1.grid(alpha=0.3)
-    fig.tight_layout()
-    out.append(prefix.with_name(prefix.name + "_goodput.png"))
-    fig.savefig(out[-1], dpi=100)
-    plt.close(fig)
+    out.append(_save(fig, prefix.with_name(prefix.name + "_goodput.png")))
     return out

@@ -86,24 +86,30 @@ static void decode_seq_avx512(const T* qp, const T* cp, const int64_t* table, in
       q[j * C + c] = _mm512_mul_ps(load16(qp + j * D + c * 16), _mm512_set1_ps(scale));
   const int64_t n_pad = (n + 15) & ~int64_t(15);
   scores.resize(NH * n_pad);
-  // pass 1: scores, block by block
-  for (int64_t t0 = 0; t0 < n; t0 += bs) {
-    const T* kb = cp + table[t0 / bs] * s_block + k_base + h0 * D;
-    const int64_t m = std::min(bs, n - t0);
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t kh = 0; kh < nkv; ++kh) {
-        const T* k = kb + i * s_tok + kh * D;
-        __m512 kr[kMaxChunks];
-        for (int64_t c = 0; c < C; ++c) kr[c] = load16(k + c * 16);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512* qj = q.data() + (kh * G + g) * C;
-          __m512 a = _mm512_mul_ps(qj[0], kr[0]);
-          for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qj[c], kr[c], a);
-          scores[(kh * G + g) * n_pad + t0 + i] = _mm512_reduce_add_ps(a);
+  // each token's rows of kv heads [h0, h0 + nkv), block by block, loaded into registers: fn(t, kh, row)
+  auto for_each_row = [&](int64_t base, auto&& fn) {
+    for (int64_t t0 = 0; t0 < n; t0 += bs) {
+      const T* blk = cp + table[t0 / bs] * s_block + base + h0 * D;
+      const int64_t m = std::min(bs, n - t0);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t kh = 0; kh < nkv; ++kh) {
+          const T* src = blk + i * s_tok + kh * D;
+          __m512 row[kMaxChunks];
+          for (int64_t c = 0; c < C; ++c) row[c] = load16(src + c * 16);
+          fn(t0 + i, kh, row);
         }
       }
     }
-  }
+  };
+  // pass 1: scores
+  for_each_row(k_base, [&](int64_t t, int64_t kh, const __m512* kr) {
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512* qj = q.data() + (kh * G + g) * C;
+      __m512 a = _mm512_mul_ps(qj[0], kr[0]);
+      for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qj[c], kr[c], a);
+      scores[(kh * G + g) * n_pad + t] = _mm512_reduce_add_ps(a);
+    }
+  });
   // softmax numerators in place; padding lanes get weight 0
   float inv_sum[kMaxHeads];
   const __mmask16 tail = static_cast<__mmask16>((1u << (n & 15)) - 1u);
@@ -124,22 +130,13 @@ static void decode_seq_avx512(const T* qp, const T* cp, const int64_t* table, in
   }
   // pass 2: the weighted sum of V
   for (int64_t j = 0; j < NH * C; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < n; t0 += bs) {
-    const T* vb = cp + table[t0 / bs] * s_block + v_base + h0 * D;
-    const int64_t m = std::min(bs, n - t0);
-    for (int64_t i = 0; i < m; ++i) {
-      for (int64_t kh = 0; kh < nkv; ++kh) {
-        const T* v = vb + i * s_tok + kh * D;
-        __m512 vr[kMaxChunks];
-        for (int64_t c = 0; c < C; ++c) vr[c] = load16(v + c * 16);
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t j = kh * G + g;
-          const __m512 w = _mm512_set1_ps(scores[j * n_pad + t0 + i]);
-          for (int64_t c = 0; c < C; ++c) acc[j * C + c] = _mm512_fmadd_ps(w, vr[c], acc[j * C + c]);
-        }
-      }
+  for_each_row(v_base, [&](int64_t t, int64_t kh, const __m512* vr) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t j = kh * G + g;
+      const __m512 w = _mm512_set1_ps(scores[j * n_pad + t]);
+      for (int64_t c = 0; c < C; ++c) acc[j * C + c] = _mm512_fmadd_ps(w, vr[c], acc[j * C + c]);
     }
-  }
+  });
   for (int64_t j = 0; j < NH; ++j)
     for (int64_t c = 0; c < C; ++c)
       store16(out + j * D + c * 16, _mm512_mul_ps(acc[j * C + c], _mm512_set1_ps(inv_sum[j])));
