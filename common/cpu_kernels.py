@@ -1,6 +1,6 @@
 """CPU kernels compiled on first use (``torch.utils.cpp_extension``; needs a C++ compiler, cached afterwards).
 
-``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy
+``add_rms_norm`` fuses the residual add with the next RMSNorm (bfloat16). ``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy
 (see csrc/paged_attention_cpu.cpp). The engine uses it for bfloat16 on CPU (``TOKENMILL_CPU_KERNELS=0`` turns it
 off, ``=1`` on for float32 too; see common/model_runner.py). If the compiler is missing, ``available()`` is False
 and the model keeps the portable PyTorch path.
@@ -57,3 +57,8 @@ def vectorized() -> bool:
 
 def paged_decode_attention(q: Any, cache: Any, layer: int, tables: Any, ctx_lens: Any, scale: float) -> Any:
     return _load().paged_decode_attention(q, cache, layer, tables, ctx_lens, scale)
+
+
+def add_rms_norm(x: Any, delta: Any, weight: Any, eps: float) -> Any:
+    """``x += delta`` in place (``delta`` may be None), then RMSNorm(x) * weight; bfloat16 ``[T, H]`` rows."""
+    return _load().add_rms_norm(x, delta, weight, eps)

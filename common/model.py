@@ -123,6 +123,8 @@ class LlamaModel(torch.nn.Module):
         self._packed: dict[int, torch.Tensor] = {}
         # CUDA fast path (Triton kernels, common/triton_ops.py); the runner turns it on, see use_fast_path()
         self.use_triton = False
+        # CPU bfloat16: residual add fused with the next RMSNorm (common/cpu_kernels); the runner turns it on
+        self.fuse_cpu_norms = False
         inv = rope_inv_freq(cfg).to(self.device)
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=self.device)
         freqs = torch.outer(t, inv)
@@ -231,19 +233,34 @@ class LlamaModel(torch.nn.Module):
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         t = x.shape[0]
         kv_rows = kv_cache.view(-1, nkv, d)
-        for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
+        layers = self.layers
+        # CPU bfloat16: each residual add fused with the RMSNorm after it (common/cpu_kernels), x updated in place
+        fused = self.fuse_cpu_norms
+        if fused:
+            h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps)
+        for li, layer in enumerate(layers):
+            if not fused:
+                h = rms_norm(x, layer.input_norm, eps)
             qkv = self._linear(h, layer.qkv, layer.qkv_bias)
             qk = apply_rope(qkv[:, : q_sz + kv_sz].view(t, nh + nkv, d), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
             attn = paged_attention(q, k, v, kv_rows, li * meta.layer_stride, meta, kv_cache, li)
-            x = x + self._linear(attn.reshape(t, q_sz), layer.o_proj)
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gu = self._linear(h, layer.gate_up)
-            g, u = gu.chunk(2, dim=-1)
-            x = x + self._linear(F.silu(g) * u, layer.down)
-        return rms_norm(x, self.norm, cfg.rms_norm_eps)
+            o = self._linear(attn.reshape(t, q_sz), layer.o_proj)
+            if fused:
+                h = cpu_kernels.add_rms_norm(x, o, layer.post_norm, eps)
+            else:
+                x = x + o
+                h = rms_norm(x, layer.post_norm, eps)
+            g, u = self._linear(h, layer.gate_up).chunk(2, dim=-1)
+            down = self._linear(F.silu(g) * u, layer.down)
+            if fused:
+                nxt = layers[li + 1].input_norm if li + 1 < len(layers) else self.norm
+                h = cpu_kernels.add_rms_norm(x, down, nxt, eps)
+            else:
+                x = x + down
+        return h if fused else rms_norm(x, self.norm, eps)
 
     def _forward_cuda(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor

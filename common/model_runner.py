@@ -78,6 +78,8 @@ class ModelRunner:
             (choice == "1" and cpu_kernels.available())
             or (choice is None and self.dtype == torch.bfloat16 and cpu_kernels.vectorized())
         )
+        # with them, in bfloat16, each residual add fused with the RMSNorm after it
+        self.model.fuse_cpu_norms = self.use_cpu_kernel and self.dtype == torch.bfloat16
         # CUDA fast path: Triton kernels in the forward (TOKENMILL_CUDA_FAST=0: the portable path) and CUDA graphs
         # for decode-only steps (TOKENMILL_CUDA_GRAPHS=0: eager)
         self.fast_cuda = use_fast_path(self.device, cfg.noop_model)

@@ -228,6 +228,67 @@ static void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, 
   });
 }
 
+// Residual add + RMSNorm over bfloat16 rows, in one pass: x += delta (rounded to bf16, as x + delta is), then
+// weight * bf16(x * rsqrt(mean(x^2) + eps)) with the statistics in float32, rounded as the portable rms_norm rounds.
+// Only the order of the float32 sum of squares differs from torch's reduction. x is updated in place.
+static at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "x must be a contiguous [T, H] bfloat16 CPU tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kBFloat16, "weight must be [H] bf16");
+  const bool has_delta = delta.has_value() && delta->defined();
+  at::Tensor d;
+  if (has_delta) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == x.sizes() && d.scalar_type() == at::kBFloat16, "delta must match x");
+  }
+  const int64_t T = x.size(0), H = x.size(1);
+  auto out = at::empty_like(x);
+  at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* dp = has_delta ? d.data_ptr<at::BFloat16>() : nullptr;
+  const at::BFloat16* wp = w.contiguous().data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      at::BFloat16* xr = xp + r * H;
+      at::BFloat16* orow = op + r * H;
+      float ss = 0.f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 acc = _mm512_setzero_ps();
+      for (; i + 16 <= H; i += 16) {
+        __m512 v = load16(xr + i);
+        if (dp) {
+          store16(xr + i, _mm512_add_ps(v, load16(dp + r * H + i)));
+          v = load16(xr + i);
+        }
+        acc = _mm512_fmadd_ps(v, v, acc);
+      }
+      ss = _mm512_reduce_add_ps(acc);
+#endif
+      for (; i < H; ++i) {
+        if (dp) xr[i] = static_cast<at::BFloat16>(static_cast<float>(xr[i]) + static_cast<float>(dp[r * H + i]));
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+      i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= H; i += 16) {
+        // bf16(x * scale), then bf16(w * that): two roundings, as the portable path does
+        store16(orow + i, _mm512_mul_ps(load16(xr + i), _mm512_set1_ps(scale)));
+        store16(orow + i, _mm512_mul_ps(load16(wp + i), load16(orow + i)));
+      }
+#endif
+      for (; i < H; ++i) {
+        const float n = static_cast<float>(static_cast<at::BFloat16>(static_cast<float>(xr[i]) * scale));
+        orow[i] = static_cast<at::BFloat16>(static_cast<float>(wp[i]) * n);
+      }
+    }
+  });
+  return out;
+}
+
 // q: [B, H, D]; cache: [blocks, layers, 2, block_size, kv_heads, D] (contiguous); tables: [B, W] int64;
 // ctx_lens: [B] int64. Returns [B, H, D] in q's dtype.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer, at::Tensor tables,
@@ -252,6 +313,8 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, bfloat16 rows (CPU)", py::arg("x"),
+        py::arg("delta"), py::arg("weight"), py::arg("eps"));
 #if defined(__AVX512F__)
   m.attr("vectorized") = true;
 #else
