@@ -1,9 +1,10 @@
 """CPU kernels compiled on first use (``torch.utils.cpp_extension``; needs a C++ compiler, cached afterwards).
 
-``add_rms_norm`` fuses the residual add with the next RMSNorm (bfloat16). ``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy
-(see csrc/paged_attention_cpu.cpp). The engine uses it for bfloat16 on CPU (``TOKENMILL_CPU_KERNELS=0`` turns it
-off, ``=1`` on for float32 too; see common/model_runner.py). If the compiler is missing, ``available()`` is False
-and the model keeps the portable PyTorch path.
+``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy;
+``add_rms_norm`` fuses the residual add with the next RMSNorm (bfloat16); both in csrc/paged_attention_cpu.cpp.
+The engine uses them for bfloat16 on CPU when they compiled with AVX-512 (``TOKENMILL_CPU_KERNELS=0`` turns them
+off, ``=1`` turns the attention on for float32 too; see common/model_runner.py). If the compiler is missing,
+``available()`` is False and the model keeps the portable PyTorch path.
 """
 
 from __future__ import annotations

@@ -6,10 +6,11 @@
 // dtype. Work is split over (sequence, kv head); each KV row is loaded once for all query heads of its group.
 // Per (sequence, head) the arithmetic does not depend on the batch, so results are batch invariant.
 //
-// With AVX-512 (compiled with -march=native where the CPU has it) a vectorized path does the same work per
-// (sequence, kv head): K and V rows converted to float32 in registers, scores by FMA, softmax with a polynomial
-// exp (Cephes expf's, ~1 ulp), and the weighted V sum kept in registers. Head dims that are not a multiple of 16
-// take the scalar path.
+// With AVX-512 (compiled with -march=native where the CPU has it) a vectorized path does the same arithmetic per
+// (sequence, head): K and V rows converted to float32 in registers, scores by FMA, softmax with a polynomial exp
+// (Cephes expf's, ~1 ulp), and the weighted V sum kept in registers. When the batch keeps every thread busy, a job
+// is a whole sequence (all its kv heads), so each K/V row of a token is read whole and in address order. Head dims
+// that are not a multiple of 16 take the scalar path. The file also holds the fused residual add + RMSNorm.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
