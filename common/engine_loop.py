@@ -42,11 +42,12 @@ class EngineLoop:
         idle_tick_s: float = 0.05,
     ) -> None:
         # an engine, or a factory the loop's thread calls first (see the module's docstring); ``ready`` holds it
-        self._factory = engine if callable(engine) and not isinstance(engine, LLMEngine) else None
-        self.engine: LLMEngine | None = None if self._factory is not None else engine  # type: ignore[assignment]
+        built = isinstance(engine, LLMEngine)
+        self._factory = None if built else engine
+        self.engine: LLMEngine | None = engine if built else None  # type: ignore[assignment]
         self.ready: Future[LLMEngine] = Future()
-        if self.engine is not None:
-            self.ready.set_result(self.engine)
+        if built:
+            self.ready.set_result(engine)  # type: ignore[arg-type]
         self._on_outputs = on_outputs
         self._on_tick = on_tick
         self._busy = busy or (lambda: False)

@@ -45,12 +45,17 @@ static inline __m512 load16(const at::BFloat16* p) {
   const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
-static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void store16(at::BFloat16* p, __m512 v) {  // round to nearest even, as c10::BFloat16 does
+// float32 lanes rounded to bfloat16 precision (to nearest even, as c10::BFloat16 does), kept as float32
+static inline __m512 round_bf16(__m512 v) {
   const __m512i x = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void store16(at::BFloat16* p, __m512 v) {
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
 // e^x for x <= 0 (scores minus their max): Cephes expf's range reduction and polynomial.
@@ -260,8 +265,8 @@ static at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at
       for (; i + 16 <= H; i += 16) {
         __m512 v = load16(xr + i);
         if (dp) {
-          store16(xr + i, _mm512_add_ps(v, load16(dp + r * H + i)));
-          v = load16(xr + i);
+          v = round_bf16(_mm512_add_ps(v, load16(dp + r * H + i)));
+          store16(xr + i, v);
         }
         acc = _mm512_fmadd_ps(v, v, acc);
       }
@@ -277,8 +282,8 @@ static at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at
 #if defined(__AVX512F__)
       for (; i + 16 <= H; i += 16) {
         // bf16(x * scale), then bf16(w * that): two roundings, as the portable path does
-        store16(orow + i, _mm512_mul_ps(load16(xr + i), _mm512_set1_ps(scale)));
-        store16(orow + i, _mm512_mul_ps(load16(wp + i), load16(orow + i)));
+        const __m512 n = round_bf16(_mm512_mul_ps(load16(xr + i), _mm512_set1_ps(scale)));
+        store16(orow + i, _mm512_mul_ps(load16(wp + i), n));
       }
 #endif
       for (; i < H; ++i) {

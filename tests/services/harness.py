@@ -134,14 +134,15 @@ def running_cluster(tmp: Path, *args: str, timeout: float = 240) -> Iterator[dic
     try:
         while not (state.exists() and json.loads(state.read_text()).get("ready")):
             if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError(f"tokenmill up was not ready: {proc.communicate()}")
+                raise AssertionError("tokenmill up was not ready")
             time.sleep(0.3)
         info = json.loads(state.read_text())
         info.update(base=base, gateway=f"{HOST}:{base + 450}", http=f"http://{HOST}:{base + 451}", state=str(state))
         yield info
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            _out, err = proc.communicate(timeout=60)
-            assert proc.returncode == 0, err[-2000:]
+    except BaseException as e:  # the body's failure is the one to report; the cluster just goes away
+        proc.kill()
+        e.add_note(f"tokenmill up stderr, last lines: {proc.communicate()[1][-3000:]}")
+        raise
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
