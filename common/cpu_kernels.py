@@ -1,7 +1,9 @@
 """CPU kernels compiled on first use (``torch.utils.cpp_extension``; needs a C++ compiler, cached afterwards).
 
 ``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy;
-``add_rms_norm`` fuses the residual add with the next RMSNorm (bfloat16); both in csrc/paged_attention_cpu.cpp.
+``add_rms_norm`` fuses the residual add with the next RMSNorm, ``rope_write_kv`` RoPE with the KV-cache write and
+``silu_mul`` the MLP's activation with its product (bfloat16); ``argmax_rows`` is the greedy pick. All in
+csrc/paged_attention_cpu.cpp.
 The engine uses them for bfloat16 on CPU when they compiled with AVX-512 (``TOKENMILL_CPU_KERNELS=0`` turns them
 off, ``=1`` turns the attention on for float32 too; see common/model_runner.py). If the compiler is missing,
 ``available()`` is False and the model keeps the portable PyTorch path.
@@ -63,3 +65,20 @@ def paged_decode_attention(q: Any, cache: Any, layer: int, tables: Any, ctx_lens
 def add_rms_norm(x: Any, delta: Any, weight: Any, eps: float) -> Any:
     """``x += delta`` in place (``delta`` may be None), then RMSNorm(x) * weight; bfloat16 ``[T, H]`` rows."""
     return _load().add_rms_norm(x, delta, weight, eps)
+
+
+def rope_write_kv(qkv: Any, positions: Any, cos: Any, sin: Any, cache: Any, rows: Any, k_off: int, v_off: int,
+                  heads: int, kv_heads: int) -> None:
+    """RoPE on the q/k heads of a fused bfloat16 ``[T, (H + 2 KVH) * D]`` projection in place, then its K and V
+    rows into ``cache`` (viewed as ``[-1, KVH, D]``) at ``rows + k_off`` / ``rows + v_off``."""
+    _load().rope_write_kv(qkv, positions, cos, sin, cache, rows, k_off, v_off, heads, kv_heads)
+
+
+def silu_mul(gate_up: Any) -> Any:
+    """``silu(gate) * up`` of a fused bfloat16 ``[T, 2I]`` projection → ``[T, I]``."""
+    return _load().silu_mul(gate_up)
+
+
+def argmax_rows(x: Any) -> Any:
+    """Per-row argmax of ``[N, V]`` bfloat16/float32 logits (first index on ties, as ``torch.argmax``)."""
+    return _load().argmax_rows(x)

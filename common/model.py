@@ -123,8 +123,8 @@ class LlamaModel(torch.nn.Module):
         self._packed: dict[int, torch.Tensor] = {}
         # CUDA fast path (Triton kernels, common/triton_ops.py); the runner turns it on, see use_fast_path()
         self.use_triton = False
-        # CPU bfloat16: residual add fused with the next RMSNorm (common/cpu_kernels); the runner turns it on
-        self.fuse_cpu_norms = False
+        # CPU bfloat16 fast path (fused C++ stages, common/cpu_kernels); the runner turns it on
+        self.fused_cpu = False
         inv = rope_inv_freq(cfg).to(self.device)
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=self.device)
         freqs = torch.outer(t, inv)
@@ -224,6 +224,8 @@ class LlamaModel(torch.nn.Module):
         and is written in place at ``meta``'s slots. Returns hidden states ``[T, hidden]`` after the final norm."""
         if self.use_triton:
             return self._forward_cuda(input_ids, positions, meta, kv_cache)
+        if self.fused_cpu:
+            return self._forward_cpu_fused(input_ids, positions, meta, kv_cache)
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed_tokens)
         # cos/sin in the activation dtype, as the reference applies them
@@ -234,33 +236,49 @@ class LlamaModel(torch.nn.Module):
         t = x.shape[0]
         kv_rows = kv_cache.view(-1, nkv, d)
         eps = cfg.rms_norm_eps
-        layers = self.layers
-        # CPU bfloat16: each residual add fused with the RMSNorm after it (common/cpu_kernels), x updated in place
-        fused = self.fuse_cpu_norms
-        if fused:
-            h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps)
-        for li, layer in enumerate(layers):
-            if not fused:
-                h = rms_norm(x, layer.input_norm, eps)
+        for li, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, eps)
             qkv = self._linear(h, layer.qkv, layer.qkv_bias)
             qk = apply_rope(qkv[:, : q_sz + kv_sz].view(t, nh + nkv, d), cos, sin)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
             attn = paged_attention(q, k, v, kv_rows, li * meta.layer_stride, meta, kv_cache, li)
-            o = self._linear(attn.reshape(t, q_sz), layer.o_proj)
-            if fused:
-                h = cpu_kernels.add_rms_norm(x, o, layer.post_norm, eps)
-            else:
-                x = x + o
-                h = rms_norm(x, layer.post_norm, eps)
+            x = x + self._linear(attn.reshape(t, q_sz), layer.o_proj)
+            h = rms_norm(x, layer.post_norm, eps)
             g, u = self._linear(h, layer.gate_up).chunk(2, dim=-1)
-            down = self._linear(F.silu(g) * u, layer.down)
-            if fused:
-                nxt = layers[li + 1].input_norm if li + 1 < len(layers) else self.norm
-                h = cpu_kernels.add_rms_norm(x, down, nxt, eps)
-            else:
-                x = x + down
-        return h if fused else rms_norm(x, self.norm, eps)
+            x = x + self._linear(F.silu(g) * u, layer.down)
+        return rms_norm(x, self.norm, eps)
+
+    def _forward_cpu_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """The CPU bfloat16 fast path: the portable forward with its elementwise stages fused in C++
+        (common/cpu_kernels), each rounding as the ops it replaces: the residual add with the next RMSNorm (x updated
+        in place), RoPE with this step's K/V write into the pool, SiLU with its product; decode attention reads the
+        pool in place. Nine calls a layer instead of about sixty."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_sz, kv_sz = cfg.q_size, cfg.kv_size
+        x = F.embedding(input_ids, self.embed_tokens)
+        t = x.shape[0]
+        kv_rows = kv_cache.view(-1, nkv, d)
+        layers = self.layers
+        h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps)
+        for li, layer in enumerate(layers):
+            qkv = self._linear(h, layer.qkv, layer.qkv_bias)
+            k_off = li * meta.layer_stride
+            cpu_kernels.rope_write_kv(qkv, positions, self.rope_cos, self.rope_sin, kv_cache, meta.slot_rows, k_off,
+                                      k_off + meta.kv_stride, nh, nkv)
+            q = qkv[:, :q_sz].view(t, nh, d)
+            k = qkv[:, q_sz : q_sz + kv_sz].view(t, nkv, d)
+            v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
+            attn = paged_attention(q, k, v, kv_rows, k_off, meta, kv_cache, li, kv_written=True)
+            h = cpu_kernels.add_rms_norm(x, self._linear(attn.reshape(t, q_sz), layer.o_proj), layer.post_norm, eps)
+            down = self._linear(cpu_kernels.silu_mul(self._linear(h, layer.gate_up)), layer.down)
+            nxt = layers[li + 1].input_norm if li + 1 < len(layers) else self.norm
+            h = cpu_kernels.add_rms_norm(x, down, nxt, eps)
+        return h
 
     def _forward_cuda(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
@@ -288,13 +306,15 @@ class LlamaModel(torch.nn.Module):
             h = tk.add_rms_norm(x, down, nxt, eps)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Project hidden rows to float32 vocabulary logits."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Project hidden rows to vocabulary logits: float32, or the model's dtype if not ``float32``."""
         if self.use_triton:
             from common import triton_ops as tk
 
-            return tk.linear(hidden, self.lm_head).float()
-        return self._linear(hidden, self.lm_head).float()
+            logits = tk.linear(hidden, self.lm_head)
+        else:
+            logits = self._linear(hidden, self.lm_head)
+        return logits.float() if float32 else logits
 
     # ---- CPU bfloat16: prepacked matmuls ---------------------------------------------------------------
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -366,17 +386,18 @@ def _attention_cuda(
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor, layer_offset: int,
-    meta: AttentionMetadata, kv_cache: torch.Tensor | None = None, layer: int = 0,
+    meta: AttentionMetadata, kv_cache: torch.Tensor | None = None, layer: int = 0, kv_written: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into the paged cache, then attend. Portable PyTorch path.
+    """Write this step's K/V into the paged cache (unless ``kv_written``), then attend. Portable PyTorch path.
 
     q: [T, heads, d]; k, v: [T, kv_heads, d]; kv_rows: the whole cache as [-1, kv_heads, d].
     Returns [T, heads, d].
     """
     k_off = layer_offset
     v_off = layer_offset + meta.kv_stride
-    kv_rows.index_copy_(0, meta.slot_rows + k_off, k)
-    kv_rows.index_copy_(0, meta.slot_rows + v_off, v)
+    if not kv_written:
+        kv_rows.index_copy_(0, meta.slot_rows + k_off, k)
+        kv_rows.index_copy_(0, meta.slot_rows + v_off, v)
     heads, d = q.shape[1], q.shape[2]
     kvh = k.shape[1]
     outs: list[torch.Tensor] = []

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import cpu_kernels
 from common.sampling import SamplingParams
 
 _MASK = float("-inf")
@@ -40,10 +41,31 @@ def _row_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     return torch.empty(vocab, dtype=torch.float32).exponential_(generator=g)
 
 
+def _argmax(x: torch.Tensor) -> list[int]:
+    """Row-wise argmax, first index on ties; the C++ kernel on the CPU (torch's took 1 ms for 32 rows of 49,152)."""
+    if x.device.type == "cpu" and cpu_kernels.available():
+        return cpu_kernels.argmax_rows(x).tolist()
+    return x.argmax(dim=-1).tolist()
+
+
+def _plain_greedy(r: SampleRow) -> bool:
+    """Greedy with nothing that reads or changes the logits first: the pick is the argmax of the raw logits."""
+    p = r.params
+    return (
+        p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+        and not ((p.presence_penalty or p.frequency_penalty) and r.output_ids)
+        and len(r.output_ids) >= p.min_tokens
+    )
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """Pick one token per row of ``logits`` ([N, V], float32). Modifies ``logits`` in place (penalties, masks):
-    pass a tensor the caller no longer needs."""
+    """Pick one token per row of ``logits`` ([N, V]; float32, or the model's dtype: an all-greedy batch is picked
+    from it as is, exactly as from its float32 copy, and anything else converts it first). Modifies float32
+    ``logits`` in place (penalties, masks): pass a tensor the caller no longer needs."""
     n, vocab = logits.shape
+    if all(_plain_greedy(r) for r in rows):
+        return SampleResult(_argmax(logits), [None] * n)
+    logits = logits.float()
     want_lp = [r.params.logprobs is not None for r in rows]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
     x = logits
@@ -67,10 +89,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
     tokens = [0] * n
     if len(greedy_rows) == n:
-        tokens = x.argmax(dim=-1).tolist()
+        tokens = _argmax(x)
     elif greedy_rows:
         idx = torch.tensor(greedy_rows, device=x.device)
-        for i, t in zip(greedy_rows, x[idx].argmax(dim=-1).tolist()):
+        for i, t in zip(greedy_rows, _argmax(x[idx])):
             tokens[i] = t
     for i, r in enumerate(rows):
         if r.params.greedy:

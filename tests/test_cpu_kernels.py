@@ -1,4 +1,4 @@
-"""The CPU paged decode-attention kernel against the portable PyTorch path, on random data."""
+"""The CPU kernels (common/csrc) against the portable PyTorch ops they replace, on random data."""
 
 from __future__ import annotations
 
@@ -72,8 +72,83 @@ def test_add_rms_norm_matches_the_portable_ops(hidden):
     assert torch.equal(alone, got)
 
 
+@pytest.mark.parametrize("head_dim", [64, 40])  # the AVX-512 halves, and a half (20) that takes the scalar tail
+def test_rope_write_kv_equals_apply_rope_and_the_cache_write(head_dim):
+    from common.model import apply_rope
+
+    g = torch.Generator().manual_seed(5)
+    t, heads, kvh, d, max_pos = 23, 6, 2, head_dim, 512
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos, sin = torch.cat((freqs, freqs), -1).cos(), torch.cat((freqs, freqs), -1).sin()
+    qkv = (torch.randn(t, (heads + 2 * kvh) * d, generator=g) * 2).to(torch.bfloat16)
+    pos = torch.randint(0, max_pos, (t,), generator=g)
+    cache = torch.zeros(8, 3, 2, 16, kvh, d, dtype=torch.bfloat16)
+    rows = torch.randperm(8 * 3 * 2 * 16 // 2, generator=g)[:t]  # distinct rows, anywhere below the V offset
+    k_off, v_off = 0, 8 * 3 * 2 * 16 // 2
+    # the portable ops
+    want = qkv.clone()
+    qk = apply_rope(want[:, : (heads + kvh) * d].view(t, heads + kvh, d), cos[pos].unsqueeze(1).to(torch.bfloat16),
+                    sin[pos].unsqueeze(1).to(torch.bfloat16))
+    want_cache = cache.clone()
+    want_cache.view(-1, kvh, d).index_copy_(0, rows + k_off, qk[:, heads:])
+    want_cache.view(-1, kvh, d).index_copy_(0, rows + v_off, want[:, (heads + kvh) * d :].view(t, kvh, d))
+    want[:, : (heads + kvh) * d] = qk.reshape(t, -1)
+    cpu_kernels.rope_write_kv(qkv, pos, cos, sin, cache, rows, k_off, v_off, heads, kvh)
+    assert torch.equal(qkv, want)  # rounded as the portable ops round: bit for bit
+    assert torch.equal(cache, want_cache)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        cpu_kernels.rope_write_kv(qkv, pos + max_pos, cos, sin, cache, rows, k_off, v_off, heads, kvh)
+    with pytest.raises(RuntimeError, match="cache row out of range"):
+        cpu_kernels.rope_write_kv(qkv, pos, cos, sin, cache, rows + 10**6, k_off, v_off, heads, kvh)
+
+
+@pytest.mark.parametrize("inter", [1536, 40])
+def test_silu_mul_matches_the_portable_ops(inter):
+    g = torch.Generator().manual_seed(9)
+    gu = (torch.randn(19, 2 * inter, generator=g) * 4).to(torch.bfloat16)
+    gu[0, :8] = torch.tensor([-100.0, -88.0, -20.0, 0.0, 20.0, 88.0, 100.0, 1e4])  # both tails of e^-x
+    gate, up = gu.chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up).float()
+    got = cpu_kernels.silu_mul(gu).float()
+    # a polynomial e^x instead of torch's: the float32 SiLU may differ in its last bits, so rarely one bf16 step
+    diff = (got - want).abs()
+    assert (diff <= want.abs() * 2**-7).all()
+    assert (diff > 0).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])  # whole 16-lane chunks, a tail, shorter than a chunk
+def test_argmax_rows_equals_torch_argmax_ties_included(dtype, vocab):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, vocab, generator=g).to(dtype)
+    x[1] = 0.0  # all tied: the first index
+    x[2, vocab // 3] = x[2, vocab - 1] = 50.0  # a tie between two lanes / chunks
+    x[3, -1] = 60.0  # the maximum in the last entry (the tail)
+    x[4] = -float("inf")
+    x[4, vocab // 2] = -1e30
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_greedy_sampling_from_bfloat16_logits_equals_float32():
+    from common.sampler import SampleRow, sample
+    from common.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 5000, generator=g).to(torch.bfloat16)
+    logits[0, 10] = logits[0, 20] = 9.0  # a tie
+    greedy = SamplingParams(temperature=0.0)
+    rows = [SampleRow(greedy, 0, 0, [1], [], (2,)) for _ in range(6)]
+    want = logits.float().argmax(dim=-1).tolist()
+    assert sample(logits.clone(), rows).token_ids == want
+    # a row that needs float32 (logprobs) sends the whole batch down the float32 path: same picks
+    lp = SamplingParams(temperature=0.0, logprobs=2)
+    res = sample(logits.clone(), [*rows[:5], SampleRow(lp, 0, 0, [1], [], (2,))])
+    assert res.token_ids == want and res.logprobs[5] is not None and res.logprobs[0] is None
+
+
 def test_bfloat16_fast_path_is_on_and_no_further_from_float32_than_the_portable_one(monkeypatch):
-    """bfloat16 on CPU runs the kernels (attention, fused add + RMSNorm) by default. Neither bf16 path equals the
+    """bfloat16 on CPU runs the kernels (attention, the fused stages) by default. Neither bf16 path equals the
     float32 reference token for token (bf16 rounds), so the check is: over the 20 reference prompts, greedy tokens
     agree with float32's for at least as long as the portable bf16 path's do (measured: 17.8 vs 16.1 of 24)."""
     from common.config import EngineConfig
@@ -102,7 +177,7 @@ def test_bfloat16_fast_path_is_on_and_no_further_from_float32_than_the_portable_
 
     _, ref = run("float32", "0")
     fast, got = run("bfloat16", None)
-    assert fast.runner.use_cpu_kernel and fast.runner.model.fuse_cpu_norms
+    assert fast.runner.use_cpu_kernel and fast.runner.model.fused_cpu
     plain, want = run("bfloat16", "0")
-    assert not plain.runner.use_cpu_kernel and not plain.runner.model.fuse_cpu_norms
+    assert not plain.runner.use_cpu_kernel and not plain.runner.model.fused_cpu
     assert agreeing(got, ref) >= agreeing(want, ref), (agreeing(got, ref), agreeing(want, ref))

@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -58,7 +59,7 @@ static inline void store16(at::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
-// e^x for x <= 0 (scores minus their max): Cephes expf's range reduction and polynomial.
+// e^x (inputs below -87.3 give e^-87.3, those past 88.7 inf): Cephes expf's range reduction and polynomial.
 static inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -295,6 +296,148 @@ static at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at
   return out;
 }
 
+// RoPE on the query and key heads of a fused qkv projection, in place, then this step's K and V rows written into
+// the paged pool: one pass instead of slicing, cat, three multiplies, an add and two index_copy calls. qkv:
+// [T, (H + 2 KVH) * D] bfloat16, rows contiguous; cos/sin: float32 tables [max_pos, D]; rows: [T] layer-0 K row of
+// each token in the pool viewed as [-1, KVH, D], plus k_off (and v_off for V). Rounds as the portable apply_rope
+// does: cos/sin to bf16, then bf16(x * cos), bf16(rot * sin), bf16(sum).
+static void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor cache,
+                          at::Tensor rows, int64_t k_off, int64_t v_off, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.stride(1) == 1, "qkv: [T, W] bf16 rows");
+  TORCH_CHECK(cache.scalar_type() == at::kBFloat16 && cache.is_contiguous(), "cache: contiguous bf16");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "cos/sin: float32");
+  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D && D % 2 == 0, "qkv width is not (H + 2 KVH) * D");
+  TORCH_CHECK(positions.numel() == T && rows.numel() == T, "one position and one row per token");
+  auto pos = positions.to(at::kLong).contiguous();
+  auto rw = rows.to(at::kLong).contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* rp = rw.data_ptr<int64_t>();
+  const int64_t max_pos = cos.size(0), n_rows = cache.numel() / (kv_heads * D);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position out of range");
+    TORCH_CHECK(rp[t] + k_off >= 0 && rp[t] + v_off < n_rows && rp[t] + k_off < n_rows, "cache row out of range");
+  }
+  at::BFloat16* base = qkv.data_ptr<at::BFloat16>();
+  const int64_t ld = qkv.stride(0);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  at::BFloat16* kv = cache.data_ptr<at::BFloat16>();
+  const int64_t row_len = kv_heads * D;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      at::BFloat16* x = base + t * ld;
+      const float* c = cp + pp[t] * D;
+      const float* sn = sp + pp[t] * D;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        at::BFloat16* xh = x + h * D;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(xh + i), x2 = load16(xh + half + i);
+          const __m512 c1 = round_bf16(load16(c + i)), c2 = round_bf16(load16(c + half + i));
+          const __m512 s1 = round_bf16(load16(sn + i)), s2 = round_bf16(load16(sn + half + i));
+          // first half: x1 * cos - x2 * sin; second: x2 * cos + x1 * sin (rot = [-x2, x1])
+          const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c1)),
+                                          round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1)));
+          const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c2)), round_bf16(_mm512_mul_ps(x1, s2)));
+          store16(xh + i, lo);
+          store16(xh + half + i, hi);
+        }
+#endif
+        for (; i < half; ++i) {
+          auto r = [](float v) { return static_cast<float>(static_cast<at::BFloat16>(v)); };
+          const float x1 = xh[i], x2 = xh[half + i];
+          const float lo = r(x1 * r(c[i])) + r(-x2 * r(sn[i]));
+          const float hi = r(x2 * r(c[half + i])) + r(x1 * r(sn[half + i]));
+          xh[i] = static_cast<at::BFloat16>(lo);
+          xh[half + i] = static_cast<at::BFloat16>(hi);
+        }
+      }
+      std::memcpy(kv + (rp[t] + k_off) * row_len, x + heads * D, row_len * sizeof(at::BFloat16));
+      std::memcpy(kv + (rp[t] + v_off) * row_len, x + (heads + kv_heads) * D, row_len * sizeof(at::BFloat16));
+    }
+  });
+}
+
+// SiLU(gate) * up for a fused [T, 2I] gate/up projection, bfloat16: bf16(bf16(silu(g)) * u), silu in float32.
+static at::Tensor silu_mul(at::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kBFloat16 && gu.size(1) % 2 == 0, "[T, 2I] bfloat16");
+  gu = gu.contiguous();
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  auto out = at::empty({T, I}, gu.options());
+  const at::BFloat16* ip = gu.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* g = ip + t * 2 * I;
+      const at::BFloat16* u = g + I;
+      at::BFloat16* o = op + t * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {
+        const __m512 x = load16(g + i);
+        // e^-x by exp16's polynomial; it overflows to inf past 88.7 (x -> -0, as torch's silu gives)
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        const __m512 sl = round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        store16(o + i, _mm512_mul_ps(sl, load16(u + i)));
+      }
+#endif
+      for (; i < I; ++i) {
+        const float x = g[i];
+        const float sl = static_cast<float>(static_cast<at::BFloat16>(x / (1.f + std::exp(-x))));
+        o[i] = static_cast<at::BFloat16>(sl * static_cast<float>(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+// Index of the largest entry of each row of [N, V] logits (bfloat16 or float32), the first one on ties, as
+// torch.argmax; one row per job. torch's own CPU argmax measured 1 ms for 32 float32 rows of 49,152 here.
+static at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "[N, V] logits");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "bfloat16 or float32 logits");
+  x = x.contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  auto out = at::empty({N}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  auto row_argmax = [V](auto* r) -> int64_t {
+    int64_t i = 0, best_i = 0;
+    float best = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+    if (V >= 16) {
+      __m512 bv = load16(r);
+      __m512i bi = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      __m512i cur = bi;
+      const __m512i step = _mm512_set1_epi32(16);
+      for (i = 16; i + 16 <= V; i += 16) {
+        cur = _mm512_add_epi32(cur, step);
+        const __m512 v = load16(r + i);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);  // strictly greater: the first index stays
+        bv = _mm512_mask_mov_ps(bv, gt, v);
+        bi = _mm512_mask_mov_epi32(bi, gt, cur);
+      }
+      best = _mm512_reduce_max_ps(bv);
+      const __mmask16 at_max = _mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ);
+      best_i = _mm512_mask_reduce_min_epi32(at_max, bi);
+    }
+#endif
+    for (; i < V; ++i) {
+      const float v = static_cast<float>(r[i]);
+      if (v > best) best = v, best_i = i;
+    }
+    return best_i;
+  };
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (x.scalar_type() == at::kFloat) op[n] = row_argmax(x.data_ptr<float>() + n * V);
+      else op[n] = row_argmax(x.data_ptr<at::BFloat16>() + n * V);
+    }
+  });
+  return out;
+}
+
 // q: [B, H, D]; cache: [blocks, layers, 2, block_size, kv_heads, D] (contiguous); tables: [B, W] int64;
 // ctx_lens: [B] int64. Returns [B, H, D] in q's dtype.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer, at::Tensor tables,
@@ -319,6 +462,9 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q/k of a fused qkv, in place, and K/V into the pool (CPU)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2I] projection, bfloat16 (CPU)");
+  m.def("argmax_rows", &argmax_rows, "argmax of each row, first index on ties (CPU)");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, bfloat16 rows (CPU)", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"));
 #if defined(__AVX512F__)
