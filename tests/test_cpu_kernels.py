@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -181,3 +183,28 @@ def test_bfloat16_fast_path_is_on_and_no_further_from_float32_than_the_portable_
     plain, want = run("bfloat16", "0")
     assert not plain.runner.use_cpu_kernel and not plain.runner.model.fused_cpu
     assert agreeing(got, ref) >= agreeing(want, ref), (agreeing(got, ref), agreeing(want, ref))
+
+
+def test_torch_buffers_get_huge_pages_once_common_is_imported():
+    """Importing ``common`` turns on torch's transparent-huge-page allocation (where the kernel's THP mode allows
+    it), and the vLLM peer's environment leaves it out unless the user set it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from loadgen.peers import vllm_env
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    code = (
+        "import common, torch\n"
+        "x = torch.ones(64 << 20, dtype=torch.uint8)\n"
+        "print([int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')][0])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    huge_kib = int(out.stdout.strip())
+    if "[never]" in mode:
+        assert huge_kib == 0
+    else:
+        assert huge_kib >= 32 << 10, (mode, huge_kib)  # most of the 64 MiB buffer
+    assert os.environ.get("THP_MEM_ALLOC_ENABLE") and "THP_MEM_ALLOC_ENABLE" not in vllm_env()
