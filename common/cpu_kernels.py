@@ -4,8 +4,9 @@
 ``add_rms_norm`` fuses the residual add with the next RMSNorm, ``rope_write_kv`` RoPE with the KV-cache write and
 ``silu_mul`` the MLP's activation with its product (bfloat16); ``argmax_rows`` is the greedy pick. All in
 csrc/paged_attention_cpu.cpp.
-The engine uses them for bfloat16 on CPU when they compiled with AVX-512 (``TOKENMILL_CPU_KERNELS=0`` turns them
-off, ``=1`` turns the attention on for float32 too; see common/model_runner.py). If the compiler is missing,
+The engine uses them on CPU when they compiled with AVX-512: the attention in bfloat16 and float32, the fused
+stages in bfloat16 (``TOKENMILL_CPU_KERNELS=0`` turns them off, ``=1`` on even without AVX-512; see
+common/model_runner.py). If the compiler is missing,
 ``available()`` is False and the model keeps the portable PyTorch path.
 """
 

@@ -69,14 +69,15 @@ class ModelRunner:
                 self.model.load_weights(source.weights())
             self.model.prepack()
         # The C++ paged decode-attention kernel (common/csrc) reads K/V in place; vectorized (AVX-512) it beats
-        # gather + SDPA in bfloat16: batch-32 step 61 -> 51 ms on a 2-core AVX-512 box. float32 keeps the portable
-        # path, whose numerics the reference tests pin. TOKENMILL_CPU_KERNELS=1 forces it on (float32 too), =0 off;
-        # without AVX-512 only the scalar version compiles, and it is slower than the portable path.
+        # gather + SDPA: bfloat16 batch-32 step 61 -> 51 ms on a 2-core AVX-512 box; float32 batch-1 step 30.2 ->
+        # 28.4 ms, and greedy output still equals transformers' (tests/test_reference.py). On by default where it
+        # compiled with AVX-512; TOKENMILL_CPU_KERNELS=1 forces it on (the scalar build too), =0 off. Without
+        # AVX-512 only the scalar version compiles, and it is slower than the portable path.
         on_cpu = self.device.type == "cpu" and not cfg.noop_model and self.dtype != torch.float16
         choice = os.environ.get("TOKENMILL_CPU_KERNELS")
         self.use_cpu_kernel = on_cpu and (
             (choice == "1" and cpu_kernels.available())
-            or (choice is None and self.dtype == torch.bfloat16 and cpu_kernels.vectorized())
+            or (choice is None and cpu_kernels.vectorized())
         )
         # with them, in bfloat16, the forward's fused C++ stages (add + RMSNorm, RoPE + KV write, SiLU·mul)
         self.model.fused_cpu = self.use_cpu_kernel and self.dtype == torch.bfloat16
