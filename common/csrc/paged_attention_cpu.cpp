@@ -460,13 +460,19 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer,
   return out;
 }
 
+// Every kernel lets go of the GIL while it runs (it touches no Python object), as torch's own ops do: the worker's
+// asyncio and detokenizer threads run then, instead of holding the GIL when the engine thread comes back for it.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)");
-  m.def("rope_write_kv", &rope_write_kv, "RoPE on q/k of a fused qkv, in place, and K/V into the pool (CPU)");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2I] projection, bfloat16 (CPU)");
-  m.def("argmax_rows", &argmax_rows, "argmax of each row, first index on ties (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV pool (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on q/k of a fused qkv, in place, and K/V into the pool (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2I] projection, bfloat16 (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("argmax_rows", &argmax_rows, "argmax of each row, first index on ties (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, bfloat16 rows (CPU)", py::arg("x"),
-        py::arg("delta"), py::arg("weight"), py::arg("eps"));
+        py::arg("delta"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
 #if defined(__AVX512F__)
   m.attr("vectorized") = true;
 #else
