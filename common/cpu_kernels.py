@@ -2,11 +2,10 @@
 
 ``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy;
 ``add_rms_norm`` fuses the residual add with the next RMSNorm, ``rope_write_kv`` RoPE with the KV-cache write and
-``silu_mul`` the MLP's activation with its product (bfloat16); ``argmax_rows`` is the greedy pick. All in
-csrc/paged_attention_cpu.cpp.
-The engine uses them on CPU when they compiled with AVX-512: the attention in bfloat16 and float32, the fused
-stages in bfloat16 (``TOKENMILL_CPU_KERNELS=0`` turns them off, ``=1`` on even without AVX-512; see
-common/model_runner.py). If the compiler is missing,
+``silu_mul`` the MLP's activation with its product (bfloat16 or float32, rounding as the ops they replace);
+``argmax_rows`` is the greedy pick. All in csrc/paged_attention_cpu.cpp.
+The engine uses them on CPU, in bfloat16 and float32, when they compiled with AVX-512 (``TOKENMILL_CPU_KERNELS=0``
+turns them off, ``=1`` on even without AVX-512; see common/model_runner.py). If the compiler is missing,
 ``available()`` is False and the model keeps the portable PyTorch path.
 """
 
@@ -40,7 +39,8 @@ def _load() -> Any:
             _module = load(
                 name="tokenmill_cpu_kernels",
                 sources=[str(_SRC)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                # no implicit fused multiply-adds: the fused stages round as torch's separate ops do
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
@@ -64,19 +64,19 @@ def paged_decode_attention(q: Any, cache: Any, layer: int, tables: Any, ctx_lens
 
 
 def add_rms_norm(x: Any, delta: Any, weight: Any, eps: float) -> Any:
-    """``x += delta`` in place (``delta`` may be None), then RMSNorm(x) * weight; bfloat16 ``[T, H]`` rows."""
+    """``x += delta`` in place (``delta`` may be None), then RMSNorm(x) * weight; ``[T, H]`` rows (bf16/fp32)."""
     return _load().add_rms_norm(x, delta, weight, eps)
 
 
 def rope_write_kv(qkv: Any, positions: Any, cos: Any, sin: Any, cache: Any, rows: Any, k_off: int, v_off: int,
                   heads: int, kv_heads: int) -> None:
-    """RoPE on the q/k heads of a fused bfloat16 ``[T, (H + 2 KVH) * D]`` projection in place, then its K and V
+    """RoPE on the q/k heads of a fused ``[T, (H + 2 KVH) * D]`` projection in place, then its K and V
     rows into ``cache`` (viewed as ``[-1, KVH, D]``) at ``rows + k_off`` / ``rows + v_off``."""
     _load().rope_write_kv(qkv, positions, cos, sin, cache, rows, k_off, v_off, heads, kv_heads)
 
 
 def silu_mul(gate_up: Any) -> Any:
-    """``silu(gate) * up`` of a fused bfloat16 ``[T, 2I]`` projection → ``[T, I]``."""
+    """``silu(gate) * up`` of a fused ``[T, 2I]`` projection → ``[T, I]``."""
     return _load().silu_mul(gate_up)
 
 

@@ -124,7 +124,7 @@ class LlamaModel(torch.nn.Module):
         self._packed_min_rows = 0  # fewer rows than this take the plain matmul
         # CUDA fast path (Triton kernels, common/triton_ops.py); the runner turns it on, see use_fast_path()
         self.use_triton = False
-        # CPU bfloat16 fast path (fused C++ stages, common/cpu_kernels); the runner turns it on
+        # CPU fast path (fused C++ stages, common/cpu_kernels); the runner turns it on
         self.fused_cpu = False
         inv = rope_inv_freq(cfg).to(self.device)
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=self.device)
@@ -253,7 +253,7 @@ class LlamaModel(torch.nn.Module):
     def _forward_cpu_fused(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        """The CPU bfloat16 fast path: the portable forward with its elementwise stages fused in C++
+        """The CPU fast path (bfloat16, float32): the portable forward with its elementwise stages fused in C++
         (common/cpu_kernels), each rounding as the ops it replaces: the residual add with the next RMSNorm (x updated
         in place), RoPE with this step's K/V write into the pool, SiLU with its product; decode attention reads the
         pool in place. Nine calls a layer instead of about sixty."""

@@ -79,8 +79,8 @@ class ModelRunner:
             (choice == "1" and cpu_kernels.available())
             or (choice is None and cpu_kernels.vectorized())
         )
-        # with them, in bfloat16, the forward's fused C++ stages (add + RMSNorm, RoPE + KV write, SiLU·mul)
-        self.model.fused_cpu = self.use_cpu_kernel and self.dtype == torch.bfloat16
+        # with them, the forward's fused C++ stages (add + RMSNorm, RoPE + KV write, SiLU·mul)
+        self.model.fused_cpu = self.use_cpu_kernel
         # CUDA fast path: Triton kernels in the forward (TOKENMILL_CUDA_FAST=0: the portable path) and CUDA graphs
         # for decode-only steps (TOKENMILL_CUDA_GRAPHS=0: eager)
         self.fast_cuda = use_fast_path(self.device, cfg.noop_model)

@@ -10,7 +10,8 @@
 // (sequence, head): K and V rows converted to float32 in registers, scores by FMA, softmax with a polynomial exp
 // (Cephes expf's, ~1 ulp), and the weighted V sum kept in registers. When the batch keeps every thread busy, a job
 // is a whole sequence (all its kv heads), so each K/V row of a token is read whole and in address order. Head dims
-// that are not a multiple of 16 take the scalar path. The file also holds the fused residual add + RMSNorm.
+// that are not a multiple of 16 take the scalar path. The file also holds the fused stages of the CPU forward
+// (residual add + RMSNorm, RoPE + KV write, SiLU * up) and the greedy argmax.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -235,30 +236,26 @@ static void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, 
   });
 }
 
-// Residual add + RMSNorm over bfloat16 rows, in one pass: x += delta (rounded to bf16, as x + delta is), then
-// weight * bf16(x * rsqrt(mean(x^2) + eps)) with the statistics in float32, rounded as the portable rms_norm rounds.
+#if defined(__AVX512F__)
+// a float32 result rounded to the storage type's precision, as a torch op on that type rounds it (no-op for float32)
+template <typename S> static inline __m512 rnd(__m512 v) { return v; }
+template <> inline __m512 rnd<at::BFloat16>(__m512 v) { return round_bf16(v); }
+#endif
+template <typename S> static inline float rnd1(float v) { return static_cast<float>(static_cast<S>(v)); }
+
+static void check_float_or_bf16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, what, " must be bfloat16 or float32");
+}
+
+// Residual add + RMSNorm over rows, in one pass: x += delta (rounded to x's dtype, as x + delta is), then
+// weight * rnd(x * rsqrt(mean(x^2) + eps)) with the statistics in float32, rounded as the portable rms_norm rounds.
 // Only the order of the float32 sum of squares differs from torch's reduction. x is updated in place.
-static at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor w, double eps) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "x must be a contiguous [T, H] bfloat16 CPU tensor");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kBFloat16, "weight must be [H] bf16");
-  const bool has_delta = delta.has_value() && delta->defined();
-  at::Tensor d;
-  if (has_delta) {
-    d = delta->contiguous();
-    TORCH_CHECK(d.sizes() == x.sizes() && d.scalar_type() == at::kBFloat16, "delta must match x");
-  }
-  const int64_t T = x.size(0), H = x.size(1);
-  auto out = at::empty_like(x);
-  at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* dp = has_delta ? d.data_ptr<at::BFloat16>() : nullptr;
-  const at::BFloat16* wp = w.contiguous().data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
-  const float feps = static_cast<float>(eps);
+template <typename S>
+static void add_rms_norm_impl(S* xp, const S* dp, const S* wp, S* op, int64_t T, int64_t H, float eps) {
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      at::BFloat16* xr = xp + r * H;
-      at::BFloat16* orow = op + r * H;
+      S* xr = xp + r * H;
+      S* orow = op + r * H;
       float ss = 0.f;
       int64_t i = 0;
 #if defined(__AVX512F__)
@@ -266,7 +263,7 @@ static at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at
       for (; i + 16 <= H; i += 16) {
         __m512 v = load16(xr + i);
         if (dp) {
-          v = round_bf16(_mm512_add_ps(v, load16(dp + r * H + i)));
+          v = rnd<S>(_mm512_add_ps(v, load16(dp + r * H + i)));
           store16(xr + i, v);
         }
         acc = _mm512_fmadd_ps(v, v, acc);
@@ -274,39 +271,102 @@ static at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at
       ss = _mm512_reduce_add_ps(acc);
 #endif
       for (; i < H; ++i) {
-        if (dp) xr[i] = static_cast<at::BFloat16>(static_cast<float>(xr[i]) + static_cast<float>(dp[r * H + i]));
+        if (dp) xr[i] = static_cast<S>(static_cast<float>(xr[i]) + static_cast<float>(dp[r * H + i]));
         const float v = static_cast<float>(xr[i]);
         ss += v * v;
       }
-      const float scale = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+      const float scale = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
       i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= H; i += 16) {
-        // bf16(x * scale), then bf16(w * that): two roundings, as the portable path does
-        const __m512 n = round_bf16(_mm512_mul_ps(load16(xr + i), _mm512_set1_ps(scale)));
+        // rnd(x * scale), then rnd(w * that): two roundings, as the portable path does
+        const __m512 n = rnd<S>(_mm512_mul_ps(load16(xr + i), _mm512_set1_ps(scale)));
         store16(orow + i, _mm512_mul_ps(load16(wp + i), n));
       }
 #endif
       for (; i < H; ++i) {
-        const float n = static_cast<float>(static_cast<at::BFloat16>(static_cast<float>(xr[i]) * scale));
-        orow[i] = static_cast<at::BFloat16>(static_cast<float>(wp[i]) * n);
+        const float n = rnd1<S>(static_cast<float>(xr[i]) * scale);
+        orow[i] = static_cast<S>(static_cast<float>(wp[i]) * n);
       }
     }
   });
+}
+
+static at::Tensor add_rms_norm(at::Tensor x, c10::optional<at::Tensor> delta, at::Tensor w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] CPU tensor");
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type(), "weight must be [H], x's dtype");
+  const bool has_delta = delta.has_value() && delta->defined();
+  at::Tensor d;
+  if (has_delta) {
+    d = delta->contiguous();
+    TORCH_CHECK(d.sizes() == x.sizes() && d.scalar_type() == x.scalar_type(), "delta must match x");
+  }
+  auto out = at::empty_like(x);
+  auto wc = w.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(x.data_ptr<float>(), has_delta ? d.data_ptr<float>() : nullptr, wc.data_ptr<float>(),
+                             out.data_ptr<float>(), x.size(0), x.size(1), static_cast<float>(eps));
+  } else {
+    add_rms_norm_impl<at::BFloat16>(x.data_ptr<at::BFloat16>(), has_delta ? d.data_ptr<at::BFloat16>() : nullptr,
+                                    wc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.size(0), x.size(1),
+                                    static_cast<float>(eps));
+  }
   return out;
 }
 
 // RoPE on the query and key heads of a fused qkv projection, in place, then this step's K and V rows written into
 // the paged pool: one pass instead of slicing, cat, three multiplies, an add and two index_copy calls. qkv:
-// [T, (H + 2 KVH) * D] bfloat16, rows contiguous; cos/sin: float32 tables [max_pos, D]; rows: [T] layer-0 K row of
-// each token in the pool viewed as [-1, KVH, D], plus k_off (and v_off for V). Rounds as the portable apply_rope
-// does: cos/sin to bf16, then bf16(x * cos), bf16(rot * sin), bf16(sum).
+// [T, (H + 2 KVH) * D] rows, contiguous; cos/sin: float32 tables [max_pos, D]; rows: [T] layer-0 K row of each
+// token in the pool viewed as [-1, KVH, D], plus k_off (and v_off for V). Rounds as the portable apply_rope does:
+// cos/sin to qkv's dtype, then rnd(x * cos), rnd(rot * sin), rnd(sum) (no fused multiply-add: -ffp-contract=off).
+template <typename S>
+static void rope_write_kv_impl(S* base, int64_t ld, const int64_t* pp, const int64_t* rp, const float* cp,
+                               const float* sp, S* kv, int64_t T, int64_t D, int64_t k_off, int64_t v_off,
+                               int64_t heads, int64_t kv_heads) {
+  const int64_t half = D / 2, row_len = kv_heads * D;
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      S* x = base + t * ld;
+      const float* c = cp + pp[t] * D;
+      const float* sn = sp + pp[t] * D;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        S* xh = x + h * D;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(xh + i), x2 = load16(xh + half + i);
+          const __m512 c1 = rnd<S>(load16(c + i)), c2 = rnd<S>(load16(c + half + i));
+          const __m512 s1 = rnd<S>(load16(sn + i)), s2 = rnd<S>(load16(sn + half + i));
+          // first half: x1 * cos - x2 * sin; second: x2 * cos + x1 * sin (rot = [-x2, x1])
+          const __m512 lo = _mm512_add_ps(rnd<S>(_mm512_mul_ps(x1, c1)),
+                                          rnd<S>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1)));
+          const __m512 hi = _mm512_add_ps(rnd<S>(_mm512_mul_ps(x2, c2)), rnd<S>(_mm512_mul_ps(x1, s2)));
+          store16(xh + i, lo);
+          store16(xh + half + i, hi);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = xh[i], x2 = xh[half + i];
+          const float lo = rnd1<S>(x1 * rnd1<S>(c[i])) + rnd1<S>(-x2 * rnd1<S>(sn[i]));
+          const float hi = rnd1<S>(x2 * rnd1<S>(c[half + i])) + rnd1<S>(x1 * rnd1<S>(sn[half + i]));
+          xh[i] = static_cast<S>(lo);
+          xh[half + i] = static_cast<S>(hi);
+        }
+      }
+      std::memcpy(kv + (rp[t] + k_off) * row_len, x + heads * D, row_len * sizeof(S));
+      std::memcpy(kv + (rp[t] + v_off) * row_len, x + (heads + kv_heads) * D, row_len * sizeof(S));
+    }
+  });
+}
+
 static void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, at::Tensor sin, at::Tensor cache,
                           at::Tensor rows, int64_t k_off, int64_t v_off, int64_t heads, int64_t kv_heads) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kBFloat16 && qkv.stride(1) == 1, "qkv: [T, W] bf16 rows");
-  TORCH_CHECK(cache.scalar_type() == at::kBFloat16 && cache.is_contiguous(), "cache: contiguous bf16");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1, "qkv: [T, W] with contiguous rows");
+  check_float_or_bf16(qkv, "qkv");
+  TORCH_CHECK(cache.scalar_type() == qkv.scalar_type() && cache.is_contiguous(), "cache: contiguous, qkv's dtype");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(), "cos/sin: float32");
-  const int64_t T = qkv.size(0), D = cos.size(1), half = D / 2;
+  const int64_t T = qkv.size(0), D = cos.size(1);
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * D && D % 2 == 0, "qkv width is not (H + 2 KVH) * D");
   TORCH_CHECK(positions.numel() == T && rows.numel() == T, "one position and one row per token");
   auto pos = positions.to(at::kLong).contiguous();
@@ -318,78 +378,51 @@ static void rope_write_kv(at::Tensor qkv, at::Tensor positions, at::Tensor cos, 
     TORCH_CHECK(pp[t] >= 0 && pp[t] < max_pos, "position out of range");
     TORCH_CHECK(rp[t] + k_off >= 0 && rp[t] + v_off < n_rows && rp[t] + k_off < n_rows, "cache row out of range");
   }
-  at::BFloat16* base = qkv.data_ptr<at::BFloat16>();
-  const int64_t ld = qkv.stride(0);
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
-  at::BFloat16* kv = cache.data_ptr<at::BFloat16>();
-  const int64_t row_len = kv_heads * D;
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      at::BFloat16* x = base + t * ld;
-      const float* c = cp + pp[t] * D;
-      const float* sn = sp + pp[t] * D;
-      for (int64_t h = 0; h < heads + kv_heads; ++h) {
-        at::BFloat16* xh = x + h * D;
-        int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i + 16 <= half; i += 16) {
-          const __m512 x1 = load16(xh + i), x2 = load16(xh + half + i);
-          const __m512 c1 = round_bf16(load16(c + i)), c2 = round_bf16(load16(c + half + i));
-          const __m512 s1 = round_bf16(load16(sn + i)), s2 = round_bf16(load16(sn + half + i));
-          // first half: x1 * cos - x2 * sin; second: x2 * cos + x1 * sin (rot = [-x2, x1])
-          const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c1)),
-                                          round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1)));
-          const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c2)), round_bf16(_mm512_mul_ps(x1, s2)));
-          store16(xh + i, lo);
-          store16(xh + half + i, hi);
-        }
-#endif
-        for (; i < half; ++i) {
-          auto r = [](float v) { return static_cast<float>(static_cast<at::BFloat16>(v)); };
-          const float x1 = xh[i], x2 = xh[half + i];
-          const float lo = r(x1 * r(c[i])) + r(-x2 * r(sn[i]));
-          const float hi = r(x2 * r(c[half + i])) + r(x1 * r(sn[half + i]));
-          xh[i] = static_cast<at::BFloat16>(lo);
-          xh[half + i] = static_cast<at::BFloat16>(hi);
-        }
-      }
-      std::memcpy(kv + (rp[t] + k_off) * row_len, x + heads * D, row_len * sizeof(at::BFloat16));
-      std::memcpy(kv + (rp[t] + v_off) * row_len, x + (heads + kv_heads) * D, row_len * sizeof(at::BFloat16));
-    }
-  });
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_write_kv_impl<float>(qkv.data_ptr<float>(), qkv.stride(0), pp, rp, cos.data_ptr<float>(),
+                              sin.data_ptr<float>(), cache.data_ptr<float>(), T, D, k_off, v_off, heads, kv_heads);
+  } else {
+    rope_write_kv_impl<at::BFloat16>(qkv.data_ptr<at::BFloat16>(), qkv.stride(0), pp, rp, cos.data_ptr<float>(),
+                                     sin.data_ptr<float>(), cache.data_ptr<at::BFloat16>(), T, D, k_off, v_off, heads,
+                                     kv_heads);
+  }
 }
 
-// SiLU(gate) * up for a fused [T, 2I] gate/up projection, bfloat16: bf16(bf16(silu(g)) * u), silu in float32.
-static at::Tensor silu_mul(at::Tensor gu) {
-  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kBFloat16 && gu.size(1) % 2 == 0, "[T, 2I] bfloat16");
-  gu = gu.contiguous();
-  const int64_t T = gu.size(0), I = gu.size(1) / 2;
-  auto out = at::empty({T, I}, gu.options());
-  const at::BFloat16* ip = gu.data_ptr<at::BFloat16>();
-  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+// SiLU(gate) * up for a fused [T, 2I] gate/up projection: rnd(rnd(silu(g)) * u), silu in float32.
+template <typename S>
+static void silu_mul_impl(const S* ip, S* op, int64_t T, int64_t I) {
   at::parallel_for(0, T, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const at::BFloat16* g = ip + t * 2 * I;
-      const at::BFloat16* u = g + I;
-      at::BFloat16* o = op + t * I;
+      const S* g = ip + t * 2 * I;
+      const S* u = g + I;
+      S* o = op + t * I;
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i + 16 <= I; i += 16) {
         const __m512 x = load16(g + i);
         // e^-x by exp16's polynomial; it overflows to inf past 88.7 (x -> -0, as torch's silu gives)
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        const __m512 sl = round_bf16(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        const __m512 sl = rnd<S>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         store16(o + i, _mm512_mul_ps(sl, load16(u + i)));
       }
 #endif
       for (; i < I; ++i) {
         const float x = g[i];
-        const float sl = static_cast<float>(static_cast<at::BFloat16>(x / (1.f + std::exp(-x))));
-        o[i] = static_cast<at::BFloat16>(sl * static_cast<float>(u[i]));
+        const float sl = rnd1<S>(x / (1.f + std::exp(-x)));
+        o[i] = static_cast<S>(sl * static_cast<float>(u[i]));
       }
     }
   });
+}
+
+static at::Tensor silu_mul(at::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate/up must be [T, 2I]");
+  check_float_or_bf16(gu, "gate/up");
+  gu = gu.contiguous();
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  auto out = at::empty({T, I}, gu.options());
+  if (gu.scalar_type() == at::kFloat) silu_mul_impl<float>(gu.data_ptr<float>(), out.data_ptr<float>(), T, I);
+  else silu_mul_impl<at::BFloat16>(gu.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T, I);
   return out;
 }
 
@@ -467,11 +500,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rope_write_kv", &rope_write_kv, "RoPE on q/k of a fused qkv, in place, and K/V into the pool (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2I] projection, bfloat16 (CPU)",
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2I] projection (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "argmax of each row, first index on ties (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, bfloat16 rows (CPU)", py::arg("x"),
+  m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, bf16/fp32 rows (CPU)", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
 #if defined(__AVX512F__)
   m.attr("vectorized") = true;
