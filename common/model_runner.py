@@ -266,7 +266,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run the step; return logits ``[num_sampling_rows, vocab]`` (or None): float32 on the device with the CUDA
-        fast path (the sampler then runs there); on the CPU, in the model's dtype (the sampler converts as needed). A decode-only step replays a CUDA graph."""
+        fast path (the sampler then runs there); on the CPU, in the model's dtype (the sampler converts as needed).
+        A decode-only step replays a CUDA graph."""
         if self.cfg.noop_model:
             # a one-entry vocabulary: every sampled token is id 0, and sampling costs nothing per vocab entry
             n = sum(1 for it in (*out.prefills, *out.decodes) if it.samples)
@@ -280,5 +281,5 @@ class ModelRunner:
         idx = torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)
         # the sampler converts to float32 only when it needs to (a greedy batch does not): on a CPU, that copy and
         # torch's argmax were 2.5 ms of a 50 ms batch-32 step
-        logits = self.model.compute_logits(hidden[idx], float32=self.fast_cuda or self.device.type != "cpu")
+        logits = self.model.compute_logits(hidden[idx], float32=self.device.type != "cpu")
         return logits if self.fast_cuda else logits.cpu()
