@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.engine import RequestError
+from common.engine import LLMEngine, RequestError
 from common.loader import load_model_source
 from common.sampling import SamplingParams
 
@@ -158,16 +158,21 @@ def test_unknown_model_path_names_it():
         load_model_source("dummy:nope")
 
 
-def test_bfloat16_prepacked_matmuls_equal_plain_ones(make_engine, france):
+def test_bfloat16_prepacked_matmuls_equal_plain_ones(make_engine, source, france):
+    from common.config import EngineConfig
+    from common.model import LlamaModel
+
     eng = make_engine(dtype="bfloat16")
     model = eng.runner.model
     assert model._packed, "CPU bfloat16 should prepack its matrices"
+    assert model.layers[0].qkv.numel() == 0, "the plain copies of packed matrices are freed"
     packed = eng.runner.score([france])[0]
-    saved, model._packed = model._packed, {}
-    try:
-        plain = eng.runner.score([france])[0]
-    finally:
-        model._packed = saved
+    # the same weights, never packed: a model handed to an engine is used as it is
+    plain_model = LlamaModel(source.config, torch.bfloat16, "cpu")
+    plain_model.load_weights(source.weights())
+    plain_eng = LLMEngine(source, EngineConfig(dtype="bfloat16", kv_cache_memory=32 << 20), model=plain_model)
+    assert not plain_model._packed
+    plain = plain_eng.runner.score([france])[0]
     assert torch.equal(packed, plain)
     [r] = eng.generate([france], SamplingParams(max_tokens=12, temperature=0))
     assert r.text.startswith("The capital of France is Paris")
