@@ -26,6 +26,8 @@ _failed = False
 
 def _load() -> Any:
     global _module, _failed
+    if _module is not None:  # every kernel call comes here: no lock once it is loaded
+        return _module
     with _lock:
         if _module is not None or _failed:
             return _module

@@ -329,9 +329,9 @@ class LlamaModel(torch.nn.Module):
         bfloat16, 24% less time per layer at batch 16, same results bit for bit; float32, a batch-16 decode step
         88 -> 76 ms, but MKL's plain matmul is faster below 4 rows (at 1 row: 30 vs 40 ms a step), so those keep it.
         float32 results differ from the plain matmul's in the last bits (summation order); greedy output still equals
-        transformers' (tests/test_reference.py). In bfloat16 the plain layer matrices are freed (nothing reads them
-        again; the head's stay, the embedding shares them), so the weights are not held twice; float32 keeps them
-        for its small batches. Returns whether it packed."""
+        transformers' (tests/test_reference.py). In bfloat16 the plain matrices are freed (nothing reads them again;
+        a tied head's stays, as the embedding table), so the weights are not held twice; float32 keeps them for its
+        small batches. Returns whether it packed."""
         if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
             return False
         if not torch.backends.mkldnn.is_available():
@@ -342,8 +342,9 @@ class LlamaModel(torch.nn.Module):
         self._packed = {id(w): reorder(w.data, 16) for w in mats}
         self._packed_min_rows = 4 if self.dtype == torch.float32 else 0
         if self._packed_min_rows == 0:
-            for w in mats[1:]:
-                w.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            for w in mats:
+                if w is not self.embed_tokens:  # a tied head's weight is also the embedding table
+                    w.data = torch.empty(0, dtype=self.dtype, device=self.device)
         return True
 
 

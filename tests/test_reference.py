@@ -42,6 +42,12 @@ def _prefill_logits(engine, ids: list[int]) -> torch.Tensor:
 
 
 def test_first_forward_logits_match_transformers(engine, hf_model, prompts):
+    # these reference checks run float32 on the CPU fast path (C++ kernels where they compile with AVX-512, packed
+    # matmuls from 4 rows up), the path the engine takes by default
+    from common import cpu_kernels
+
+    assert engine.runner.model.fused_cpu == cpu_kernels.vectorized()
+    assert engine.runner.model._packed_min_rows == 4
     for ids in (prompts[0], prompts[13], prompts[19]):
         ours = _prefill_logits(engine, ids)
         with torch.inference_mode():
