@@ -3,7 +3,8 @@
 ``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy;
 ``add_rms_norm`` fuses the residual add with the next RMSNorm, ``rope_write_kv`` RoPE with the KV-cache write and
 ``silu_mul`` the MLP's activation with its product (bfloat16 or float32, rounding as the ops they replace);
-``argmax_rows`` is the greedy pick. All in csrc/paged_attention_cpu.cpp.
+``argmax_rows`` is the greedy pick; ``linear_small_batch`` is the bfloat16 matmul of decode batches (up to
+32 rows) on torch's AMX brgemm micro-kernel. All in csrc/paged_attention_cpu.cpp.
 The engine uses them on CPU, in bfloat16 and float32, when they compiled with AVX-512 (``TOKENMILL_CPU_KERNELS=0``
 turns them off, ``=1`` on even without AVX-512; see common/model_runner.py). If the compiler is missing,
 ``available()`` is False and the model keeps the portable PyTorch path.
@@ -85,3 +86,19 @@ def silu_mul(gate_up: Any) -> Any:
 def argmax_rows(x: Any) -> Any:
     """Per-row argmax of ``[N, V]`` bfloat16/float32 logits (first index on ties, as ``torch.argmax``)."""
     return _load().argmax_rows(x)
+
+
+def amx_bf16() -> bool:
+    """Whether torch's brgemm micro-kernel runs bfloat16 on AMX here (what ``linear_small_batch`` needs)."""
+    return vectorized() and bool(_module.amx_bf16())
+
+
+def pack_small_batch(w: Any) -> Any:
+    """A ``[N, K]`` bfloat16 weight (N and K multiples of 32) in ``linear_small_batch``'s layout."""
+    return _load().pack_small_batch(w)
+
+
+def linear_small_batch(x: Any, packed: Any, bias: Any = None) -> Any:
+    """``x @ w.T (+ bias)`` for ``[M, K]`` bfloat16 rows and ``packed = pack_small_batch(w)``: oneDNN's result bit
+    for bit, without its fixed cost per call (~17 us), which dominates a decode batch's small matmuls."""
+    return _load().linear_small_batch(x, packed, bias)

@@ -122,6 +122,7 @@ class LlamaModel(torch.nn.Module):
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else empty(cfg.vocab_size, h)
         self._packed: dict[int, torch.Tensor] = {}
         self._packed_min_rows = 0  # fewer rows than this take the plain matmul
+        self._small: dict[int, torch.Tensor] = {}  # bf16 layer matrices for decode batches (linear_small_batch)
         # CUDA fast path (Triton kernels, common/triton_ops.py); the runner turns it on, see use_fast_path()
         self.use_triton = False
         # CPU fast path (fused C++ stages, common/cpu_kernels); the runner turns it on
@@ -319,19 +320,29 @@ class LlamaModel(torch.nn.Module):
 
     # ---- CPU: prepacked matmuls -----------------------------------------------------------------------
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] <= _SMALL_BATCH_ROWS and self._small:
+            small = self._small.get(id(w))
+            if small is not None:
+                return cpu_kernels.linear_small_batch(x, small, b)
         packed = self._packed.get(id(w)) if self._packed else None
         if packed is None or x.shape[0] < self._packed_min_rows:
             return F.linear(x, w, b)
         return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
-    def prepack(self) -> bool:
+    def prepack(self, small_batch: bool = False) -> bool:
         """On CPU, reorder every matrix once into oneDNN's blocked layout. Measured on a 2-core AVX-512 VM:
         bfloat16, 24% less time per layer at batch 16, same results bit for bit; float32, a batch-16 decode step
         88 -> 76 ms, but MKL's plain matmul is faster below 4 rows (at 1 row: 30 vs 40 ms a step), so those keep it.
         float32 results differ from the plain matmul's in the last bits (summation order); greedy output still equals
         transformers' (tests/test_reference.py). In bfloat16 the plain matrices are freed (nothing reads them again;
-        a tied head's stays, as the embedding table), so the weights are not held twice; float32 keeps them for its
-        small batches. Returns whether it packed."""
+        a tied head's stays, as the embedding table); float32 keeps them for its small batches.
+
+        With ``small_batch`` (the runner's choice: the C++ kernels are on) and AMX, bfloat16 layer matrices are also
+        packed for ``cpu_kernels.linear_small_batch``, which takes batches of up to 32 rows: oneDNN's result bit for
+        bit without its ~17 us a call. Measured on a 2-core AMX VM, 120 SmolLM2 layer matmuls: 1 row 10.7 -> 7.9 ms,
+        16 rows 12.1 -> 8.6 ms, 32 rows 13.6 -> 10.8 ms (they tie at 64 rows). The cost is a second packed copy of
+        the layer matrices (212 MB for SmolLM2); ``TOKENMILL_CPU_KERNELS=0`` turns it off with the kernels.
+        Returns whether it packed."""
         if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
             return False
         if not torch.backends.mkldnn.is_available():
@@ -340,6 +351,9 @@ class LlamaModel(torch.nn.Module):
         mats = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up,
                                                                        layer.down)]
         self._packed = {id(w): reorder(w.data, 16) for w in mats}
+        if small_batch and self.dtype == torch.bfloat16 and cpu_kernels.amx_bf16():
+            self._small = {id(w): cpu_kernels.pack_small_batch(w.data) for w in mats[1:]
+                           if w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0}
         self._packed_min_rows = 4 if self.dtype == torch.float32 else 0
         if self._packed_min_rows == 0:
             for w in mats:
@@ -347,6 +361,11 @@ class LlamaModel(torch.nn.Module):
                     w.data = torch.empty(0, dtype=self.dtype, device=self.device)
         return True
 
+
+# Batches of up to this many rows take linear_small_batch where a matrix has it (see LlamaModel.prepack). Above 32
+# rows oneDNN changes how it sums (its results move by an ulp in some elements), so the small path stops here and
+# every batch size keeps oneDNN's results bit for bit.
+_SMALL_BATCH_ROWS = 32
 
 # Prefill SDPA backends of the CUDA path: not cuDNN, which builds a new execution plan for every new sequence length
 # (measured on an H200 in a W1 run: ~5 ms of CPU per call, 0.4-1 s per mixed prefill step of 4,096 tokens).

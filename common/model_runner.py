@@ -67,7 +67,6 @@ class ModelRunner:
                 self.model.init_random(cfg.seed)
             else:
                 self.model.load_weights(source.weights())
-            self.model.prepack()
         # The C++ paged decode-attention kernel (common/csrc) reads K/V in place; vectorized (AVX-512) it beats
         # gather + SDPA: bfloat16 batch-32 step 61 -> 51 ms on a 2-core AVX-512 box; float32 batch-1 step 30.2 ->
         # 28.4 ms, and greedy output still equals transformers' (tests/test_reference.py). On by default where it
@@ -79,6 +78,8 @@ class ModelRunner:
             (choice == "1" and cpu_kernels.available())
             or (choice is None and cpu_kernels.vectorized())
         )
+        if model is None:  # a model handed in is used as it is
+            self.model.prepack(small_batch=self.use_cpu_kernel)
         # with them, the forward's fused C++ stages (add + RMSNorm, RoPE + KV write, SiLU·mul)
         self.model.fused_cpu = self.use_cpu_kernel
         # CUDA fast path: Triton kernels in the forward (TOKENMILL_CUDA_FAST=0: the portable path) and CUDA graphs

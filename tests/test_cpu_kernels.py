@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -216,3 +217,39 @@ def test_torch_buffers_get_huge_pages_once_common_is_imported():
     else:
         assert huge_kib >= 32 << 10, (mode, huge_kib)  # most of the 64 MiB buffer
     assert os.environ.get("THP_MEM_ALLOC_ENABLE") and "THP_MEM_ALLOC_ENABLE" not in vllm_env()
+
+
+def test_the_small_batch_matmul_runs_where_amx_is():
+    # the machines we test on have AMX (Sapphire Rapids and later); elsewhere the engine keeps oneDNN's matmul
+    has_amx = "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    assert cpu_kernels.amx_bf16() == (has_amx and cpu_kernels.vectorized())
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_bf16(), reason="the small-batch matmul needs AMX (torch's brgemm)")
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (3072, 576), (64, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 17, 32])  # the engine takes it up to 32 rows
+def test_small_batch_matmul_equals_onednn_bit_for_bit(shape, rows):
+    g = torch.Generator().manual_seed(rows)
+    n, k = shape
+    w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    small = cpu_kernels.pack_small_batch(w)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+    for bias in (None, b):
+        want = torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+        got = cpu_kernels.linear_small_batch(x, small, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        assert torch.equal(got, want)
+        assert torch.equal(got, torch.nn.functional.linear(x, w, bias))
+
+
+def test_small_batch_matmul_refuses_what_it_cannot_take():
+    with pytest.raises(RuntimeError, match=r"weight shape \[40, 64\] is not a multiple of 32"):
+        cpu_kernels.pack_small_batch(torch.zeros(40, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu_kernels.pack_small_batch(torch.zeros(64, 64))
+    if cpu_kernels.amx_bf16():
+        packed = cpu_kernels.pack_small_batch(torch.zeros(64, 64, dtype=torch.bfloat16))
+        with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
+            cpu_kernels.linear_small_batch(torch.zeros(1, 32, dtype=torch.bfloat16), packed)

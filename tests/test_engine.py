@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common import cpu_kernels
 from common.engine import LLMEngine, RequestError
 from common.loader import load_model_source
 from common.sampling import SamplingParams
@@ -166,6 +167,8 @@ def test_bfloat16_prepacked_matmuls_equal_plain_ones(make_engine, source, france
     model = eng.runner.model
     assert model._packed, "CPU bfloat16 should prepack its matrices"
     assert model.layers[0].qkv.numel() == 0, "the plain copies of packed matrices are freed"
+    # with AMX, batches of up to 32 rows (this prompt too) take the small-batch matmul
+    assert bool(model._small) == cpu_kernels.amx_bf16()
     packed = eng.runner.score([france])[0]
     # the same weights, never packed: a model handed to an engine is used as it is
     plain_model = LlamaModel(source.config, torch.bfloat16, "cpu")

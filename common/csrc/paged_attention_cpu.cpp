@@ -11,9 +11,10 @@
 // (Cephes expf's, ~1 ulp), and the weighted V sum kept in registers. When the batch keeps every thread busy, a job
 // is a whole sequence (all its kv heads), so each K/V row of a token is read whole and in address order. Head dims
 // that are not a multiple of 16 take the scalar path. The file also holds the fused stages of the CPU forward
-// (residual add + RMSNorm, RoPE + KV write, SiLU * up) and the greedy argmax.
+// (residual add + RMSNorm, RoPE + KV write, SiLU * up), the greedy argmax and the small-batch bfloat16 matmul.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -469,6 +470,66 @@ static at::Tensor argmax_rows(at::Tensor x) {
   return out;
 }
 
+// ---- small-batch bfloat16 matmul (decode) ---------------------------------------------------------------------
+// oneDNN's packed linear costs ~17 us of fixed overhead a call (measured: a 64x64 matmul), which at decode batch
+// sizes is a fifth of a SmolLM2 layer's matmul time. For those batches (the engine: up to 32 rows) this path calls
+// torch's brgemm micro-kernel (AMX) directly on weights packed once into blocks of 32 output columns, each block
+// [K/2, 32, 2] (VNNI pairs), threads splitting the blocks. Same instruction, same K order, float32 accumulation and
+// one rounding: the results equal oneDNN's bit for bit up to 32 rows, above which oneDNN changes its summation
+// (tests/test_cpu_kernels.py).
+constexpr int64_t kSmallBlock = 32;
+
+static bool amx_bf16() { return at::native::cpublas::could_pack(at::kBFloat16); }
+
+// w: [N, K] bfloat16 -> [N / 32, K / 2, 32, 2]
+static at::Tensor pack_small_batch(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "weight must be a [N, K] bfloat16 matrix");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % kSmallBlock == 0 && K % 32 == 0, "weight shape [", N, ", ", K, "] is not a multiple of 32");
+  auto wt = w.t().contiguous();  // [K, N]
+  auto out = at::empty({N / kSmallBlock, K / 2, kSmallBlock, 2}, w.options());
+  for (int64_t b = 0; b < N / kSmallBlock; ++b)
+    at::native::cpublas::pack(K, kSmallBlock, N, kSmallBlock, at::kBFloat16, at::kBFloat16,
+                              wt.data_ptr<at::BFloat16>() + b * kSmallBlock,
+                              out.data_ptr<at::BFloat16>() + b * kSmallBlock * K);
+  return out;
+}
+
+// x [M, K] @ w.T (+ bias) with w packed by pack_small_batch -> [M, N] bfloat16
+static at::Tensor linear_small_batch(at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "x must be [M, K] bfloat16");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kSmallBlock, "packed weight must come from pack_small_batch");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), N = NB * kSmallBlock;
+  TORCH_CHECK(packed.size(1) * 2 == K, "x has ", K, " columns, the weight ", packed.size(1) * 2);
+  x = x.contiguous();
+  at::Tensor bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "bias has ", bias->numel(), " elements, expected ", N);
+    bf = bias->to(at::kFloat).contiguous();
+  }
+  auto y = at::empty({M, N}, x.options());
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const auto* wp = packed.data_ptr<at::BFloat16>();
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  auto* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, NB, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(M * kSmallBlock);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kSmallBlock;
+      at::native::cpublas::brgemm(M, kSmallBlock, K, K, kSmallBlock, kSmallBlock, false, xp, wp + n0 * K, c.data());
+      for (int64_t m = 0; m < M; ++m) {
+        float* cr = c.data() + m * kSmallBlock;
+        if (bp)
+          for (int64_t i = 0; i < kSmallBlock; ++i) cr[i] += bp[n0 + i];
+        at::BFloat16* yr = yp + m * N + n0;
+        for (int64_t i = 0; i < kSmallBlock; ++i) yr[i] = static_cast<at::BFloat16>(cr[i]);  // to nearest even
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+  return y;
+}
+
 // q: [B, H, D]; cache: [blocks, layers, 2, block_size, kv_heads, D] (contiguous); tables: [B, W] int64;
 // ctx_lens: [B] int64. Returns [B, H, D] in q's dtype.
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, int64_t layer, at::Tensor tables,
@@ -500,6 +561,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, bf16/fp32 rows (CPU)", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("amx_bf16", &amx_bf16, "whether torch's brgemm packs bfloat16 for AMX on this CPU");
+  m.def("pack_small_batch", &pack_small_batch, "pack a [N, K] bfloat16 weight for linear_small_batch");
+  m.def("linear_small_batch", &linear_small_batch, "x @ w.T (+ bias), bfloat16, few rows (CPU, AMX brgemm)",
+        py::arg("x"), py::arg("packed"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
 #if defined(__AVX512F__)
   m.attr("vectorized") = true;
 #else
