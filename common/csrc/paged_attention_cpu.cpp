@@ -81,44 +81,127 @@ static inline __m512 exp16(__m512 x) {
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256
 constexpr int64_t kMaxHeads = 64;   // query heads in one job
 
+// A row of D elements as C = D / 16 float32 vectors. A bfloat16 row goes by 32-element chunks, each as its even
+// and its odd elements (one shift or one mask per 16 values, where a widening conversion takes two); q, K and V
+// rows all take this order, so dot products and per-element sums are the same, and out rows are stored back through
+// the inverse. A last chunk of 16 (D % 32 == 16) is converted in order.
+template <typename T> struct Row;
+template <> struct Row<float> {
+  static inline void load(const float* p, __m512* r, int64_t C) {
+    for (int64_t c = 0; c < C; ++c) r[c] = _mm512_loadu_ps(p + 16 * c);
+  }
+  static inline void store(float* p, const __m512* r, int64_t C) {
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(p + 16 * c, r[c]);
+  }
+};
+template <> struct Row<at::BFloat16> {
+  static inline void load(const at::BFloat16* p, __m512* r, int64_t C) {
+    int64_t c = 0;
+    for (; c + 2 <= C; c += 2) {
+      const __m512i x = _mm512_loadu_si512(p + 16 * c);
+      r[c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));  // elements 0, 2, 4, ...
+      r[c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    }
+    if (c < C) r[c] = load16(p + 16 * c);
+  }
+  static inline void store(at::BFloat16* p, const __m512* r, int64_t C) {
+    int64_t c = 0;
+    for (; c + 2 <= C; c += 2) {  // rounded to bfloat16 (low halves zero), even elements back in the low halves
+      const __m512i even = _mm512_srli_epi32(_mm512_castps_si512(round_bf16(r[c])), 16);
+      _mm512_storeu_si512(p + 16 * c, _mm512_or_si512(even, _mm512_castps_si512(round_bf16(r[c + 1]))));
+    }
+    if (c < C) store16(p + 16 * c, r[c]);
+  }
+};
+
+// lane i of the result = the sum of v[i]'s 16 lanes: a transpose-and-add tree, 45 instructions for 16 sums where
+// 16 separate horizontal sums take about 130
+static inline __m512 sum_lanes16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: one partial sum of each of 4 rows
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // 128-bit lanes 0+2 and 1+3 of two groups of 4 rows
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+// acc[0, C) += sum over i < m of w[i] * v[i * stride + (0, C)], in order of i; CC > 0 fixes C at compile time, so
+// the sum stays in registers
+template <int CC>
+static inline void weighted_sum(const float* w, const __m512* v, int64_t m, int64_t stride, __m512* acc,
+                                int64_t c_rt) {
+  const int64_t C = CC > 0 ? CC : c_rt;
+  __m512 a[CC > 0 ? CC : kMaxChunks];
+  for (int64_t c = 0; c < C; ++c) a[c] = acc[c];
+  for (int64_t i = 0; i < m; ++i) {
+    const __m512 wi = _mm512_set1_ps(w[i]);
+    for (int64_t c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(wi, v[i * stride + c], a[c]);
+  }
+  for (int64_t c = 0; c < C; ++c) acc[c] = a[c];
+}
+
+// Software prefetch of tokens [t0, t1)'s rows (`bytes` each) at `base` (a layer's K or V part). A block's rows of
+// one layer are short runs (6 KB for SmolLM2) at scattered addresses, which the hardware prefetcher does not follow:
+// the kernel stalled on its K/V loads (perf: ~70% of its samples). Fetching the next 16 tokens while these are
+// worked on: 30 layers at batch 32, context 300, 19.0 -> 15.2 ms (2-core VM; prefetching further ahead was slower).
+template <typename T>
+static inline void prefetch_rows(const T* cp, const int64_t* table, int64_t t0, int64_t t1, int64_t bs, int64_t base,
+                                 int64_t s_block, int64_t s_tok, int64_t bytes) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const char* r = reinterpret_cast<const char*>(cp + table[t / bs] * s_block + base + (t % bs) * s_tok);
+    for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+  }
+}
+
 // One sequence, kv heads [h0, h0 + nkv) and their G query heads each, over n tokens; each token's K and V rows of
 // those heads are read once, in address order. qp/out point at query head h0 * G. D % 16 == 0, D <= 256,
-// nkv * G <= 64.
+// nkv * G <= 64. kbuf holds 16 * nkv * D / 16 vectors.
 template <typename T>
 static void decode_seq_avx512(const T* qp, const T* cp, const int64_t* table, int64_t n, int64_t h0, int64_t nkv,
                               int64_t G, int64_t D, int64_t bs, int64_t k_base, int64_t v_base, int64_t s_block,
                               int64_t s_tok, float scale, std::vector<float>& scores, std::vector<__m512>& q,
-                              std::vector<__m512>& acc, T* out) {
+                              std::vector<__m512>& acc, std::vector<__m512>& kbuf, T* out) {
   const int64_t C = D / 16, NH = nkv * G;
-  for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c)
-      q[j * C + c] = _mm512_mul_ps(load16(qp + j * D + c * 16), _mm512_set1_ps(scale));
+  for (int64_t j = 0; j < NH; ++j) {
+    Row<T>::load(qp + j * D, q.data() + j * C, C);
+    for (int64_t c = 0; c < C; ++c) q[j * C + c] = _mm512_mul_ps(q[j * C + c], _mm512_set1_ps(scale));
+  }
   const int64_t n_pad = (n + 15) & ~int64_t(15);
   scores.resize(NH * n_pad);
-  // each token's rows of kv heads [h0, h0 + nkv), block by block, loaded into registers: fn(t, kh, row)
-  auto for_each_row = [&](int64_t base, auto&& fn) {
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const T* blk = cp + table[t0 / bs] * s_block + base + h0 * D;
-      const int64_t m = std::min(bs, n - t0);
-      for (int64_t i = 0; i < m; ++i) {
-        for (int64_t kh = 0; kh < nkv; ++kh) {
-          const T* src = blk + i * s_tok + kh * D;
-          __m512 row[kMaxChunks];
-          for (int64_t c = 0; c < C; ++c) row[c] = load16(src + c * 16);
-          fn(t0 + i, kh, row);
-        }
+  const int64_t row_bytes = nkv * D * static_cast<int64_t>(sizeof(T));  // of one token, the job's heads
+  // pass 1: scores, 16 tokens at a time: their K rows of a head converted once, then per query head 16 dot
+  // products summed across lanes together (padding tokens have zero rows)
+  __m512* kb = kbuf.data();
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - t0);
+    const T* rows[16];
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t t = t0 + i;
+      rows[i] = cp + table[t / bs] * s_block + k_base + (t % bs) * s_tok + h0 * D;
+    }
+    if (t0 + 16 < n)  // the next 16 tokens' K, and after the last ones the first 16 tokens' V
+      prefetch_rows(cp, table, t0 + 16, std::min(n, t0 + 32), bs, k_base + h0 * D, s_block, s_tok, row_bytes);
+    else
+      prefetch_rows(cp, table, 0, std::min<int64_t>(n, 16), bs, v_base + h0 * D, s_block, s_tok, row_bytes);
+    for (int64_t kh = 0; kh < nkv; ++kh) {
+      for (int64_t i = 0; i < m; ++i) Row<T>::load(rows[i] + kh * D, kb + i * C, C);
+      for (int64_t i = m; i < 16; ++i)
+        for (int64_t c = 0; c < C; ++c) kb[i * C + c] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = kh * G + g;
+        const __m512* qj = q.data() + j * C;
+        __m512 a[16];
+        for (int i = 0; i < 16; ++i) a[i] = _mm512_mul_ps(qj[0], kb[i * C]);
+        for (int64_t c = 1; c < C; ++c)
+          for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(qj[c], kb[i * C + c], a[i]);
+        _mm512_storeu_ps(scores.data() + j * n_pad + t0, sum_lanes16(a));
       }
     }
-  };
-  // pass 1: scores
-  for_each_row(k_base, [&](int64_t t, int64_t kh, const __m512* kr) {
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512* qj = q.data() + (kh * G + g) * C;
-      __m512 a = _mm512_mul_ps(qj[0], kr[0]);
-      for (int64_t c = 1; c < C; ++c) a = _mm512_fmadd_ps(qj[c], kr[c], a);
-      scores[(kh * G + g) * n_pad + t] = _mm512_reduce_add_ps(a);
-    }
-  });
+  }
   // softmax numerators in place; padding lanes get weight 0
   float inv_sum[kMaxHeads];
   const __mmask16 tail = static_cast<__mmask16>((1u << (n & 15)) - 1u);
@@ -137,18 +220,33 @@ static void decode_seq_avx512(const T* qp, const T* cp, const int64_t* table, in
     }
     inv_sum[j] = 1.f / _mm512_reduce_add_ps(sum);
   }
-  // pass 2: the weighted sum of V
+  // pass 2: the weighted sum of V, up to 16 tokens at a time: their V rows converted once, in address order, then
+  // each query head's sum kept in registers over them (tokens in order, as one long sum)
   for (int64_t j = 0; j < NH * C; ++j) acc[j] = _mm512_setzero_ps();
-  for_each_row(v_base, [&](int64_t t, int64_t kh, const __m512* vr) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t j = kh * G + g;
-      const __m512 w = _mm512_set1_ps(scores[j * n_pad + t]);
-      for (int64_t c = 0; c < C; ++c) acc[j * C + c] = _mm512_fmadd_ps(w, vr[c], acc[j * C + c]);
+  const int64_t row_vecs = nkv * C;
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - t0);
+    prefetch_rows(cp, table, t0 + 16, std::min(n, t0 + 32), bs, v_base + h0 * D, s_block, s_tok, row_bytes);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t t = t0 + i;
+      const T* src = cp + table[t / bs] * s_block + v_base + (t % bs) * s_tok + h0 * D;
+      for (int64_t kh = 0; kh < nkv; ++kh) Row<T>::load(src + kh * D, kb + i * row_vecs + kh * C, C);
     }
-  });
-  for (int64_t j = 0; j < NH; ++j)
-    for (int64_t c = 0; c < C; ++c)
-      store16(out + j * D + c * 16, _mm512_mul_ps(acc[j * C + c], _mm512_set1_ps(inv_sum[j])));
+    for (int64_t kh = 0; kh < nkv; ++kh)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = kh * G + g;
+        const float* w = scores.data() + j * n_pad + t0;
+        __m512* aj = acc.data() + j * C;
+        if (C == 4) weighted_sum<4>(w, kb + kh * C, m, row_vecs, aj, C);
+        else if (C == 8) weighted_sum<8>(w, kb + kh * C, m, row_vecs, aj, C);
+        else weighted_sum<0>(w, kb + kh * C, m, row_vecs, aj, C);
+      }
+  }
+  for (int64_t j = 0; j < NH; ++j) {
+    __m512 o[kMaxChunks];
+    for (int64_t c = 0; c < C; ++c) o[c] = _mm512_mul_ps(acc[j * C + c], _mm512_set1_ps(inv_sum[j]));
+    Row<T>::store(out + j * D, o, C);
+  }
 }
 #endif
 
@@ -179,11 +277,11 @@ static void decode_attention_impl(const at::Tensor& q, const at::Tensor& cache, 
     const int64_t jobs = B * (KVH / per);
     at::parallel_for(0, jobs, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
-      std::vector<__m512> qv(H * (D / 16)), acc(H * (D / 16));
+      std::vector<__m512> qv(H * (D / 16)), acc(H * (D / 16)), kbuf(16 * KVH * (D / 16));
       for (int64_t job = begin; job < end; ++job) {
         const int64_t b = job / (KVH / per), h0 = (job % (KVH / per)) * per;
         decode_seq_avx512<T>(qp + (b * H + h0 * G) * D, cp, tp + b * W, lp[b], h0, per, G, D, bs,
-                             layer * s_layer, layer * s_layer + s_kv, s_block, s_tok, fscale, scores, qv, acc,
+                             layer * s_layer, layer * s_layer + s_kv, s_block, s_tok, fscale, scores, qv, acc, kbuf,
                              op + (b * H + h0 * G) * D);
       }
     });
