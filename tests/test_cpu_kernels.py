@@ -187,7 +187,7 @@ def test_bfloat16_fast_path_is_on_and_no_further_from_float32_than_the_portable_
     _, ref = run("float32", "0")
     fast, got = run("bfloat16", None)
     assert fast.runner.use_cpu_kernel and fast.runner.model.fused_cpu
-    layer = fast.runner.model.layers[0]  # packed in bf16: the plain copies are freed, the weights not held twice
+    layer = fast.runner.model.layers[0]  # packed in bf16: the plain copies are freed
     assert layer.qkv.numel() == 0 and layer.down.numel() == 0 and fast.runner.model.lm_head.numel() > 0
     plain, want = run("bfloat16", "0")
     assert not plain.runner.use_cpu_kernel and not plain.runner.model.fused_cpu
