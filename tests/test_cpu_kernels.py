@@ -19,9 +19,10 @@ def test_the_kernel_compiles_here():
 
 @pytest.mark.parametrize("n_seqs", [2, 5])  # a job per (sequence, kv head) / per sequence
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_attention_matches_the_portable_path(dtype, n_seqs):
+@pytest.mark.parametrize("d", [32, 80])  # bf16 rows go by 32-element chunks; 80 ends with a chunk of 16
+def test_decode_attention_matches_the_portable_path(dtype, n_seqs, d):
     g = torch.Generator().manual_seed(7)
-    nb, layers, bs, kvh, d, heads = 40, 3, 16, 2, 32, 6
+    nb, layers, bs, kvh, heads = 40, 3, 16, 2, 6
     ctx = [1, 16, 17, 70, 33][:n_seqs]  # one token, a full block, one past a block, several blocks
     b = len(ctx)
     width = max(-(-c // bs) for c in ctx)
@@ -253,3 +254,4 @@ def test_small_batch_matmul_refuses_what_it_cannot_take():
         packed = cpu_kernels.pack_small_batch(torch.zeros(64, 64, dtype=torch.bfloat16))
         with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
             cpu_kernels.linear_small_batch(torch.zeros(1, 32, dtype=torch.bfloat16), packed)
+        assert cpu_kernels.linear_small_batch(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 64)
