@@ -4,7 +4,8 @@
 ``add_rms_norm`` fuses the residual add with the next RMSNorm, ``rope_write_kv`` RoPE with the KV-cache write and
 ``silu_mul`` the MLP's activation with its product (bfloat16 or float32, rounding as the ops they replace);
 ``argmax_rows`` is the greedy pick; ``linear_small_batch`` is the bfloat16 matmul of decode batches (up to
-32 rows) on torch's AMX brgemm micro-kernel. All in csrc/paged_attention_cpu.cpp.
+32 rows) and ``prefill_attention`` a prompt's causal attention, both on torch's AMX brgemm micro-kernel. All in
+csrc/paged_attention_cpu.cpp.
 The engine uses them on CPU, in bfloat16 and float32, when they compiled with AVX-512 (``TOKENMILL_CPU_KERNELS=0``
 turns them off, ``=1`` on even without AVX-512; see common/model_runner.py). If the compiler is missing,
 ``available()`` is False and the model keeps the portable PyTorch path.
@@ -102,3 +103,9 @@ def linear_small_batch(x: Any, packed: Any, bias: Any = None) -> Any:
     """``x @ w.T (+ bias)`` for ``[M, K]`` bfloat16 rows and ``packed = pack_small_batch(w)``: oneDNN's result bit
     for bit, without its fixed cost per call (~17 us), which dominates a decode batch's small matmuls."""
     return _load().linear_small_batch(x, packed, bias)
+
+
+def prefill_attention(q: Any, k: Any, v: Any, scale: float) -> Any:
+    """Causal self-attention of one prompt (no cached prefix): ``q [S, H, D]``, ``k``/``v [S, KVH, D]`` bfloat16
+    (rows may be strided, each row's heads contiguous) → ``[S, H, D]``. Needs ``amx_bf16()``."""
+    return _load().prefill_attention(q, k, v, scale)

@@ -123,6 +123,7 @@ class LlamaModel(torch.nn.Module):
         self._packed: dict[int, torch.Tensor] = {}
         self._packed_min_rows = 0  # fewer rows than this take the plain matmul
         self._small: dict[int, torch.Tensor] = {}  # bf16 layer matrices for decode batches (linear_small_batch)
+        self._prefill_kernel = False  # prompts' attention by cpu_kernels.prefill_attention (set with _small)
         # CUDA fast path (Triton kernels, common/triton_ops.py); the runner turns it on, see use_fast_path()
         self.use_triton = False
         # CPU fast path (fused C++ stages, common/cpu_kernels); the runner turns it on
@@ -275,7 +276,8 @@ class LlamaModel(torch.nn.Module):
             q = qkv[:, :q_sz].view(t, nh, d)
             k = qkv[:, q_sz : q_sz + kv_sz].view(t, nkv, d)
             v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
-            attn = paged_attention(q, k, v, kv_rows, k_off, meta, kv_cache, li, kv_written=True)
+            attn = paged_attention(q, k, v, kv_rows, k_off, meta, kv_cache, li, kv_written=True,
+                                   prefill_kernel=self._prefill_kernel)
             h = cpu_kernels.add_rms_norm(x, self._linear(attn.reshape(t, q_sz), layer.o_proj), layer.post_norm, eps)
             down = self._linear(cpu_kernels.silu_mul(self._linear(h, layer.gate_up)), layer.down)
             nxt = layers[li + 1].input_norm if li + 1 < len(layers) else self.norm
@@ -341,7 +343,8 @@ class LlamaModel(torch.nn.Module):
         packed for ``cpu_kernels.linear_small_batch``, which takes batches of up to 32 rows: oneDNN's result bit for
         bit without its ~17 us a call. Measured on a 2-core AMX VM, 120 SmolLM2 layer matmuls: 1 row 10.7 -> 7.9 ms,
         16 rows 12.1 -> 8.6 ms, 32 rows 13.6 -> 10.8 ms (they tie at 64 rows). The cost is a second packed copy of
-        the layer matrices (212 MB for SmolLM2); ``TOKENMILL_CPU_KERNELS=0`` turns it off with the kernels.
+        the layer matrices (212 MB for SmolLM2); ``TOKENMILL_CPU_KERNELS=0`` turns it off with the kernels. With
+        them, prompts of up to 1,024 tokens without a cached prefix take ``cpu_kernels.prefill_attention``.
         Returns whether it packed."""
         if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
             return False
@@ -354,6 +357,7 @@ class LlamaModel(torch.nn.Module):
         if small_batch and self.dtype == torch.bfloat16 and cpu_kernels.amx_bf16():
             self._small = {id(w): cpu_kernels.pack_small_batch(w.data) for w in mats[1:]
                            if w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0}
+            self._prefill_kernel = self.cfg.head_dim % 16 == 0
         self._packed_min_rows = 4 if self.dtype == torch.float32 else 0
         if self._packed_min_rows == 0:
             for w in mats:
@@ -366,6 +370,8 @@ class LlamaModel(torch.nn.Module):
 # rows oneDNN changes how it sums (its results move by an ulp in some elements), so the small path stops here and
 # every batch size keeps oneDNN's results bit for bit.
 _SMALL_BATCH_ROWS = 32
+# Longest prompt that cpu_kernels.prefill_attention takes (it keeps whole score rows: slower than SDPA at 2,000)
+_PREFILL_KERNEL_MAX = 1024
 
 # Prefill SDPA backends of the CUDA path: not cuDNN, which builds a new execution plan for every new sequence length
 # (measured on an H200 in a W1 run: ~5 ms of CPU per call, 0.4-1 s per mixed prefill step of 4,096 tokens).
@@ -418,11 +424,13 @@ def _attention_cuda(
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor, layer_offset: int,
     meta: AttentionMetadata, kv_cache: torch.Tensor | None = None, layer: int = 0, kv_written: bool = False,
+    prefill_kernel: bool = False,
 ) -> torch.Tensor:
     """Write this step's K/V into the paged cache (unless ``kv_written``), then attend. Portable PyTorch path.
 
-    q: [T, heads, d]; k, v: [T, kv_heads, d]; kv_rows: the whole cache as [-1, kv_heads, d].
-    Returns [T, heads, d].
+    q: [T, heads, d]; k, v: [T, kv_heads, d]; kv_rows: the whole cache as [-1, kv_heads, d]. With
+    ``prefill_kernel`` (bf16, AMX), prompts of up to ``_PREFILL_KERNEL_MAX`` tokens without a cached prefix take
+    ``cpu_kernels.prefill_attention`` instead of SDPA. Returns [T, heads, d].
     """
     k_off = layer_offset
     v_off = layer_offset + meta.kv_stride
@@ -434,6 +442,11 @@ def paged_attention(
     outs: list[torch.Tensor] = []
     start = 0
     for qlen, ctx, rows in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_rows):
+        if rows is None and prefill_kernel and qlen <= _PREFILL_KERNEL_MAX:
+            outs.append(cpu_kernels.prefill_attention(q[start : start + qlen], k[start : start + qlen],
+                                                      v[start : start + qlen], d**-0.5))
+            start += qlen
+            continue
         qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         if rows is None:
             # no cached prefix: the chunk's own K/V are the whole context

@@ -255,3 +255,32 @@ def test_small_batch_matmul_refuses_what_it_cannot_take():
         with pytest.raises(RuntimeError, match="x has 32 columns, the weight 64"):
             cpu_kernels.linear_small_batch(torch.zeros(1, 32, dtype=torch.bfloat16), packed)
         assert cpu_kernels.linear_small_batch(torch.zeros(0, 64, dtype=torch.bfloat16), packed).shape == (0, 64)
+
+
+@pytest.mark.skipif(not cpu_kernels.amx_bf16(), reason="the prefill attention kernel needs AMX (torch's brgemm)")
+@pytest.mark.parametrize(("heads", "kv_heads", "d"), [(9, 3, 64), (4, 4, 32), (14, 2, 64), (2, 1, 80)])
+@pytest.mark.parametrize("s", [1, 15, 64, 65, 300])
+def test_prefill_attention_is_as_close_to_float32_as_sdpa(s, heads, kv_heads, d):
+    """The kernel against float32 causal SDPA, next to bf16 SDPA's own distance from it (both round the attention
+    weights to bf16 for the second matmul); q/k/v are strided views of one fused projection, as in the model."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(s * 7 + heads)
+    qkv = torch.randn(s, (heads + 2 * kv_heads) * d, generator=g).to(torch.bfloat16)
+    q = qkv[:, : heads * d].view(s, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(s, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(s, kv_heads, d)
+
+    def sdpa(q, k, v):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1).float()
+
+    exact = sdpa(q.float(), k.float(), v.float())
+    got = cpu_kernels.prefill_attention(q, k, v, d**-0.5)
+    assert got.shape == (s, heads, d) and got.dtype == torch.bfloat16
+    err = (got.float() - exact).abs().max().item()
+    ref = (sdpa(q, k, v) - exact).abs().max().item()
+    assert err <= 2 * ref + 1e-2, (err, ref)
+    if s == 1:  # one token attends to itself: its V, rounded
+        assert torch.equal(got, v.repeat_interleave(heads // kv_heads, dim=1))
