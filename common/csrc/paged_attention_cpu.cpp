@@ -669,10 +669,15 @@ static at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, do
       uint16_t* vd = vpk + h * S_pad * D + j * KB * D;
       for (int64_t n = 0; n < KB; ++n) {
         const int64_t t = j * KB + n;
-        const uint32_t* ks = reinterpret_cast<const uint32_t*>(kp + t * ldk + h * D);  // (d, d + 1) pairs
-        const uint16_t* vs = vp + t * ldv + h * D;
-        for (int64_t p = 0; p < D / 2; ++p) kd[p * KB + n] = t < S ? ks[p] : 0u;
-        for (int64_t d = 0; d < D; ++d) vd[((n / 2) * D + d) * 2 + (n % 2)] = t < S ? vs[d] : uint16_t(0);
+        if (t < S) {
+          const uint32_t* ks = reinterpret_cast<const uint32_t*>(kp + t * ldk + h * D);  // (d, d + 1) pairs
+          const uint16_t* vs = vp + t * ldv + h * D;
+          for (int64_t p = 0; p < D / 2; ++p) kd[p * KB + n] = ks[p];
+          for (int64_t d = 0; d < D; ++d) vd[((n / 2) * D + d) * 2 + (n % 2)] = vs[d];
+        } else {
+          for (int64_t p = 0; p < D / 2; ++p) kd[p * KB + n] = 0u;
+          for (int64_t d = 0; d < D; ++d) vd[((n / 2) * D + d) * 2 + (n % 2)] = 0;
+        }
       }
     }
   });
