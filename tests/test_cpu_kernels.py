@@ -281,6 +281,6 @@ def test_prefill_attention_is_as_close_to_float32_as_sdpa(s, heads, kv_heads, d)
     assert got.shape == (s, heads, d) and got.dtype == torch.bfloat16
     err = (got.float() - exact).abs().max().item()
     ref = (sdpa(q, k, v) - exact).abs().max().item()
-    assert err <= 2 * ref + 1e-2, (err, ref)
+    assert err <= 2 * ref + 1e-3, (err, ref)
     if s == 1:  # one token attends to itself: its V, rounded
         assert torch.equal(got, v.repeat_interleave(heads // kv_heads, dim=1))

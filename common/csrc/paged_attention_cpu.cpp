@@ -713,8 +713,7 @@ static at::Tensor prefill_attention(at::Tensor q, at::Tensor k, at::Tensor v, do
           if (c + 16 > n && (n & 15)) e = _mm512_maskz_mov_ps(tail, e);
           const __m512 eb = round_bf16(e);  // the weight the second matmul uses, and the one summed
           sum = _mm512_add_ps(sum, eb);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c),
-                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(eb), 16)));
+          store16(p + c, eb);
         }
         for (int64_t c = n16; c < kv_pad; c += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c),
                                                                       _mm256_setzero_si256());
