@@ -21,7 +21,7 @@ from common.loader import ModelSource, load_model_source
 from common.model import LlamaModel
 from common.model_runner import ModelRunner
 from common.output_processor import OutputProcessor
-from common.sampler import SampleRow, sample
+from common.sampler import Sampler, SampleRow
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import FinishReason, Sequence, SequenceStatus
@@ -107,6 +107,11 @@ class LLMEngine:
         self._prefill_only: set[str] = set()
         self._counter = itertools.count()
         self._rng = random.Random(self.cfg.seed)
+        # a tokenizer smaller than the model's vocabulary (a dummy model with another model's tokenizer): sample
+        # only ids it can decode
+        vocab = self.model_cfg.vocab_size
+        self.sample_vocab = min(vocab, self.tokenizer.vocab_size) if self.tokenizer is not None else vocab
+        self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs)
         self.num_steps = 0
         self.num_generated_tokens = 0
 
@@ -247,6 +252,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None) or self._pending_kv.pop(request_id, None)
         if seq is None:
             return self.release(request_id)
+        self.sampler.release(request_id)
         self.scheduler.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = FinishReason.ABORT
@@ -283,9 +289,12 @@ class LLMEngine:
         if not sampling or logits is None:
             return []
         eos = self.model_cfg.eos_token_ids
-        rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos) for s in sampling]
-        with torch.inference_mode():  # the logits are an inference tensor: penalties update them in place
-            result = sample(logits, rows)
+        rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos, s.request_id)
+                for s in sampling]
+        if logits.shape[1] > self.sample_vocab:
+            logits = logits[:, : self.sample_vocab]
+        with torch.inference_mode():
+            result = self.sampler.sample(logits, rows)
         now = time.monotonic()
         outputs = []
         for s, tok, lp in zip(sampling, result.token_ids, result.logprobs):
@@ -293,6 +302,8 @@ class LLMEngine:
             if s.first_token_time is None:
                 s.first_token_time = now
             o = self._token_output(s, tok, TokenLogprob(tok, lp[0], lp[1]) if lp is not None else None)
+            if o.finished or s.request_id in self._prefill_only:
+                self.sampler.release(s.request_id)
             if s.request_id in self._prefill_only:
                 self._finish_prefill_only(s, o)
             elif o.finished:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -27,7 +28,18 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; N ≥ 0: the sampled token's plus the top N alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # (token id, bias) pairs added to the logits before sampling, as OpenAI's logit_bias; a mapping is accepted
+    logit_bias: tuple[tuple[int, float], ...] = ()
     extra: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        lb = self.logit_bias
+        pairs = lb.items() if isinstance(lb, Mapping) else lb
+        try:
+            norm = tuple(sorted((int(t), float(b)) for t, b in pairs))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"logit_bias must map token ids to numbers, got {lb!r}") from e
+        object.__setattr__(self, "logit_bias", norm)
 
     @property
     def greedy(self) -> bool:
@@ -60,6 +72,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not (0 <= t < vocab_size):
                 raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary [0, {vocab_size})")
+        for t, b in self.logit_bias:
+            if not (0 <= t < vocab_size):
+                raise ValueError(f"logit_bias has token id {t}, outside the vocabulary [0, {vocab_size})")
+            if not (-100.0 <= b <= 100.0) or math.isnan(b):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {t}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if len(self.stop) > 16:

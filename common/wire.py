@@ -32,4 +32,5 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        logit_bias=dict(p.logit_bias),
     )

@@ -54,8 +54,12 @@ def test_stop_token_ids(engine, france):
     assert r.token_ids == full.token_ids[:4] and r.finish_reason == "stop"
 
 
-def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine, make_engine, france):
-    p = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=1234, ignore_eos=True)
+@pytest.mark.parametrize("knobs", [
+    {"top_p": 0.95},
+    {"top_k": 50, "top_p": 0.9, "repetition_penalty": 1.1, "frequency_penalty": 0.5, "logit_bias": {13: 2.0}},
+], ids=["top_p", "top_k-top_p-penalties"])
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(engine, make_engine, france, knobs):
+    p = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True, **knobs)
     [alone] = engine.generate([france], p)
     others = [chat(engine, q) for q in ("Tell me a joke.", "Name a color.", "Count to five.")]
     batch = engine.generate([*others, france], [SamplingParams(max_tokens=24, temperature=1.0)] * 3 + [p])

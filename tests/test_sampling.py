@@ -1,16 +1,24 @@
-"""The sampler on synthetic logits: exact penalty arithmetic, truncation, seeded noise."""
+"""The sampler on synthetic logits: exact penalty arithmetic, truncation, seeded noise, the distribution it
+draws from (chi-square against the exact one), and the same answers on every device it runs on."""
 
 from __future__ import annotations
+
+import math
+import random
+from collections import Counter
 
 import pytest
 import torch
 
-from common.sampler import SampleRow, sample
+from common.sampler import Sampler, SampleRow, row_uniform, sample
 from common.sampling import SamplingParams
 
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
 
-def row(params: SamplingParams, prompt=(), output=(), seed=0, position=0) -> SampleRow:
-    return SampleRow(params, seed, position, list(prompt), list(output), eos_ids=(0,))
+
+def row(params: SamplingParams, prompt=(), output=(), seed=0, position=0, key=None) -> SampleRow:
+    return SampleRow(params, seed, position, list(prompt), list(output), eos_ids=(0,), key=key)
 
 
 def test_greedy_is_argmax():
@@ -83,3 +91,199 @@ def test_logprobs_are_raw_log_softmax():
     assert lp == pytest.approx(float(ref[1]))
     assert [t for t, _ in top] == [1, 0]
     assert top[1][1] == pytest.approx(float(ref[0]))
+
+
+# -- the distribution --------------------------------------------------------------------------------------
+_PROBS = [0.05, 0.25, 0.12, 0.35, 0.08, 0.15]  # vocabulary order differs from probability order on purpose
+
+
+def _expected(params: SamplingParams) -> dict[int, float]:
+    """The exact distribution of one row, computed the textbook way: temperature, top-k, top-p, min-p."""
+    q = [p ** (1.0 / params.temperature) for p in _PROBS]
+    order = sorted(range(len(q)), key=lambda i: -q[i])
+    keep = order[: params.top_k] if params.top_k > 0 else order
+    z = sum(q[i] for i in keep)
+    p = {i: q[i] / z for i in keep}
+    if params.top_p < 1.0:
+        kept, mass = [], 0.0
+        for i in sorted(p, key=lambda i: -p[i]):
+            if mass > params.top_p:
+                break
+            kept.append(i)
+            mass += p[i]
+        p = {i: p[i] for i in kept}
+    if params.min_p > 0:
+        m = max(p.values())
+        p = {i: v for i, v in p.items() if v >= params.min_p * m}
+    z = sum(p.values())
+    return {i: v / z for i, v in p.items()}
+
+
+def _chi2_critical(df: int, z: float = 3.72) -> float:
+    """Upper chi-square quantile (Wilson–Hilferty); z = 3.72 is a one-sided p of 1e-4."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.7),
+    SamplingParams(top_k=3),
+    SamplingParams(top_p=0.7),
+    SamplingParams(min_p=0.5),
+    SamplingParams(top_k=5, min_p=0.4),
+    SamplingParams(temperature=0.8, top_k=4, top_p=0.8, min_p=0.1),
+    SamplingParams(temperature=1.3, top_p=0.9, min_p=0.05),
+], ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_support_and_proportions_are_exact(params, device):
+    """20,000 rows in one batch, one seed each: the tokens drawn are exactly the allowed ones, in the right
+    proportions (chi-square at p = 1e-4)."""
+    n = 20_000
+    logits = torch.tensor(_PROBS).log().repeat(n, 1).to(device)
+    rows = [row(params, seed=s, position=s % 7) for s in range(n)]
+    drawn = Counter(sample(logits, rows).token_ids)
+    want = _expected(params)
+    assert set(drawn) == set(want), (drawn, want)
+    chi2 = sum((drawn[i] - n * p) ** 2 / (n * p) for i, p in want.items())
+    df = len(want) - 1
+    if df:
+        assert chi2 < _chi2_critical(df), (chi2, drawn, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_pick_does_not_depend_on_the_batch_path(device):
+    """Rows whose top-k keeps the batch on the candidate path pick the same tokens when another row in the batch
+    forces the full-vocabulary path, and alone."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(24, 5000, generator=g) * 3).to(device)
+    ps = [SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02),
+          SamplingParams(temperature=1.2, top_k=7),
+          SamplingParams(temperature=1.0, top_k=1000, top_p=0.95)]
+    rows = [row(ps[i % 3], seed=1000 + i, position=i) for i in range(24)]
+    candidate = sample(logits.clone(), rows).token_ids
+    full_row = row(SamplingParams(temperature=1.0), seed=5)
+    full = sample(torch.cat([logits, logits[:1]]), [*rows, full_row]).token_ids[:24]
+    big_k = row(SamplingParams(temperature=1.0, top_k=2000), seed=6)  # over the candidate cap: full path too
+    full_k = sample(torch.cat([logits, logits[:1]]), [*rows, big_k]).token_ids[:24]
+    alone = [sample(logits[i : i + 1].clone(), [rows[i]]).token_ids[0] for i in range(24)]
+    assert candidate == full == full_k == alone
+
+
+def test_row_uniform_is_a_pure_function_in_0_1():
+    us = [row_uniform(s, p) for s in range(200) for p in range(50)]
+    assert all(0.0 <= u < 1.0 for u in us)
+    assert row_uniform(7, 3) == row_uniform(7, 3) != row_uniform(7, 4) != row_uniform(8, 3)
+    assert abs(sum(us) / len(us) - 0.5) < 0.01
+    assert len(set(us)) > 0.99 * len(us)
+
+
+# -- penalties, bias and masks against a per-row reference ----------------------------------------------------
+def _reference(logits: torch.Tensor, r: SampleRow) -> torch.Tensor:
+    """Straightforward per-row arithmetic (vLLM's and OpenAI's definitions), one token at a time."""
+    x = logits.clone().float()
+    p = r.params
+    if p.repetition_penalty != 1.0:
+        for t in set(r.prompt_ids) | set(r.output_ids):
+            v = float(x[t])
+            x[t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+    for t, c in Counter(r.output_ids).items():
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    for t, b in p.logit_bias:
+        x[t] += b
+    if len(r.output_ids) < p.min_tokens:
+        for t in (*r.eos_ids, *p.stop_token_ids):
+            x[t] = float("-inf")
+    return x
+
+
+def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
+    return SamplingParams(
+        temperature=rng.choice([0.0, 0.7, 1.0]),
+        repetition_penalty=rng.choice([1.0, 0.7, 1.3, 2.0]),
+        presence_penalty=rng.choice([0.0, -1.0, 0.5, 2.0]),
+        frequency_penalty=rng.choice([0.0, 0.3, -0.4, 1.5]),
+        logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.randrange(3))},
+        min_tokens=rng.choice([0, 0, 5]),
+        stop_token_ids=(rng.randrange(vocab),),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_bias_and_masks_equal_a_per_row_reference(device):
+    rng = random.Random(1)
+    vocab = 300
+    for case in range(20):
+        n = rng.randrange(1, 9)
+        rows = [SampleRow(_random_params(rng, vocab), rng.randrange(1 << 30), 0,
+                          [rng.randrange(vocab) for _ in range(rng.randrange(0, 40))],
+                          [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))], eos_ids=(2,))
+                for _ in range(n)]
+        logits = torch.randn(n, vocab) * 4
+        got = Sampler(vocab, device, max_rows=4).processed_logits(logits.to(device), rows).cpu()
+        want = torch.stack([_reference(logits[i], r) for i, r in enumerate(rows)])
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=f"case {case}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_counts_kept_on_the_device_follow_the_outputs(device):
+    """One Sampler over 12 steps of a changing batch (rows join, finish and are evicted from too few slots): each
+    step's processed logits equal the reference built from the rows' token ids."""
+    rng = random.Random(2)
+    vocab = 200
+    sampler = Sampler(vocab, device, max_rows=2)
+    live: dict[str, SampleRow] = {}
+    for step in range(12):
+        for _ in range(rng.randrange(0, 3)):
+            key = f"r{step}-{len(live)}"
+            live[key] = SampleRow(_random_params(rng, vocab), rng.randrange(1 << 30), 0,
+                                  [rng.randrange(vocab) for _ in range(20)], [], eos_ids=(2,), key=key)
+        if not live:
+            continue
+        rows = list(live.values())
+        logits = torch.randn(len(rows), vocab) * 3
+        got = sampler.processed_logits(logits.to(device), rows).cpu()
+        want = torch.stack([_reference(logits[i], r) for i, r in enumerate(rows)])
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=f"step {step}")
+        picked = sampler.sample(logits.to(device), rows).token_ids
+        for r, t in zip(rows, picked):
+            r.output_ids.append(t)
+            r.position += 1
+        for key in [k for k in live if rng.random() < 0.2]:
+            sampler.release(key)
+            del live[key]
+    assert sampler.num_tracked <= len(live) + 2
+
+
+def test_logit_bias_forces_and_forbids():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0]])
+    assert sample(logits, [row(SamplingParams(temperature=0, logit_bias={2: 100}))]).token_ids == [2]
+    assert sample(logits, [row(SamplingParams(temperature=0, logit_bias={"1": -100}))]).token_ids == [3]
+    seen = {sample(logits, [row(SamplingParams(logit_bias={1: -100, 3: -100}), seed=s)]).token_ids[0]
+            for s in range(200)}
+    assert 1 not in seen and 3 not in seen
+
+
+def test_logit_bias_is_validated():
+    with pytest.raises(ValueError, match=r"logit_bias has token id 9, outside the vocabulary \[0, 4\)"):
+        SamplingParams(logit_bias={9: 1.0}).validate(4)
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\], got 101.0"):
+        SamplingParams(logit_bias={1: 101}).validate(4)
+    with pytest.raises(ValueError, match="logit_bias must map token ids to numbers"):
+        SamplingParams(logit_bias={"x": 1})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_of_mixed_rows_come_back_per_row(device):
+    logits = torch.randn(4, 50).to(device)
+    rows = [row(SamplingParams(temperature=0, logprobs=3)), row(SamplingParams(temperature=1.0), seed=3),
+            row(SamplingParams(temperature=1.0, logprobs=0), seed=4), row(SamplingParams(top_k=5, logprobs=1))]
+    res = sample(logits, rows)
+    ref = torch.log_softmax(logits.float().cpu(), -1)
+    assert res.logprobs[1] is None
+    for i, k in ((0, 3), (2, 0), (3, 1)):
+        lp, top = res.logprobs[i]
+        assert lp == pytest.approx(float(ref[i, res.token_ids[i]]), abs=1e-5)
+        assert [t for t, _ in top] == ref[i].topk(k).indices.tolist() if k else top == []
+    assert res.token_ids[0] == int(logits[0].argmax())

@@ -150,6 +150,20 @@ def _params(body: dict[str, Any], kind: Kind) -> tuple[common_pb2.SamplingParams
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise bad("stop_token_ids must be a list of integer token ids", "stop_token_ids")
         p.stop_token_ids.extend(ids)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad("logit_bias must be an object mapping token ids to numbers in [-100, 100]", "logit_bias")
+        for key, v in bias.items():
+            try:
+                tid = int(key)
+            except (TypeError, ValueError):
+                raise bad(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+                raise bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {v!r}", "logit_bias")
+            if tid < 0:
+                raise bad(f"logit_bias key {key!r} is not a token id (ids are >= 0)", "logit_bias")
+            p.logit_bias[tid] = float(v)
     p.ignore_eos = _bool(body, "ignore_eos")
     p.min_tokens = _int(body, "min_tokens", 0, lo=0) or 0
     p.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")

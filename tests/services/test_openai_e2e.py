@@ -76,6 +76,19 @@ def test_greedy_outputs_equal_tokenmill_generate(cluster, tmp_path):
     assert "Paris" in got[0][0]
 
 
+def test_logit_bias_steers_sampled_tokens(cluster):
+    c = sync_client(cluster)
+    r = c.completions.create(model="smollm2", prompt="Hello", max_tokens=6, temperature=1.0, seed=3,
+                             logit_bias={"28": 100}, logprobs=0)
+    toks = r.choices[0].logprobs.tokens
+    assert len(toks) == 6 and len(set(toks)) == 1, toks  # +100 on one id: every pick is that token
+    plain = c.completions.create(model="smollm2", prompt="Hello", max_tokens=6, temperature=1.0, seed=3,
+                                 logprobs=0)
+    assert plain.choices[0].logprobs.tokens != toks
+    with pytest.raises(openai.BadRequestError, match=r"logit_bias has token id 99999999, outside the vocabulary"):
+        c.completions.create(model="smollm2", prompt="Hello", max_tokens=2, logit_bias={"99999999": 1})
+
+
 def test_async_streams_with_n_stop_strings_and_logprobs(cluster):
     async def body():
         c = async_client(cluster)
