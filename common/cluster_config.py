@@ -16,6 +16,10 @@ In containers (docker-compose, Helm, Ray) every process has its own host: ``host
 its unique name (worker id) when replicas share an index, and a pool's ``hosts`` (``router.hosts``,
 ``tokenizer.hosts``: YAML list or comma-separated) the addresses of its instances, ``HOST`` (at the pool's first
 port) or ``HOST:PORT`` each. Unset, everything is on ``host`` as ``tokenmill up`` runs it.
+
+On CUDA (``engine.device: cuda``) ``engine.dtype`` defaults to bfloat16 unless the file, env or flags set it.
+``prefill.gpus`` / ``decode.gpus`` say which GPUs ``tokenmill up`` gives a pool's workers
+(``services/cluster/placement_gpu.py``).
 """
 
 from __future__ import annotations
@@ -100,6 +104,13 @@ class WorkerConfig:
     metrics_port: int | None = None
     hosts: tuple[str, ...] | None = None  # where the instances are (containers); see the module doc
     report_interval_s: float = 0.25  # how often the worker streams its load to the router
+    # the pool's GPUs under `tokenmill up --device cuda`: GPUs per worker ("1", as in Helm and Ray) or a device
+    # list ("0,1", "0,0", "cuda:1": the workers take them in order; a GPU named twice is shared on purpose and
+    # splits engine.gpu_memory_utilization). None: one GPU of its own per worker, chosen by the launcher
+    gpus: str | None = None
+
+    def __post_init__(self) -> None:
+        parse_gpus(self.gpus)  # raises ValueError naming the value
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +121,9 @@ class ClusterConfig:
     advertise_host: str | None = None  # how other services reach this process (None: ``host``)
     instance_name: str | None = None  # this process's unique name, e.g. the pod name (None: ``<role>-<index>``)
     model: str = DEFAULT_MODEL
+    # the tokenizer every pool uses when the model has none or another is wanted (a .gguf, an HF directory or
+    # smollm2): vLLM's --tokenizer, e.g. for dummy:llama-3.1-8b; None: the model's own
+    tokenizer_spec: str | None = None
     base_port: int = 20000
     grace_s: float = 10.0  # how long a draining service lets in-flight RPCs finish
     startup_timeout_s: float = 600.0  # `tokenmill up` gives up when a service is not SERVING by then
@@ -225,6 +239,26 @@ def load_cluster_config(
 
     Raises ConfigError naming the offending key (unknown keys included) or file.
     """
+    return load_cluster_config_given(path, overrides, env)[0]
+
+
+def load_cluster_config_given(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[ClusterConfig, frozenset[str]]:
+    """``load_cluster_config``, and the dotted keys the file, env or overrides set (every other field is its
+    default): the launcher keeps a layout that was asked for and chooses one that was not."""
+    data = _merged(path, overrides, env)
+    given = frozenset(_given_keys(data))
+    engine = data.get("engine")
+    if isinstance(engine, dict) and str(engine.get("device", "")).strip() == "cuda" and "dtype" not in engine:
+        engine["dtype"] = "bfloat16"  # as `tokenmill generate --device cuda`: float32 only when asked for
+    return _build(ClusterConfig, data, ""), given
+
+
+def _merged(path: str | Path | None, overrides: Mapping[str, Any] | None,
+            env: Mapping[str, str] | None) -> dict[str, Any]:
     data: dict[str, Any] = {}
     if path is not None:
         import yaml
@@ -249,7 +283,44 @@ def load_cluster_config(
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(data, key, value)
-    return _build(ClusterConfig, data, "")
+    return data
+
+
+def _given_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for k, v in data.items():
+        out += _given_keys(v, f"{prefix}{k}.") if isinstance(v, Mapping) else [prefix + str(k)]
+    return out
+
+
+def parse_gpus(text: str | None) -> int | tuple[int, ...] | None:
+    """A pool's ``gpus``: None (unset), a count (``"2"``) or a device list (``"0,1"``, ``"0,0"``, ``"1,"``,
+    ``"cuda:1"``, ``"[0, 1]"`` from a YAML list); indices are the GPUs as ``tokenmill up`` itself sees them.
+
+    Raises ValueError saying which forms are accepted."""
+    if text is None:
+        return None
+    t = str(text).strip()
+    if t.startswith("[") and t.endswith("]"):  # a YAML list arrives as its str()
+        t = t[1:-1] + ","
+    forms = "a GPU count (2) or a device list (0,1 / 0,0 / cuda:1)"
+    is_list = "," in t or t.startswith("cuda:")
+    items = [x.strip() for x in t.split(",")]
+    if is_list and items[-1] == "":
+        items.pop()  # "1," names one device
+    ids = []
+    for item in items:
+        digits = item.removeprefix("cuda:") if is_list else item
+        if not digits.isdigit():
+            raise ValueError(f"gpus {text!r} is not {forms}")
+        ids.append(int(digits))
+    if not ids:
+        raise ValueError(f"gpus {text!r} is not {forms}")
+    if is_list:
+        return tuple(ids)
+    if ids[0] < 1:
+        raise ValueError(f"gpus {text!r}: a count must be at least 1 (to name GPU 0: cuda:0 or 0,)")
+    return ids[0]
 
 
 def parse_set_option(items: list[str] | None) -> dict[str, str]:

@@ -44,6 +44,28 @@ def use_fast_path(device: torch.device, noop_model: bool = False) -> bool:
     return device.type == "cuda" and not noop_model and os.environ.get("TOKENMILL_CUDA_FAST", "1") != "0"
 
 
+def kv_cache_budget(total: int, free: int, utilization: float, own: int, peak: int, min_bytes: int = 1) -> int:
+    """Bytes for the KV cache of a worker on a GPU of ``total`` bytes (``free`` now): its share
+    ``total × utilization`` less its own ``own`` (weights) and activation ``peak``. Raises RuntimeError, with the
+    numbers, when the share holds less than ``min_bytes`` of KV or the card has not that much free now."""
+    gib = 2**30
+    share = int(total * utilization)
+    budget = share - own - peak
+    if budget < min_bytes:
+        raise RuntimeError(
+            f"no memory left for the KV cache: this worker's share of the GPU ({utilization:g} × "
+            f"{total / gib:.1f} GiB = {share / gib:.2f} GiB) holds only its weights ({own / gib:.2f} GiB) and a "
+            f"{peak / gib:.2f} GiB activation peak; raise engine.gpu_memory_utilization or give the worker a GPU of "
+            f"its own")
+    if free < budget + peak:
+        raise RuntimeError(
+            f"the GPU has {free / gib:.2f} GiB free, but this worker's share needs {(budget + peak) / gib:.2f} GiB "
+            f"of it (a {budget / gib:.2f} GiB KV cache + a {peak / gib:.2f} GiB activation peak; share "
+            f"{utilization:g} × {total / gib:.1f} GiB, weights {own / gib:.2f} GiB): another process holds the "
+            f"rest; lower engine.gpu_memory_utilization or free the card")
+    return budget
+
+
 class ModelRunner:
     """Loads weights onto the device, sizes and allocates the KV pool, and executes steps."""
 
@@ -117,17 +139,12 @@ class ModelRunner:
             return max(1, self.cfg.kv_cache_memory // self.bytes_per_block)
         if self.device.type == "cpu":
             return max(1, DEFAULT_CPU_KV_CACHE_BYTES // self.bytes_per_block)
-        # CUDA: what is left under the utilization cap after weights and a measured activation peak
+        # CUDA: this worker's share of its GPU less its own weights and activation peak; other processes on the
+        # card (a worker sharing it on purpose) budget their own shares
         peak = self._profile_activation_peak()
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.cfg.gpu_memory_utilization) - used_by_others
-        budget -= torch.cuda.memory_allocated(self.device) + peak
-        if budget < self.bytes_per_block:
-            raise RuntimeError(
-                f"no memory left for the KV cache: {total / 2**30:.1f} GiB × {self.cfg.gpu_memory_utilization} "
-                f"minus weights and a {peak / 2**30:.2f} GiB activation peak; raise --gpu-memory-utilization"
-            )
+        budget = kv_cache_budget(total, free, self.cfg.gpu_memory_utilization,
+                                 torch.cuda.memory_allocated(self.device), peak, self.bytes_per_block)
         return budget // self.bytes_per_block
 
     def _profile_activation_peak(self) -> int:

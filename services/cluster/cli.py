@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from common.cluster_config import ROLES, ClusterConfig, ConfigError, load_cluster_config, parse_set_option
+from common.cluster_config import (
+    ROLES,
+    ClusterConfig,
+    ConfigError,
+    load_cluster_config_given,
+    parse_set_option,
+)
 
 # Entry points: ``serve(cfg: ServiceConfig) -> int | None`` (a coroutine function is run with asyncio.run).
 ENTRY_POINTS = {role: f"services.{role}.server" for role in ROLES}
@@ -26,15 +32,24 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                         "--set engine.max_num_seqs=32 (repeatable)")
     g.add_argument("--host", help="interface every service binds (default 127.0.0.1)")
     g.add_argument("--model", help="model spec for every pool (default: smollm2, the embedded SmolLM2-135M)")
+    g.add_argument("--tokenizer", dest="tokenizer_spec", metavar="SPEC",
+                   help="tokenizer for every pool: a .gguf, an HF directory or smollm2 (default: the model's own); "
+                        "e.g. with --model dummy:llama-3.1-8b")
+    g.add_argument("--device", choices=["cpu", "cuda"],
+                   help="where the model workers run (engine.device, default cpu); on cuda the dtype defaults to "
+                        "bfloat16")
     g.add_argument("--base-port", type=int, help="first internal port (default 20000; metrics from +1000)")
     g.add_argument("--grace", type=float, dest="grace_s", help="seconds to drain in-flight RPCs on SIGTERM (10)")
 
 
 def _overrides(a: argparse.Namespace) -> dict[str, Any]:
-    ov: dict[str, Any] = {"host": a.host, "model": a.model, "base_port": a.base_port, "grace_s": a.grace_s}
+    ov: dict[str, Any] = {"host": a.host, "model": a.model, "tokenizer_spec": a.tokenizer_spec,
+                          "base_port": a.base_port, "grace_s": a.grace_s, "engine.device": a.device}
     for role in ROLES:
         ov[f"{role}.count"] = getattr(a, f"{role}_count", None)
         ov[f"{role}.port"] = getattr(a, f"{role}_port", None)
+    for role in ("prefill", "decode"):
+        ov[f"{role}.gpus"] = getattr(a, f"{role}_gpus_spec", None)
     ov["gateway.http_port"] = getattr(a, "http_port", None)
     ov["startup_timeout_s"] = getattr(a, "startup_timeout", None)
     ov.update(parse_set_option(a.set_items))
@@ -54,6 +69,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help="public gRPC port (default 50051)" if role == "gateway"
                        else f"first {role} gRPC port (default: from --base-port)")
     g.add_argument("--http-port", type=int, help="the gateway's OpenAI HTTP port (default 8000)")
+    g = up.add_argument_group("GPUs (with --device cuda; default: a GPU of its own per worker, and on a one-GPU "
+                              "machine no prefill worker)")
+    for role in ("prefill", "decode"):
+        g.add_argument(f"--{role}-gpus", dest=f"{role}_gpus_spec", metavar="N|LIST",
+                       help=f"{role}.gpus: GPUs per {role} worker (1; as in Helm and Ray) or a device list "
+                            f"(0,1; 0,0 or a device also named by the other pool: shared on purpose, splitting "
+                            f"engine.gpu_memory_utilization; one device: cuda:1)")
+    up.add_argument("--dry-run", action="store_true",
+                    help="print each process's devices and command line, start nothing")
     up.add_argument("--startup-timeout", type=float, help="seconds to wait for every service to be SERVING (600)")
     up.add_argument("--state-file", type=Path, help="where `status` finds the cluster "
                                                     "(default $XDG_RUNTIME_DIR/tokenmill or ~/.cache/tokenmill)")
@@ -88,8 +112,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _load(a: argparse.Namespace) -> ClusterConfig | None:
+    loaded = _load_given(a)
+    return None if loaded is None else loaded[0]
+
+
+def _load_given(a: argparse.Namespace) -> tuple[ClusterConfig, frozenset[str]] | None:
     try:
-        return load_cluster_config(a.config, _overrides(a))
+        return load_cluster_config_given(a.config, _overrides(a))
     except ConfigError as e:
         print(f"tokenmill {a.command}: {e}", file=sys.stderr)
         return None
@@ -97,14 +126,24 @@ def _load(a: argparse.Namespace) -> ClusterConfig | None:
 
 def cmd_up(a: argparse.Namespace) -> int:
     from services.cluster.launcher import Launcher, LaunchError, default_state_file
+    from services.cluster.placement_gpu import GpuPlanError, plan_gpus, visible_gpus
 
-    cluster = _load(a)
-    if cluster is None:
+    loaded = _load_given(a)
+    if loaded is None:
         return 2
-    if cluster.decode.count == 0:
+    cluster, given = loaded
+    try:
+        plan = plan_gpus(cluster, visible_gpus() if cluster.engine.device == "cuda" else [], given)
+    except GpuPlanError as e:
+        print(f"tokenmill up: {e}", file=sys.stderr)
+        return 2
+    launcher = Launcher(plan.cluster, a.state_file or default_state_file(), placements=plan.placements)
+    if a.dry_run:
+        return launcher.dry_run()
+    if plan.cluster.decode.count == 0:
         print("tokenmill up: warning: no decode workers; Generate will answer UNAVAILABLE", file=sys.stderr)
     try:
-        return Launcher(cluster, a.state_file or default_state_file()).run()
+        return launcher.run()
     except LaunchError as e:
         print(f"tokenmill up: {e}", file=sys.stderr)
         return 1
@@ -150,9 +189,10 @@ def cmd_status(a: argparse.Namespace) -> int:
     else:
         phase = "ready" if state.get("ready") else "starting"
         print(f"cluster {phase}: launcher pid {state['launcher_pid']}, model {state.get('model')}, state {path}")
-        print(f"{'process':<12} {'pid':>8}  {'grpc':<21} {'metrics':>7}  health")
+        print(f"{'process':<12} {'pid':>8}  {'grpc':<21} {'metrics':>7}  {'devices':<16} health")
         for p in procs:
-            print(f"{p['name']:<12} {p['pid']:>8}  {p['address']:<21} {p['metrics_port']:>7}  {p['health']}")
+            print(f"{p['name']:<12} {p['pid']:>8}  {p['address']:<21} {p['metrics_port']:>7}  "
+                  f"{p.get('devices') or '-':<16} {p['health']}")
     return 0 if healthy else 1
 
 

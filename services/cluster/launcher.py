@@ -2,7 +2,9 @@
 
 The launcher writes the resolved config to a file every child reads (so all agree on every port), starts the
 children (router, tokenizers, prefill, decode, gateway), waits until each reports SERVING over grpc.health.v1,
-records them in a state file (for ``tokenmill status``) and then watches them. Ctrl-C / SIGTERM: SIGTERM to
+records them in a state file (for ``tokenmill status``) and then watches them. On CUDA each prefill and decode
+worker gets its own GPU(s) by ``CUDA_VISIBLE_DEVICES`` and its share of them on its command line
+(``placement_gpu.py``); the other children see no GPU. Ctrl-C / SIGTERM: SIGTERM to
 every child (gateway first: it stops taking requests), ``grace_s`` + 5 s to drain, then SIGKILL. A child that
 dies takes the cluster down, with its role, exit code and last log lines on stderr.
 """
@@ -13,13 +15,15 @@ import contextlib
 import ctypes
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,6 +31,7 @@ import yaml
 
 from common.cluster_config import ENV_PREFIX, ROLES, ClusterConfig, ServiceConfig
 from common.rpc import health_status
+from services.cluster.placement_gpu import WORKERS, Placement
 
 STATE_VERSION = 1
 
@@ -38,14 +43,34 @@ def default_state_file() -> Path:
     return root / "cluster.json"
 
 
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    """How one child is started: its command, what its environment adds to ``child_env``, and where it computes
+    (``devices``: ``cuda:0 (GPU 1)``, ``cpu``, or empty for a service that runs no model)."""
+
+    svc: ServiceConfig
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    devices: str = ""
+    gpu_memory_utilization: float | None = None
+
+    def shell(self) -> str:
+        """The command as a shell line, with the variables it sets (``tokenmill up --dry-run``)."""
+        return shlex.join([*(f"{k}={v}" for k, v in self.env.items()), *self.argv])
+
+
 @dataclass
 class Child:
     """One running service process."""
 
-    svc: ServiceConfig
+    spec: ChildSpec
     proc: subprocess.Popen[bytes]
     log_path: Path
     ready: bool = False
+
+    @property
+    def svc(self) -> ServiceConfig:
+        return self.spec.svc
 
     @property
     def name(self) -> str:
@@ -54,7 +79,8 @@ class Child:
     def record(self) -> dict[str, Any]:
         return {"role": self.svc.role, "index": self.svc.index, "name": self.name, "pid": self.proc.pid,
                 "address": self.svc.address, "grpc_port": self.svc.grpc_port,
-                "metrics_port": self.svc.metrics_port, "log": str(self.log_path)}
+                "metrics_port": self.svc.metrics_port, "log": str(self.log_path), "devices": self.spec.devices,
+                "gpu_memory_utilization": self.spec.gpu_memory_utilization}
 
 
 class LaunchError(RuntimeError):
@@ -71,6 +97,29 @@ def child_env(cluster: ClusterConfig) -> dict[str, str]:
 
 def planned(cluster: ClusterConfig) -> list[ServiceConfig]:
     return [cluster.service(role, i) for role in ROLES for i in range(cluster.pool(role).count)]
+
+
+def child_specs(cluster: ClusterConfig, config_path: Path,
+                placements: Mapping[str, Placement] | None = None) -> list[ChildSpec]:
+    """Every child in start order. ``placements`` (by worker name, from ``plan_gpus``): on CUDA, each model
+    worker's GPUs and utilization share; the other children get an empty ``CUDA_VISIBLE_DEVICES``."""
+    on_cuda = cluster.engine.device == "cuda"
+    out = []
+    for svc in planned(cluster):
+        argv = (sys.executable, "-m", "services.cluster", "serve", svc.role, "--config", str(config_path),
+                "--index", str(svc.index))
+        if svc.role not in WORKERS:
+            out.append(ChildSpec(svc, argv, {"CUDA_VISIBLE_DEVICES": ""} if on_cuda else {}))
+        elif not on_cuda:
+            out.append(ChildSpec(svc, argv, devices="cpu"))
+        else:
+            place = (placements or {}).get(svc.name)
+            if place is None:
+                raise LaunchError(f"{svc.name} has no GPU placement (plan the cluster with plan_gpus)")
+            share = f"engine.gpu_memory_utilization={place.gpu_memory_utilization:g}"
+            out.append(ChildSpec(svc, (*argv, "--set", share), {"CUDA_VISIBLE_DEVICES": place.cuda_visible_devices},
+                                 place.describe(), place.gpu_memory_utilization))
+    return out
 
 
 def check_ports_free(cluster: ClusterConfig) -> None:
@@ -104,11 +153,15 @@ def tail(path: Path, lines: int = 20) -> str:
 class Launcher:
     """Starts, watches and stops the children. ``run()`` blocks until Ctrl-C/SIGTERM or a child dies."""
 
-    def __init__(self, cluster: ClusterConfig, state_file: Path, out: IO[str] = sys.stdout) -> None:
+    def __init__(self, cluster: ClusterConfig, state_file: Path, out: IO[str] | None = None,
+                 placements: Mapping[str, Placement] | None = None) -> None:
+        """``cluster`` and ``placements`` as ``plan_gpus`` returns them (placements: CUDA only); ``out``: where
+        progress goes (default: stdout as it is when the launcher is made)."""
         self.cluster = cluster
         self.state_file = state_file
         self.run_dir = state_file.parent / "logs"
-        self.out = out
+        self.out = out or sys.stdout
+        self.placements = placements or {}
         self.children: list[Child] = []
         self.stop_requested = threading.Event()
 
@@ -138,6 +191,17 @@ class Launcher:
             for sig, handler in previous.items():  # an in-process caller gets its own handlers back
                 signal.signal(sig, handler)
 
+    def dry_run(self) -> int:
+        """Print every child's devices and command line (with the variables it sets); start nothing."""
+        specs = child_specs(self.cluster, self.run_dir / "cluster.yaml", self.placements)
+        n = self.cluster.threads_for_children()
+        print(f"{len(specs)} processes, model {self.cluster.model}, {self.cluster.engine.device} "
+              f"{self.cluster.engine.dtype}; every child also gets OMP_NUM_THREADS={n} (nothing started)",
+              file=self.out)
+        for sp in specs:
+            print(f"{sp.svc.name:<12} {sp.devices or '-':<16} {sp.shell()}", file=self.out)
+        return 0
+
     # -- start -------------------------------------------------------------------------------------------
     def _refuse_if_running(self) -> None:
         state = read_state(self.state_file)
@@ -150,16 +214,14 @@ class Launcher:
         cfg_path = self.run_dir / "cluster.yaml"
         cfg_path.write_text(yaml.safe_dump(self.cluster.to_dict(), sort_keys=False))
         env = child_env(self.cluster)
-        for svc in planned(self.cluster):
-            log_path = self.run_dir / f"{svc.name}.log"
+        for spec in child_specs(self.cluster, cfg_path, self.placements):
+            log_path = self.run_dir / f"{spec.svc.name}.log"
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "services.cluster", "serve", svc.role, "--config", str(cfg_path),
-                     "--index", str(svc.index)],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env={**env, **spec.env}, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
                 )
-            self.children.append(Child(svc, proc, log_path))
+            self.children.append(Child(spec, proc, log_path))
         print(f"starting {len(self.children)} processes (logs in {self.run_dir})", file=self.out, flush=True)
 
     def _wait_ready(self) -> bool:
@@ -223,9 +285,9 @@ class Launcher:
             lines.append(f"  connect: OpenAI API http://{c.host}:{c.gateway.http_port + g.svc.index}/v1 "
                          f"(model {c.model}); grpc {g.svc.address} (tokenmill.v1.Frontend/Generate; "
                          f"grpcurl -plaintext {g.svc.address} list)")
-        lines.append(f"  {'process':<12} {'pid':>8}  {'grpc':<21} metrics")
+        lines.append(f"  {'process':<12} {'pid':>8}  {'grpc':<21} {'devices':<16} metrics")
         for ch in self.children:
-            lines.append(f"  {ch.name:<12} {ch.proc.pid:>8}  {ch.svc.address:<21} "
+            lines.append(f"  {ch.name:<12} {ch.proc.pid:>8}  {ch.svc.address:<21} {ch.spec.devices or '-':<16} "
                          f"http://{c.host}:{ch.svc.metrics_port}/metrics")
         lines.append(f"  state: {self.state_file}  (tokenmill status)")
         lines.append("Ctrl-C stops the cluster.")

@@ -8,6 +8,11 @@ GPUs for prefill and decode when asked); the services then find each other the w
 ``tokenizer.hosts`` list where the router and the tokenizers landed. The gateway binds ``--gateway-host``
 (all interfaces by default) so that clients outside the Ray cluster reach it.
 
+GPUs: a prefill or decode actor asks Ray for ``--prefill-gpus`` / ``--decode-gpus`` (``num_gpus``; with
+``--device cuda`` one each by default) and Ray sets its ``CUDA_VISIBLE_DEVICES``, so the worker runs on ``cuda:0``
+of its own GPU. A fraction (0.5) shares a GPU on purpose: the worker's ``gpu_memory_utilization`` is that
+fraction of the cluster's.
+
 The actors outlive ``tokenmill ray up`` (it returns once every service is SERVING); ``tokenmill ray down``
 drains and removes them. Tokenmill must be installed on every node (the actors run the nodes' own Python).
 """
@@ -31,6 +36,7 @@ from typing import Any
 import yaml
 
 from common.cluster_config import ROLES, ClusterConfig
+from services.cluster.placement_gpu import split_utilization
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +136,13 @@ def actor_name(name: str, role: str, index: int) -> str:
     return f"{name}-{role}-{index}"
 
 
-def member_configs(cluster: ClusterConfig, members: list[tuple[str, int, str]], gateway_host: str
-                   ) -> dict[tuple[str, int], tuple[str, str]]:
+def member_configs(cluster: ClusterConfig, members: list[tuple[str, int, str]], gateway_host: str,
+                   gpus: dict[str, float] | None = None) -> dict[tuple[str, int], tuple[str, str]]:
     """Per (role, index): (config YAML, listen address), from where each landed (``(role, index, node_ip)``).
 
     Every service listens on its node's IP at the role's port for its index (so two on one node never collide);
-    the gateway listens on ``gateway_host``. ``router.hosts`` / ``tokenizer.hosts`` point at the nodes."""
+    the gateway listens on ``gateway_host``. ``router.hosts`` / ``tokenizer.hosts`` point at the nodes. A worker
+    that asks for a fraction of a GPU (``gpus``, per role) budgets that fraction of ``gpu_memory_utilization``."""
     hosts: dict[str, list[str]] = {}
     for role, index, ip in members:
         hosts.setdefault(role, []).append(f"{ip}:{cluster.ports(role, index)[0]}")
@@ -145,6 +152,10 @@ def member_configs(cluster: ClusterConfig, members: list[tuple[str, int, str]], 
     out = {}
     for role, index, ip in members:
         d = {**base, "host": gateway_host if role == "gateway" else ip, "advertise_host": ip}
+        share = (gpus or {}).get(role, 0.0)
+        if role in _WORKERS and 0 < share < 1:
+            d["engine"] = {**base["engine"], "gpu_memory_utilization":
+                           split_utilization(cluster.engine.gpu_memory_utilization, share)}
         out[(role, index)] = (yaml.safe_dump(d, sort_keys=False), f"{d['host']}:{cluster.ports(role, index)[0]}")
     return out
 
@@ -198,7 +209,7 @@ def up(cluster: ClusterConfig, address: str, name: str = "tokenmill", gateway_ho
                                  f"the GPUs ({gpus}) and CPUs ({cpus or 'default'}) asked for?") from e
             placed_all = True
             ips = dict(zip(actors, placed))
-            configs = member_configs(cluster, [(r, i, ip) for (r, i), ip in ips.items()], gateway_host)
+            configs = member_configs(cluster, [(r, i, ip) for (r, i), ip in ips.items()], gateway_host, gpus)
             ray.get([actors[(r, i)].start.remote(*configs[(r, i)], _child_env(cluster, r, cpus))
                      for (r, i) in actors], timeout=120)
             _wait_serving(actors, timeout_s)
@@ -315,8 +326,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--gateway-host", default="0.0.0.0",
                    help="interface the gateway binds on its node (default 0.0.0.0: reachable from outside)")
     for role in _WORKERS:
-        g.add_argument(f"--{role}-gpus", type=float, default=0.0, metavar="N",
-                       help=f"GPUs per {role} actor (Ray num_gpus; >0 also sets engine.device=cuda)")
+        g.add_argument(f"--{role}-gpus", type=float, metavar="N",
+                       help=f"GPUs per {role} actor (Ray num_gpus; >0 also sets engine.device=cuda; default 1 with "
+                            f"--device cuda, else 0; a fraction shares a GPU and that fraction of "
+                            f"engine.gpu_memory_utilization)")
         g.add_argument(f"--{role}-cpus", type=int, default=1, metavar="N",
                        help=f"CPUs Ray reserves per {role} actor, and its compute threads (default 1)")
     u.add_argument("--startup-timeout", type=float, help="seconds to wait for every service to be SERVING (600)")
@@ -335,12 +348,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_up(a: argparse.Namespace) -> int:
     from services.cluster.cli import _load
 
-    gpus = {role: getattr(a, f"{role}_gpus") for role in _WORKERS}
-    if any(gpus.values()):
-        a.set_items = [*(a.set_items or []), "engine.device=cuda"]
+    asked: dict[str, float | None] = {role: getattr(a, f"{role}_gpus") for role in _WORKERS}
+    if any(asked.values()) and a.device is None:
+        a.device = "cuda"
     cluster = _load(a)
     if cluster is None:
         return 2
+    on_cuda = cluster.engine.device == "cuda"
+    gpus = {role: g if g is not None else (1.0 if on_cuda else 0.0) for role, g in asked.items()}
+    for role in _WORKERS:
+        if on_cuda and cluster.pool(role).count and gpus[role] <= 0:
+            print(f"tokenmill ray up: engine.device is cuda but --{role}-gpus is {gpus[role]:g}: a {role} actor "
+                  f"must ask Ray for a GPU (a fraction, e.g. 0.5, shares one)", file=sys.stderr)
+            return 2
     try:
         members = up(cluster, a.address, a.name, a.gateway_host, gpus=gpus,
                      cpus={role: float(getattr(a, f"{role}_cpus")) for role in _WORKERS},

@@ -108,6 +108,8 @@ def test_gpu_profile_gives_prefill_and_decode_a_gpu_each(resolved):
         ids += device["device_ids"]
         assert svc["image"] == "tokenmill:cuda" and svc["build"]["args"]["VARIANT"] == "cuda"
         assert svc["environment"]["TOKENMILL_ENGINE__DEVICE"] == "cuda"
+        engine = service_config(svc)[0].engine  # bfloat16 by default on CUDA; the whole of its own GPU's share
+        assert (engine.device, engine.dtype, engine.gpu_memory_utilization) == ("cuda", "bfloat16", 0.9), name
     assert sorted(ids) == ["0", "1"], "prefill and decode must get a GPU each"
     for name, svc in services.items():
         if name not in gpu:

@@ -1,0 +1,166 @@
+"""Which GPUs each model worker of ``tokenmill up --device cuda`` gets, decided before anything starts.
+
+A worker owns its devices: the launcher starts it with ``CUDA_VISIBLE_DEVICES`` set to its own GPU, so inside it
+runs on ``cuda:0``, and ``engine.gpu_memory_utilization`` is a fraction of that GPU. The plan, per pool
+(``prefill.gpus`` / ``decode.gpus``, ``common/cluster_config.py``):
+
+- unset: every worker gets a GPU of its own, prefill workers first, in the order the launcher sees them;
+- a count N: the GPUs of each worker, as Helm's and Ray's ``gpus``; a worker runs on one GPU, so N is 1;
+- a device list: the pool's workers take these GPUs in order. A GPU named more than once, in one list or in both,
+  is shared on purpose: its workers split ``gpu_memory_utilization`` equally.
+
+One visible GPU and no prefill layout given (``prefill.count``, ``prefill.gpus``): the aggregated layout, no
+prefill worker (the decode worker prefills). More workers than GPUs of their own: an error that says how to share.
+``plan_gpus`` is pure (the visible GPUs are an argument); ``visible_gpus`` asks torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from common.cluster_config import ClusterConfig, ConfigError, WorkerConfig, parse_gpus
+
+WORKERS = ("prefill", "decode")
+
+
+class GpuPlanError(ValueError):
+    """The GPUs asked for cannot be given; the message names the setting, the numbers and what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where one model worker runs: ``devices`` are GPU ids as the launcher's own CUDA names them (what goes in
+    the worker's ``CUDA_VISIBLE_DEVICES``; the worker sees them as ``cuda:0``, ``cuda:1``, …), and the fraction
+    of them the worker may fill."""
+
+    devices: tuple[str, ...]
+    gpu_memory_utilization: float
+
+    @property
+    def cuda_visible_devices(self) -> str:
+        return ",".join(self.devices)
+
+    def describe(self) -> str:
+        """``cuda:0 (GPU 1)``: the device inside the worker and the GPU it is on the machine."""
+        return ", ".join(f"cuda:{i} (GPU {d})" for i, d in enumerate(self.devices))
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlan:
+    """The cluster as it will run (pool counts settled by the plan) and each model worker's placement, by worker
+    name (``prefill-0``, ``decode-1``); no placements on the CPU."""
+
+    cluster: ClusterConfig
+    placements: Mapping[str, Placement]
+
+
+def split_utilization(utilization: float, share: float) -> float:
+    """``utilization × share``, rounded down to 4 decimals so the shares of one GPU never add up to more."""
+    return max(1e-4, math.floor(utilization * share * 10_000 + 1e-6) / 10_000)
+
+
+def visible_ids(device_count: int, cuda_visible_devices: str | None) -> list[str]:
+    """The GPUs this process's CUDA numbers 0..count-1, as ids for a child's ``CUDA_VISIBLE_DEVICES``: the
+    entries of our own ``CUDA_VISIBLE_DEVICES`` when it is set (indices, UUIDs or MIG ids), else 0..count-1."""
+    if cuda_visible_devices is None:
+        return [str(i) for i in range(device_count)]
+    return [d.strip() for d in cuda_visible_devices.split(",") if d.strip()][:device_count]
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
+    """The GPUs torch sees here (``torch.cuda.device_count()``; no CUDA context is made), as ``visible_ids``."""
+    import torch
+
+    env = os.environ if env is None else env
+    return visible_ids(torch.cuda.device_count(), env.get("CUDA_VISIBLE_DEVICES"))
+
+
+def plan_gpus(cluster: ClusterConfig, visible: Sequence[str], given: Collection[str] = ()) -> GpuPlan:
+    """Place every prefill and decode worker on ``visible`` (ids as from ``visible_ids``). ``given``: the dotted
+    config keys that were set (``load_cluster_config_given``); a layout not given is the plan's to choose.
+
+    Raises GpuPlanError: gpus set without engine.device=cuda, no GPU visible, a device that does not exist,
+    a count other than one GPU per worker, more workers than GPUs of their own, a list that disagrees with the
+    pool's count."""
+    specs = {role: parse_gpus(_pool(cluster, role).gpus) for role in WORKERS}
+    if cluster.engine.device != "cuda":
+        for role, spec in specs.items():
+            if spec is not None:
+                raise GpuPlanError(f"{role}.gpus is set ({_pool(cluster, role).gpus}) but engine.device is "
+                                   f"{cluster.engine.device}; add --device cuda")
+        return GpuPlan(cluster, {})
+    n = len(visible)
+    if n == 0:
+        raise GpuPlanError("--device cuda (engine.device=cuda), but torch sees no CUDA device on this machine")
+    counts = _counts(cluster, specs, given)
+    if n == 1 and specs["prefill"] is None and "prefill.count" not in given:
+        counts["prefill"] = 0  # one GPU: the aggregated layout, the decode worker prefills
+
+    named: set[int] = set()
+    for role, spec in specs.items():
+        if isinstance(spec, tuple):
+            for i in spec:
+                if i >= n:
+                    raise GpuPlanError(f"{role}.gpus={_show(spec)}: GPU {i} does not exist; {_seen(visible)}")
+            named.update(spec)
+        elif isinstance(spec, int) and spec != 1:
+            raise GpuPlanError(f"{role}.gpus={spec}: a {role} worker runs on one GPU (gpus counts a worker's GPUs, as "
+                               f"in Helm and Ray); for more GPUs run more workers (--{role}s {spec}), or name "
+                               f"devices (--{role}-gpus 0,1)")
+    own = {role: counts[role] for role in WORKERS if not isinstance(specs[role], tuple)}
+    free = [i for i in range(n) if i not in named]
+    if sum(own.values()) > len(free):
+        need = " + ".join(f"{c} {r}" for r, c in own.items() if c)
+        busy = f", {len(named)} of them named in a device list" if named else ""
+        raise GpuPlanError(
+            f"{need} workers need a GPU each, but {n} {'is' if n == 1 else 'are'} visible{busy}; run fewer workers "
+            f"(--prefills, --decodes), or share a GPU on purpose with device lists "
+            f"(e.g. --prefill-gpus cuda:0 --decode-gpus cuda:0)")
+
+    gpu_of: dict[str, int] = {}
+    for role in WORKERS:
+        spec = specs[role]
+        for k in range(counts[role]):
+            gpu_of[f"{role}-{k}"] = spec[k] if isinstance(spec, tuple) else free.pop(0)
+    sharing = Counter(gpu_of.values())
+    u = cluster.engine.gpu_memory_utilization
+    placements = {name: Placement((visible[i],), split_utilization(u, 1 / sharing[i])) for name, i in gpu_of.items()}
+    try:
+        planned = dataclasses.replace(cluster, **{r: dataclasses.replace(_pool(cluster, r), count=counts[r])
+                                                  for r in WORKERS})
+    except ConfigError as e:
+        raise GpuPlanError(str(e)) from e
+    return GpuPlan(planned, placements)
+
+
+def _counts(cluster: ClusterConfig, specs: dict[str, int | tuple[int, ...] | None],
+            given: Collection[str]) -> dict[str, int]:
+    counts = {}
+    for role, spec in specs.items():
+        count = _pool(cluster, role).count
+        if isinstance(spec, tuple):
+            if f"{role}.count" in given and count != len(spec):
+                raise GpuPlanError(f"{role}.gpus={_show(spec)} is {len(spec)} GPUs (the workers take them in order) "
+                                   f"but {role}.count is {count}; give as many, or leave the count out")
+            count = len(spec)
+        counts[role] = count
+    return counts
+
+
+def _pool(cluster: ClusterConfig, role: str) -> WorkerConfig:
+    return cluster.prefill if role == "prefill" else cluster.decode
+
+
+def _show(spec: int | tuple[int, ...]) -> str:
+    return str(spec) if isinstance(spec, int) else ",".join(map(str, spec))
+
+
+def _seen(visible: Sequence[str]) -> str:
+    n = len(visible)
+    ids = ", ".join(f"cuda:{i}" + (f"=GPU {d}" if d != str(i) else "") for i, d in enumerate(visible))
+    return f"{n} GPU{'s are' if n != 1 else ' is'} visible ({ids})"
