@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 
 from common.config import EngineConfig, parse_bytes
-from common.loader import DEFAULT_MODEL
+from common.loader import DEFAULT_MODEL, ModelSource, load_model_source
+
+TOKENIZER_HELP = ("the tokenizer to use instead of the model's own: a .gguf file, a Hugging Face directory "
+                  f"(tokenizer.json) or '{DEFAULT_MODEL}'; gives a dummy:CONFIG model text in and out")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -13,6 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a .gguf file, a Hugging Face directory, dummy:CONFIG, or '{DEFAULT_MODEL}' (the embedded "
                         "SmolLM2-135M-Instruct; default)")
+    g.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights and KV dtype (default float32 on cpu, bfloat16 on cuda)")
@@ -28,6 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--no-chunked-prefill", action="store_true", help="never split a prompt across steps")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default 0)")
+
+
+def model_source_from_args(a: argparse.Namespace) -> ModelSource:
+    """``--model`` with ``--tokenizer``. Raises FileNotFoundError / ValueError like ``load_model_source``."""
+    return load_model_source(a.model, tokenizer=a.tokenizer)
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

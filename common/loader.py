@@ -1,7 +1,8 @@
 """Model sources: a GGUF file, a Hugging Face directory, or ``dummy:CONFIG`` (random weights at a real size).
 
 ``load_model_source`` resolves the spec and returns the config, the tokenizer and a weight iterator, without
-touching the device: the model runner decides where and in which dtype the weights land.
+touching the device: the model runner decides where and in which dtype the weights land. A separate tokenizer
+spec (vLLM's ``--tokenizer``) gives a dummy model text in and out, or replaces a model's own tokenizer.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -53,9 +54,28 @@ def available_dummy_configs() -> list[str]:
     return sorted(p.stem for p in _CONFIG_DIR.glob("*.json"))
 
 
-def load_model_source(spec: str | None = None) -> ModelSource:
-    """Resolve ``spec``: None/"smollm2" (embedded), a ``.gguf`` path, an HF directory, or ``dummy:NAME|PATH``."""
-    spec = spec or DEFAULT_MODEL
+def load_model_source(spec: str | None = None, tokenizer: str | None = None) -> ModelSource:
+    """Resolve ``spec``: None/"smollm2" (embedded), a ``.gguf`` path, an HF directory, or ``dummy:NAME|PATH``.
+
+    ``tokenizer``: a spec for ``load_tokenizer`` whose tokenizer replaces the model's own (a dummy has none).
+    Raises FileNotFoundError / ValueError for a bad spec, and ValueError when the tokenizer's vocabulary is larger
+    than the model's (its ids would index past the embedding). A smaller one is fine (SmolLM2's 49,152 tokens on
+    a 128,256-token Llama 3): the engine samples only ids the tokenizer has.
+    """
+    source = _load_model_source(spec or DEFAULT_MODEL)
+    if not tokenizer:
+        return source
+    tok = load_tokenizer(tokenizer)
+    if tok.vocab_size > source.config.vocab_size:
+        raise ValueError(
+            f"tokenizer {tokenizer!r} has {tok.vocab_size} tokens, more than the {source.config.vocab_size} of "
+            f"model {source.spec!r}: its ids would fall outside the model's vocabulary; pick a tokenizer of at "
+            f"most {source.config.vocab_size} tokens"
+        )
+    return replace(source, tokenizer=tok)
+
+
+def _load_model_source(spec: str) -> ModelSource:
     if spec == DEFAULT_MODEL:
         return _from_gguf(embedded_gguf_path(), model_id="SmolLM2-135M-Instruct", spec=spec)
     if spec.startswith("dummy:"):
@@ -131,7 +151,7 @@ def load_tokenizer(spec: str | None = None) -> TextTokenizer:
         return TextTokenizer.from_gguf(GGUFFile(path))
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return TextTokenizer.from_hf_dir(path)
-    tok = load_model_source(spec).tokenizer  # raises the usual errors for a bad spec
+    tok = _load_model_source(spec).tokenizer  # raises the usual errors for a bad spec
     if tok is None:
         raise ValueError(f"model {spec!r} has no tokenizer; send token ids instead of text")
     return tok

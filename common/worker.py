@@ -81,7 +81,7 @@ def build_engine(cfg: ServiceConfig) -> LLMEngine:
     if threads:
         torch.set_num_threads(int(threads))
     t0 = time.perf_counter()
-    engine = LLMEngine(load_model_source(cfg.cluster.model), cfg.cluster.engine)
+    engine = LLMEngine(load_model_source(cfg.cluster.model, cfg.cluster.tokenizer_spec), cfg.cluster.engine)
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))
     log.info("%s: model %s loaded and warmed in %.1f s (%d KV blocks)", cfg.name, engine.source.model_id,
              time.perf_counter() - t0, engine.block_manager.num_blocks)

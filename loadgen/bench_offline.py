@@ -36,7 +36,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="smollm2",
-                   help="a .gguf file, a Hugging Face directory, or 'smollm2' (the embedded default)")
+                   help="a .gguf file, a Hugging Face directory, dummy:CONFIG, or 'smollm2' (the embedded "
+                        "default)")
+    p.add_argument("--tokenizer", default=None,
+                   help="the tokenizer the text prompts are built from instead of the model's own: a .gguf file, "
+                        "a Hugging Face directory or 'smollm2' (for dummy:CONFIG, whose prompts are otherwise "
+                        "random ids)")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {','.join(ENGINES)}")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated: bfloat16,float32 (default both)")
     p.add_argument("--batches", default="1,16",
@@ -224,7 +229,7 @@ def run(a: argparse.Namespace) -> int:
     extra_env = dict(kv.split("=", 1) for kv in a.vllm_env if "=" in kv)
 
     t0 = time.perf_counter()
-    source = load_model_source(a.model)
+    source = load_model_source(a.model, tokenizer=a.tokenizer)
     tok = source.tokenizer if a.prompt_source == "text" else None
     n_all = max(a.num_prompts if any(b > 1 for b in batches) else 0, a.num_prompts_batch1 if 1 in batches else 0)
     prompts = peers.build_prompts(tok, n_all, a.min_prompt_len, a.max_prompt_len, a.seed, source.config.vocab_size)

@@ -291,9 +291,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--model", "--served-model-name", dest="model",
                    help="model name sent with each request (HTTP: default the first of /v1/models)")
     g.add_argument("--tokenizer", default=None,
-                   help="tokenizer the prompts are built from (common.loader spec: a .gguf, an HF directory; "
-                        "default --model if it is a local path, else the embedded SmolLM2); ids:VOCAB for random "
-                        "token ids without a tokenizer (grpc, dummy models)")
+                   help="tokenizer the prompts are built from (common.loader spec: a .gguf, an HF directory, "
+                        "smollm2; default --model if it is a local path, else the embedded SmolLM2); ids:VOCAB for "
+                        "random token ids without a tokenizer (grpc, dummy models)")
     g.add_argument("--request-timeout", type=float, help="cancel a request after this many seconds")
     g.add_argument("--cache-salt", help="sent with every request: the server's prefix cache is shared only within "
                                         "one salt; 'auto' = a fresh salt per run (a rerun of a seed is then not "

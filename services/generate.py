@@ -9,7 +9,7 @@ import sys
 from dataclasses import fields
 from typing import Any, TextIO
 
-from common.cli_args import add_engine_args, engine_config_from_args
+from common.cli_args import add_engine_args, engine_config_from_args, model_source_from_args
 from common.engine import LLMEngine, RequestError
 from common.sampling import SamplingParams
 
@@ -52,7 +52,7 @@ def read_requests(engine: LLMEngine, f: TextIO) -> list[tuple[list[int], Samplin
         if "prompt_token_ids" in d:
             ids = [int(t) for t in d["prompt_token_ids"]]
         elif tok is None:
-            raise InputError(f"{where}: this model has no tokenizer; give 'prompt_token_ids'")
+            raise InputError(f"{where}: this model has no tokenizer; give 'prompt_token_ids', or --tokenizer")
         elif "messages" in d:
             ids = tok.encode(tok.apply_chat_template(d["messages"]), add_special_tokens=False)
         elif isinstance(d.get("prompt"), str):
@@ -85,7 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(a: argparse.Namespace) -> int:
     try:
-        engine = LLMEngine.from_spec(a.model, engine_config_from_args(a))
+        engine = LLMEngine(model_source_from_args(a), engine_config_from_args(a))
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -307,7 +307,8 @@ class HttpFrontend:
                 from common.loader import load_tokenizer
 
                 try:
-                    tok = await asyncio.to_thread(load_tokenizer, self.gw.cfg.cluster.model)
+                    c = self.gw.cfg.cluster
+                    tok = await asyncio.to_thread(load_tokenizer, c.tokenizer_spec or c.model)
                     fn = functools.lru_cache(maxsize=65536)(
                         lambda i: tok.decode([i], skip_special_tokens=False))
                 except (ValueError, FileNotFoundError):

@@ -109,7 +109,8 @@ class TokenizerService:
 
     async def start(self) -> None:
         if self.tok is None:
-            self.tok = await asyncio.to_thread(load_tokenizer, self.cfg.cluster.model)
+            c = self.cfg.cluster
+            self.tok = await asyncio.to_thread(load_tokenizer, c.tokenizer_spec or c.model)
         tok = self.tok
         tcfg = self.cfg.cluster.tokenizer
         self._batcher = EncodeBatcher(
