@@ -30,7 +30,7 @@ _M64 = (1 << 64) - 1
 # top-k at most this large is sampled among the top-k candidates only; a larger k (or none) takes the full vocabulary
 _CANDIDATE_CAP = 1024
 # columns of the per-step parameter tensor
-_TEMP, _TOPK, _TOPP, _MINP, _REP, _PRES, _FREQ, _U = range(8)
+_TEMP, _TOPK, _TOPP, _MINP, _REP, _PRES, _FREQ, _U, _SLOT = range(9)
 
 
 @dataclass(slots=True)
@@ -89,21 +89,28 @@ def _needs_counts(p: SamplingParams) -> bool:
 
 class _Slots:
     """Per-request token state on the device: ``seen`` (prompt ∪ outputs, for the repetition penalty) and
-    ``counts`` (outputs, for presence and frequency). Slot 0 stays all-zero: rows without penalties read it."""
+    ``counts`` (outputs, for presence and frequency). Slot 0 stays all-zero: rows without penalties read it; the
+    last row is scratch: their picks are recorded there (one batched update, nothing selected on the host)."""
 
     def __init__(self, vocab: int, device: torch.device, capacity: int) -> None:
         self.vocab, self.device = vocab, device
-        self.seen = torch.zeros(capacity + 1, vocab, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(capacity + 1, vocab, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(capacity + 2, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(capacity + 2, vocab, dtype=torch.int32, device=device)
         self.free = list(range(capacity, 0, -1))
         self.by_key: OrderedDict[str, int] = OrderedDict()  # least recently used first
         self.counted: dict[int, int] = {}  # slot → outputs folded into counts
 
+    @property
+    def scratch(self) -> int:
+        return self.seen.shape[0] - 1
+
     def _grow(self) -> None:
-        old = self.seen.shape[0]
-        extra = old - 1 or 1
+        old = self.scratch  # the old scratch row becomes a slot
+        extra = old
         self.seen = torch.cat([self.seen, self.seen.new_zeros(extra, self.vocab)])
         self.counts = torch.cat([self.counts, self.counts.new_zeros(extra, self.vocab)])
+        self.seen[old].zero_()
+        self.counts[old].zero_()
         self.free.extend(range(old + extra - 1, old - 1, -1))
 
     def acquire(self, key: str | None, in_use: set[int]) -> int:
@@ -151,11 +158,14 @@ class _Slots:
         self.counted[slot] = n
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor, host_slots: list[int]) -> None:
-        """The step's picks join their rows' counts (on the device; no host sync)."""
+        """The step's picks join their rows' counts (on the device; no host sync). ``slots`` is every row's slot,
+        0 for rows without: those go to the scratch row."""
+        slots = torch.where(slots > 0, slots, self.scratch)
         self.seen[slots, tokens] = True
         self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
         for s in host_slots:
-            self.counted[s] += 1
+            if s:
+                self.counted[s] += 1
 
 
 class Sampler:
@@ -187,9 +197,7 @@ class Sampler:
             tok = picked if tok is None else torch.where(prm[:, _TEMP] > 0, picked, tok)
         assert tok is not None
         if slot_t is not None:
-            keep = [i for i, s in enumerate(spec.slot_of_row) if s]
-            idx = torch.tensor(keep, dtype=torch.long).to(x.device)
-            self._slots.record(slot_t[idx], tok[idx], [spec.slot_of_row[i] for i in keep])
+            self._slots.record(slot_t, tok, spec.slot_of_row)
         for slot in spec.temp_slots:
             self._slots.drop(slot)
         return _fetch(tok, spec.raw_lp, spec)
@@ -214,7 +222,7 @@ class Sampler:
         spec.raw_lp = torch.log_softmax(x[spec.lp_index(dev)], dim=-1) if spec.lp_rows else None
         slot_t = None
         if spec.count_rows:
-            slot_t = torch.tensor(spec.slot_of_row, dtype=torch.long).to(dev, non_blocking=True)
+            slot_t = prm[:, _SLOT].long()
             s = self._slots
             if spec.any_rep:
                 rp = prm[:, _REP : _REP + 1]
@@ -277,7 +285,7 @@ class _StepSpec:
                 self.any_top_p |= p.top_p < 1.0
                 self.any_min_p |= p.min_p > 0.0
             self.table.append([temp, float(k), p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                               p.frequency_penalty, row_uniform(r.seed, r.position)])
+                               p.frequency_penalty, row_uniform(r.seed, r.position), float(slot)])
         self.count_rows = any(self.slot_of_row)
         # every sampled row has a small top-k: sample among the top candidates only
         self.candidates = max(self.top_ks) if self.top_ks and all(
