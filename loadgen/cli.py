@@ -8,10 +8,18 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (offline engine throughput, serving load)")
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-    from loadgen import bench_control_plane, bench_offline, bench_serve, bench_serving_peer, report
+    from loadgen import (
+        bench_control_plane,
+        bench_gpu_serving,
+        bench_offline,
+        bench_serve,
+        bench_serving_peer,
+        report,
+    )
 
     bench_offline.add_parser(bsub)
     bench_control_plane.add_parser(bsub)
     bench_serve.add_parser(bsub)
     bench_serving_peer.add_parser(bsub)
+    bench_gpu_serving.add_parser(bsub)
     report.add_compare_parser(bsub)

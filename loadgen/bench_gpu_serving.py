@@ -1,0 +1,623 @@
+"""``tokenmill bench gpu-serving``: the engine alone against the served cluster, under the same load, on one device.
+
+For each model (default: the Llama-3.1-8B dummy and the Llama-3.2-1B shape, random weights, SmolLM2's tokenizer):
+
+1. The engine alone: ``common.engine.LLMEngine`` in this process on ``--device``, configured as the cluster's decode
+   worker is (the cluster config's engine defaults, ``--dtype``, ``max_num_seqs`` = ``--max-concurrency``). A short
+   warm-up; one decode step timed at a batch of ``--max-concurrency`` decoding sequences, greedy and sampled (median
+   of ``--steps``); then the load as a closed loop (a request is added as soon as one ends), greedy then sampled.
+2. The served cluster: ``tokenmill up`` as a user starts it (``--prefills 0``: the aggregated layout, one device),
+   on free ports below 32768, ready when the gateway's ``/health`` answers 200. The same load through each client of
+   ``--backends`` (gRPC ``Generate``; OpenAI ``/v1/completions`` with the same prompt token ids), greedy then
+   sampled, each run under a fresh cache salt; a short warm-up first; then SIGTERM to the launcher.
+
+The load: ``--num-prompts`` random word-token prompts of exactly ``--input-len`` tokens (loadgen/workloads.py; the
+same prompts for the engine and every client), ``--output-len`` tokens each, EOS ignored, ``--max-concurrency`` in
+flight. Sampled: temperature 1, top_p 0.9, top_k 50, repetition_penalty 1.1. Output tok/s, TTFT and TPOT
+(per request (e2e − TTFT)/(tokens − 1), p50) are computed by loadgen/metrics.py for the engine as for the clients.
+
+The step's limit: the bytes a decode step reads (every weight matrix it multiplies by — the LM head, not the
+embedding table — plus the KV of ``--max-concurrency`` sequences at the run's mean context, input + output/2 tokens)
+÷ the copy bandwidth measured at the start of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import gc
+import json
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadgen import bench_serve
+from loadgen.bench_offline import _machine, _say, _source_state
+from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions
+from loadgen.metrics import RequestRecord, summarize
+from loadgen.runner import LoadConfig, run_warmups
+from loadgen.workloads import PromptBuilder, RequestSpec, build_requests
+
+DEFAULT_MODELS = ("dummy:llama-3.1-8b", "dummy:llama-3.2-1b")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+WARMUP_REQUESTS = 8  # per sampling and client, full-length prompts, a few tokens: compiles before the clock
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """One sampling setting of the benchmark, sent as the same fields to the engine and to every client."""
+
+    name: str
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+
+    def fields(self) -> dict[str, float | int]:
+        """The request fields that differ from the defaults (the same names in SamplingParams, the proto, OpenAI)."""
+        out: dict[str, float | int] = {"temperature": self.temperature}
+        if self.top_p != 1.0:
+            out["top_p"] = self.top_p
+        if self.top_k:
+            out["top_k"] = self.top_k
+        if self.repetition_penalty != 1.0:
+            out["repetition_penalty"] = self.repetition_penalty
+        return out
+
+    def params(self, max_tokens: int) -> Any:
+        from common.sampling import SamplingParams
+
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **self.fields())  # type: ignore[arg-type]
+
+
+SAMPLINGS = (Sampling("greedy", 0.0), Sampling("sampled", 1.0, top_p=0.9, top_k=50, repetition_penalty=1.1))
+
+
+class SampledGrpcTarget(GrpcTarget):
+    """gRPC ``Generate`` with the benchmark's sampling fields."""
+
+    def __init__(self, address: str, opts: SendOptions, sampling: Sampling) -> None:
+        super().__init__(address, None, opts)
+        self.sampling = sampling
+
+    def request(self, spec: RequestSpec) -> Any:
+        req = super().request(spec)
+        for k, v in self.sampling.fields().items():
+            setattr(req.params, k, v)
+        return req
+
+
+class SampledOpenAITarget(OpenAITarget):
+    """The OpenAI API with the benchmark's sampling fields; ``/v1/completions`` gets the prompt as token ids, the
+    same ids the engine and gRPC get."""
+
+    def __init__(self, base_url: str, endpoint: str, opts: SendOptions, sampling: Sampling) -> None:
+        super().__init__(base_url, endpoint, None, opts)
+        self.sampling = sampling
+
+    def payload(self, spec: RequestSpec) -> dict[str, Any]:
+        p = super().payload(spec)
+        if self.endpoint == "completions":
+            p["prompt"] = list(spec.prompt_ids)
+        p.update(self.sampling.fields())
+        return p
+
+
+# -- the step's limit --------------------------------------------------------------------------------------------
+def step_limit(m: Any, dtype: str, batch: int, context: float, bandwidth: float) -> dict[str, float]:
+    """The bytes one decode step reads and the time the copy bandwidth needs for them. ``m``: a ModelConfig;
+    ``context``: mean tokens per sequence. Weights: every matrix a step multiplies by (q/k/v, o, gate/up, down per
+    layer, and the LM head, tied or not), not the embedding table (one row per token is gathered) nor the norms."""
+    h, b = m.hidden_size, DTYPE_BYTES[dtype]
+    per_layer = h * (m.q_size + 2 * m.kv_size) + m.q_size * h + 3 * h * m.intermediate_size
+    weight_bytes = (m.num_layers * per_layer + m.vocab_size * h) * b
+    kv_bytes = batch * context * 2 * m.num_layers * m.kv_size * b
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "batch": batch, "context": context,
+            "bandwidth_Bps": bandwidth, "limit_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3}
+
+
+def cpu_copy_bandwidth(nbytes: int = 256 << 20, iters: int = 10) -> float:
+    """Bytes/s (read + written) of one large memcpy in host memory, median: the CPU run's counterpart of
+    ``bench_gpu.copy_bandwidth``."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times)
+
+
+# -- the engine alone --------------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def engine_closed_loop(eng: Any, specs: list[RequestSpec], sampling: Sampling, concurrency: int,
+                       tag: str) -> list[RequestRecord]:
+    """Run ``specs`` through ``eng`` with ``concurrency`` in flight: each request is added when one ends (before the
+    next step), as a closed-loop client would send it. One record per request, timed as the clients time theirs:
+    a step's tokens arrive when ``step()`` returns them. The requests share a fresh cache salt: nothing is served
+    from an earlier run's prefix cache."""
+    salt = uuid.uuid4().hex
+    queue = list(reversed(specs))
+    live: dict[str, RequestRecord] = {}
+    records: list[RequestRecord] = []
+    t0 = time.perf_counter()
+
+    def admit() -> None:
+        spec = queue.pop()
+        rid = f"{tag}-{salt[:8]}-{spec.index}"
+        rec = RequestRecord(index=spec.index, input_len=spec.input_len, output_len=spec.output_len,
+                            start=time.perf_counter() - t0)
+        eng.add_request(rid, spec.prompt_ids, sampling.params(spec.output_len), cache_salt=salt)
+        live[rid] = rec
+        records.append(rec)
+
+    while queue and len(live) < concurrency:
+        admit()
+    while live:
+        if not eng.has_unfinished():
+            raise RuntimeError(f"the engine has no work left but {len(live)} requests never finished")
+        outs = eng.step()
+        now = time.perf_counter() - t0
+        for o in outs:
+            rec = live.get(o.request_id)
+            if rec is None:
+                continue
+            rec.chunk_times.append(now - rec.start)
+            rec.chunk_tokens.append(len(o.new_token_ids))
+            if o.finished:
+                rec.end = now - rec.start
+                rec.prompt_tokens, rec.completion_tokens = o.num_prompt_tokens, o.num_output_tokens
+                rec.cached_tokens = o.num_cached_tokens
+                del live[o.request_id]
+                if queue:
+                    admit()
+    return records
+
+
+def time_decode_steps(eng: Any, specs: list[RequestSpec], sampling: Sampling, steps: int, device: str) -> dict:
+    """``eng.step()`` with ``len(specs)`` sequences all decoding: the median of ``steps`` steps after 3 warm-up
+    steps. The sequences are aborted afterwards."""
+    salt = uuid.uuid4().hex
+    batch = len(specs)
+    # every prompt is prefilled before the clock; the first ones decode meanwhile: room for that, then the steps
+    prefill_steps = -(-sum(s.input_len for s in specs) // eng.cfg.max_num_batched_tokens) + batch
+    params = sampling.params(prefill_steps + steps + 8)
+    rids = [f"step-{sampling.name}-{salt[:8]}-{i}" for i in range(batch)]
+    for rid, spec in zip(rids, specs):
+        eng.add_request(rid, spec.prompt_ids, params, cache_salt=salt)
+    started: set[str] = set()
+    while len(started) < batch:
+        if not eng.has_unfinished():
+            raise RuntimeError("the step-timing sequences ended before they all decoded")
+        started.update(o.request_id for o in eng.step())
+    for _ in range(3):
+        eng.step()
+    times, rows = [], []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        rows.append(len(eng.step()))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    for rid in rids:
+        eng.abort(rid)
+    return {"sampling": sampling.name, "batch": batch, "steps": steps, "step_ms_p50": statistics.median(times) * 1e3,
+            "step_ms": [round(t * 1e3, 3) for t in times], "rows_min": min(rows)}
+
+
+# -- the served cluster ------------------------------------------------------------------------------------------
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port() -> int:
+    """A base port below 32768 whose derived cluster ports (roles at +0..+400, metrics at +1000..+1400) and the
+    gateway's gRPC (+450) and HTTP (+451) ports all bind now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 30000, 100)
+        ports = [base + off + i for off in (0, 100, 200, 300, 400, 1000, 1100, 1200, 1300, 1400) for i in range(4)]
+        if all(_port_free(p) for p in [*ports, base + 450, base + 451]):
+            return base
+    raise RuntimeError("no free port range below 32768")
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")[-n:]
+    return ""
+
+
+@contextlib.contextmanager
+def served_cluster(model: str, a: argparse.Namespace, dtype: str, log_dir: Path) -> Iterator[dict[str, Any]]:
+    """``tokenmill up`` on one device (aggregated), ready when the gateway's /health answers 200; SIGTERM to the
+    launcher at exit. Yields the gRPC address, the HTTP base URL, the state file, the log and the seconds it took
+    to be ready. Raises RuntimeError (with the log's end) when it exits or times out first."""
+    base = free_base_port()
+    slug = model.replace(":", "-").replace("/", "-")
+    state, log = log_dir / f"cluster-{slug}.json", log_dir / f"cluster-{slug}.log"
+    cmd = [sys.executable, "-m", "services.cli", "up", "--model", _spec_arg(model), "--prefills", "0",
+           "--base-port", str(base), "--gateway-port", str(base + 450), "--http-port", str(base + 451),
+           "--state-file", str(state), "--set", f"engine.max_num_seqs={a.max_concurrency}",
+           "--set", f"engine.dtype={dtype}", "--device", a.device, "--tokenizer", _spec_arg(a.tokenizer)]
+    for item in a.set_items or []:
+        cmd += ["--set", item]
+    _say(f"{model}: starting the cluster: {' '.join(cmd[1:])} (log {log})")
+    http = f"http://127.0.0.1:{base + 451}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    t0 = time.perf_counter()
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + a.startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"tokenmill up exited with {proc.returncode} before it was ready; its log "
+                                   f"({log}) ends:\n{_tail(log)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway's /health was not 200 after {a.startup_timeout:.0f} s; the log "
+                                   f"({log}) ends:\n{_tail(log)}")
+            with contextlib.suppress(urllib.error.URLError, OSError), \
+                    opener.open(f"{http}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+            time.sleep(0.5)
+        ready_s = round(time.perf_counter() - t0, 1)
+        _say(f"{model}: cluster ready in {ready_s:.1f} s")
+        yield {"grpc": f"127.0.0.1:{base + 450}", "http": http, "state": str(state), "log": str(log),
+               "ready_s": ready_s}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        _say(f"{model}: cluster stopped (exit {proc.returncode})")
+
+
+def _spec_arg(spec: str) -> str:
+    """A model/tokenizer spec for a child started in the repository root: a local path made absolute."""
+    p = Path(spec).expanduser()
+    return str(p.resolve()) if p.exists() else spec
+
+
+def _serve_args(a: argparse.Namespace, backend: str, state: str | None) -> argparse.Namespace:
+    """``tokenmill bench serve``'s options for one client, parsed by its own parser (so every default is its)."""
+    p = argparse.ArgumentParser()
+    bench_serve.add_parser(p.add_subparsers())
+    argv = ["serve", "--backend", backend, "--random-input-len", str(a.input_len), "--random-output-len",
+            str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.max_concurrency),
+            "--ignore-eos", "--seed", str(a.seed), "--cache-salt", "auto", "--num-warmups", "0", "--disable-tqdm",
+            "--no-plots"]
+    if a.tokenizer:
+        argv += ["--tokenizer", a.tokenizer]
+    if state:
+        argv += ["--cluster-state", state]
+    return p.parse_args(argv)
+
+
+def _load(a: argparse.Namespace) -> LoadConfig:
+    return LoadConfig(max_concurrency=a.max_concurrency, num_requests=a.num_prompts, num_warmups=0, seed=a.seed)
+
+
+def _warm_specs(a: argparse.Namespace, builder: PromptBuilder, chat: bool = False) -> list[RequestSpec]:
+    cfg = dataclasses.replace(bench_serve._workload(_serve_args(a, "grpc", None), a.seed), output_len=(4, 4),
+                              seed=a.seed + bench_serve.WARMUP_SEED_OFFSET, chat=chat)
+    return build_requests(cfg, builder, min(a.max_concurrency, WARMUP_REQUESTS))
+
+
+async def served_runs(a: argparse.Namespace, cluster: dict[str, Any], builder: PromptBuilder,
+                      backends: list[str], model: str, res: _Result) -> None:
+    """Every client × sampling against the running cluster: a warm-up, then the measured load of each, a row each."""
+    for backend in backends:
+        sa = _serve_args(a, backend, cluster["state"])
+        urls = bench_serve._metrics_urls(sa)
+        for sampling in SAMPLINGS:
+            opts = SendOptions(ignore_eos=True, timeout=a.request_timeout)
+            if backend == "grpc":
+                target: Any = SampledGrpcTarget(cluster["grpc"], opts, sampling)
+            else:
+                target = SampledOpenAITarget(cluster["http"], "chat" if backend == "openai-chat" else "completions",
+                                             opts, sampling)
+            await target.open()
+            try:
+                t0 = time.perf_counter()
+                warm = _warm_specs(a, builder, chat=backend == "openai-chat")
+                target.opts = dataclasses.replace(opts, cache_salt=uuid.uuid4().hex)
+                await run_warmups(target, iter(warm), LoadConfig(max_concurrency=a.max_concurrency,
+                                                                 num_warmups=len(warm)))
+                run = await bench_serve._one_run(sa, target, builder, [], _load(a), urls)
+            finally:
+                await target.close()
+            s = run["summary"]
+            _say(f"{model}: served {backend} {sampling.name}: {s['completed']}/{s['requests']} requests, "
+                 f"{s['output_throughput']:.1f} output tok/s, TPOT p50 {s['tpot_ms']['p50'] or 0:.2f} ms, "
+                 f"TTFT p50 {s['ttft_ms']['p50'] or 0:.1f} ms ({time.perf_counter() - t0:.1f} s)")
+            res.doc["rows"].append(_row(model, sampling.name, backend, s, run["server"]))
+            res.save()
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+def _row(model: str, sampling: str, client: str, s: dict[str, Any], server: dict | None = None) -> dict[str, Any]:
+    return {"model": model, "sampling": sampling, "client": client, "output_tok_s": s["output_throughput"],
+            "tpot_p50_ms": s["tpot_ms"]["p50"], "ttft_p50_ms": s["ttft_ms"]["p50"], "completed": s["completed"],
+            "failed": s["failed"], "errors": s["errors"], "output_len_mismatch": s["output_len_mismatch"],
+            "summary": s, "server": server}
+
+
+def _ratios(result: dict[str, Any]) -> None:
+    """Each row against the engine (same model: same sampling, and greedy) and its TPOT p50 against the limit."""
+    eng = {(r["model"], r["sampling"]): r["output_tok_s"] for r in result["rows"] if r["client"] == "engine"}
+    for r in result["rows"]:
+        same, greedy = eng.get((r["model"], r["sampling"])), eng.get((r["model"], "greedy"))
+        r["vs_engine_same_sampling"] = r["output_tok_s"] / same if same else None
+        r["vs_engine_greedy"] = r["output_tok_s"] / greedy if greedy else None
+        lim = result["models"].get(r["model"], {}).get("limit", {}).get("limit_ms")
+        r["tpot_p50_vs_limit"] = r["tpot_p50_ms"] / lim if lim and r["tpot_p50_ms"] else None
+
+
+def _x(v: float | None, fmt: str = ".2f", suffix: str = "×") -> str:
+    return "—" if v is None else f"{v:{fmt}}{suffix}"
+
+
+def build_table(result: dict[str, Any]) -> str:
+    lines = ["| model | sampling | client | output tok/s | TPOT p50 ms | TTFT p50 ms | ÷ engine, same sampling "
+             "| ÷ engine greedy | TPOT p50 ÷ limit |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        failed = f" ({r['failed']} FAILED)" if r["failed"] else ""
+        lines.append(f"| {r['model']} | {r['sampling']} | {r['client']}{failed} | {r['output_tok_s']:,.1f} | "
+                     f"{_x(r['tpot_p50_ms'], '.2f', '')} | {_x(r['ttft_p50_ms'], '.1f', '')} | "
+                     f"{_x(r['vs_engine_same_sampling'])} | {_x(r['vs_engine_greedy'])} | "
+                     f"{_x(r['tpot_p50_vs_limit'])} |")
+    for model, m in result["models"].items():
+        lim, st = m.get("limit"), m.get("step")
+        if lim:
+            lines.append(f"\n{model}: step limit {lim['limit_ms']:.2f} ms = (weights {lim['weight_bytes'] / 1e9:.2f} "
+                         f"GB + KV {lim['kv_bytes'] / 1e9:.2f} GB at {lim['batch']} × {lim['context']:.0f} tokens) ÷ "
+                         f"copy {lim['bandwidth_Bps'] / 1e9:.1f} GB/s (target: TPOT p50 ≤ 1.5×)")
+        if st:
+            lines.append(f"{model}: engine step at batch {st['batch']}: greedy {st['greedy_ms']:.2f} ms, sampled "
+                         f"{st['sampled_ms']:.2f} ms, sampled ÷ greedy {st['ratio']:.2f}× (target ≤ 1.1×)")
+    heads = [f"{r['model']} {r['client']} {r['vs_engine_greedy']:.2f}×" for r in result["rows"]
+             if r["client"] != "engine" and r["sampling"] == "sampled" and r["vs_engine_greedy"]]
+    if heads:
+        lines.append("served sampled ÷ engine greedy (target ≥ 0.9×): " + ", ".join(heads))
+    return "\n".join(lines)
+
+
+def _parse(a: argparse.Namespace) -> tuple[list[str], list[str]]:
+    from common.loader import available_dummy_configs
+
+    models = [m.strip() for m in a.models.split(",") if m.strip()]
+    for m in models:
+        if m.startswith("dummy:") and m[6:] not in available_dummy_configs():
+            raise SystemExit(f"--models: {m}: no config {m[6:]}.json in common/model_configs/ (there are: "
+                             f"{', '.join(available_dummy_configs())})")
+    backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+    if not models or not backends or any(b not in BACKENDS for b in backends):
+        raise SystemExit(f"--models and --backends need at least one each; backends: {', '.join(BACKENDS)}")
+    if min(a.num_prompts, a.input_len, a.output_len, a.max_concurrency, a.steps) < 1 or a.output_len < 2:
+        raise SystemExit("--num-prompts, --input-len, --max-concurrency and --steps must be >= 1, --output-len >= 2")
+    if a.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: torch sees no CUDA device here; use --device cpu")
+    return models, backends
+
+
+class _Result:
+    """The result document, rewritten to ``path`` after every phase: a run cut short keeps what it measured."""
+
+    def __init__(self, path: Path | None, doc: dict[str, Any]) -> None:
+        self.path, self.doc, self.t0 = path, doc, time.perf_counter()
+
+    def save(self) -> None:
+        self.doc["wall_s"] = round(time.perf_counter() - self.t0, 1)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps(bench_serve._finite(self.doc), indent=1, allow_nan=False))
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """A progress line at the start and the end of a phase, its seconds in ``phases_s``, then a save."""
+        _say(f"{name} ...")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.doc["phases_s"][name] = round(time.perf_counter() - t0, 1)
+            _say(f"{name}: {self.doc['phases_s'][name]:.1f} s")
+            self.save()
+
+
+def engine_phase(a: argparse.Namespace, model: str, dtype: str, specs: list[RequestSpec], builder: PromptBuilder,
+                 res: _Result) -> None:
+    """The engine alone: load, warm-up, the decode step timed greedy and sampled, the load with each sampling."""
+    from common.cluster_config import ClusterConfig
+    from common.engine import LLMEngine
+    from common.loader import load_model_source
+
+    mres = res.doc["models"][model]
+    eng = None
+    try:
+        with res.phase(f"{model}: engine load"):
+            cfg = dataclasses.replace(ClusterConfig().engine, device=a.device, dtype=dtype,
+                                      max_num_seqs=a.max_concurrency)  # as the cluster's decode worker runs
+            eng = LLMEngine(load_model_source(model, a.tokenizer), cfg)
+            _sync(a.device)
+            mres["engine_config"], mres["kv_blocks"] = dataclasses.asdict(cfg), eng.runner.num_blocks
+        with res.phase(f"{model}: engine warm-up and step timing"):
+            for s in SAMPLINGS:
+                engine_closed_loop(eng, _warm_specs(a, builder), s, a.max_concurrency, f"warm-{s.name}")
+            batch = [dataclasses.replace(sp, index=i) for i, sp in
+                     enumerate((specs * -(-a.max_concurrency // len(specs)))[: a.max_concurrency])]
+            g, smp = (time_decode_steps(eng, batch, s, a.steps, a.device) for s in SAMPLINGS)
+            mres["step"] = {"batch": a.max_concurrency, "greedy_ms": g["step_ms_p50"],
+                            "sampled_ms": smp["step_ms_p50"], "ratio": smp["step_ms_p50"] / g["step_ms_p50"],
+                            "greedy": g, "sampled": smp}
+            _say(f"{model}: engine step at batch {a.max_concurrency}: greedy {g['step_ms_p50']:.2f} ms, sampled "
+                 f"{smp['step_ms_p50']:.2f} ms ({mres['step']['ratio']:.2f}×)")
+        for s in SAMPLINGS:
+            with res.phase(f"{model}: engine {s.name} load"):
+                summary = summarize(engine_closed_loop(eng, specs, s, a.max_concurrency, f"run-{s.name}"))
+                res.doc["rows"].append(_row(model, s.name, "engine", summary))
+                _say(f"{model}: engine {s.name}: {summary['output_throughput']:.1f} output tok/s, TPOT p50 "
+                     f"{summary['tpot_ms']['p50'] or 0:.2f} ms, TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms")
+    finally:
+        del eng
+
+
+def _free_device(device: str, model: str) -> None:
+    """Collect what a phase left; on CUDA give the cached memory back, so the cluster's worker can take its share of
+    the card."""
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        _say(f"{model}: this process holds {torch.cuda.memory_reserved() / 2**30:.2f} GiB of the card; "
+             f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free")
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
+
+    from common.loader import load_model_source, load_tokenizer
+
+    models, backends = _parse(a)
+    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    path = Path(a.result_file) if a.result_file else None
+    log_dir = Path(a.log_dir) if a.log_dir else (path.with_name(path.stem + "-logs") if path
+                                                 else Path(tempfile.mkdtemp(prefix="tokenmill-gpu-serving-")))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else _machine().get("cpu", "cpu")
+    res = _Result(path, {
+        "tool": "tokenmill bench gpu-serving", "device": a.device, "device_name": device_name, "dtype": dtype,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": _machine(), "source": _source_state(),
+        "torch": torch.__version__, "config": {k: v for k, v in vars(a).items() if not callable(v)},
+        "samplings": {s.name: s.fields() for s in SAMPLINGS}, "models": {}, "rows": [], "errors": [],
+        "phases_s": {},
+    })
+    _say(f"device {a.device} ({device_name}), {dtype}; models {models}; {a.num_prompts} prompts of {a.input_len} "
+         f"in / {a.output_len} out at {a.max_concurrency} in flight; clients engine, {', '.join(backends)}; "
+         f"logs in {log_dir}")
+    with res.phase("copy bandwidth"):
+        if a.device == "cuda":
+            from loadgen.bench_gpu import copy_bandwidth
+
+            bandwidth = copy_bandwidth()
+        else:
+            bandwidth = cpu_copy_bandwidth()
+        res.doc["copy_bandwidth_Bps"] = bandwidth
+    _say(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
+    builder = PromptBuilder(load_tokenizer(a.tokenizer))
+    specs = build_requests(bench_serve._workload(_serve_args(a, "grpc", None), a.seed), builder, a.num_prompts)
+
+    for model in models:
+        res.doc["models"][model] = {"limit": step_limit(load_model_source(model).config, dtype, a.max_concurrency,
+                                                        a.input_len + a.output_len / 2, bandwidth)}
+        halves: list[tuple[str, Callable[[], None]]] = []
+        if not a.skip_engine:
+            halves.append(("engine", functools.partial(engine_phase, a, model, dtype, specs, builder, res)))
+        if not a.skip_served:
+            halves.append(("served", functools.partial(served_phase, a, model, dtype, builder, backends, log_dir,
+                                                       res)))
+        for half, fn in halves:
+            try:
+                fn()
+            except Exception as e:  # one failing half must not lose the others: the error is a result too
+                traceback.print_exc()
+                res.doc["errors"].append(f"{model} {half}: {type(e).__name__}: {e}")
+                _say(f"FAILED: {res.doc['errors'][-1]}")
+            _free_device(a.device, model)  # after the except clause: its traceback no longer holds an engine
+        _ratios(res.doc)
+        res.save()
+
+    res.doc["table"] = table = build_table(res.doc)
+    res.save()
+    print(f"\nGPU serving benchmark on {device_name} ({a.device}, {dtype}): {a.num_prompts} prompts of "
+          f"{a.input_len} random tokens, {a.output_len} out (EOS ignored), {a.max_concurrency} in flight; sampled = "
+          f"{SAMPLINGS[1].fields()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(table)
+    for msg in res.doc["errors"]:
+        print(f"FAILED: {msg}")
+    print(f"\nwall {res.doc['wall_s']:.0f} s; phases: "
+          + ", ".join(f"{k} {v:.0f} s" for k, v in res.doc["phases_s"].items()))
+    if path is not None:
+        print(f"results written to {path}")
+    return 1 if res.doc["errors"] or any(r["failed"] or not r["completed"] for r in res.doc["rows"]) else 0
+
+
+def served_phase(a: argparse.Namespace, model: str, dtype: str, builder: PromptBuilder, backends: list[str],
+                 log_dir: Path, res: _Result) -> None:
+    """The served cluster: started, every client × sampling run against it, stopped."""
+    with res.phase(f"{model}: served (cluster start, loads, stop)"), \
+            served_cluster(model, a, dtype, log_dir) as cluster:
+        res.doc["phases_s"][f"{model}: cluster start"] = cluster["ready_s"]
+        asyncio.run(served_runs(a, cluster, builder, backends, model, res))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gpu-serving", help="the engine alone against the served cluster, same load, one device",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma-separated model specs (default {','.join(DEFAULT_MODELS)})")
+    p.add_argument("--tokenizer", default="smollm2", help="tokenizer spec for the prompts, the engine and the "
+                                                          "cluster (default smollm2)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="default cuda")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--num-prompts", type=int, default=256, help="requests per run (default 256)")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default 1024)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens, EOS ignored (default 128)")
+    p.add_argument("--max-concurrency", type=int, default=64,
+                   help="requests in flight, closed loop; also the engine's max_num_seqs (default 64)")
+    p.add_argument("--backends", default="grpc,openai", help=f"served clients, of {','.join(BACKENDS)} "
+                                                             "(default grpc,openai)")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per sampling (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_items",
+                   help="passed to `tokenmill up --set` (repeatable), e.g. tokenizer.count=1")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the cluster to be ready (600)")
+    p.add_argument("--request-timeout", type=float, help="cancel a served request after this many seconds")
+    p.add_argument("--result-file", help="write every number here as JSON (rewritten after each phase)")
+    p.add_argument("--log-dir", help="the clusters' logs and state files (default beside --result-file, else a "
+                                     "temporary directory)")
+    p.add_argument("--skip-engine", action="store_true", help="no engine-alone runs (debugging)")
+    p.add_argument("--skip-served", action="store_true", help="no served runs (debugging)")
+    p.set_defaults(func=run)

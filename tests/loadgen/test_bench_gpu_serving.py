@@ -1,0 +1,56 @@
+"""``tokenmill bench gpu-serving`` end to end on the CPU: the real engine in the test's process, the real cluster
+(``tokenmill up``), the same load through gRPC; the JSON holds every row with positive figures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.config import ModelConfig
+from common.loader import load_model_source
+from loadgen.bench_gpu_serving import SAMPLINGS, step_limit
+from services.cli import main
+
+
+def test_step_limit_counts_the_lm_head_not_the_embedding_table():
+    m: ModelConfig = load_model_source("dummy:llama-3.1-8b").config
+    lim = step_limit(m, "bfloat16", batch=64, context=1088, bandwidth=4e12)
+    embedding = m.vocab_size * m.hidden_size * 2
+    # every matrix of the 8B (8.03 B parameters) but the embedding table and the norms, in bf16: 15.01 GB
+    assert lim["weight_bytes"] == pytest.approx(m.num_params() * 2 - embedding, rel=1e-4)
+    assert lim["weight_bytes"] == pytest.approx(15.01e9, rel=2e-3)
+    assert lim["kv_bytes"] == 64 * 1088 * 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, bf16
+    assert lim["limit_ms"] == pytest.approx((lim["weight_bytes"] + lim["kv_bytes"]) / 4e12 * 1e3)
+    tied = load_model_source("dummy:llama-3.2-1b").config  # its LM head is its embedding table: read once
+    assert tied.tie_word_embeddings
+    assert step_limit(tied, "bfloat16", 1, 0, 1.0)["weight_bytes"] == pytest.approx(tied.num_params() * 2, rel=1e-4)
+
+
+def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
+    out = tmp_path / "gs.json"
+    code = main(["bench", "gpu-serving", "--device", "cpu", "--models", "smollm2", "--num-prompts", "4",
+                 "--input-len", "32", "--output-len", "4", "--max-concurrency", "4", "--backends", "grpc",
+                 "--steps", "3", "--set", "tokenizer.count=1", "--result-file", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    assert res["device"] == "cpu" and res["device_name"] and res["copy_bandwidth_Bps"] > 0
+    rows = {(r["client"], r["sampling"]): r for r in res["rows"]}
+    assert set(rows) == {(c, s.name) for c in ("engine", "grpc") for s in SAMPLINGS}
+    for r in rows.values():
+        s = r["summary"]
+        assert (s["completed"], s["failed"], s["output_len_mismatch"]) == (4, 0, 0), r
+        assert s["output_tokens"] == 16 and s["input_tokens"] == 4 * 32
+        assert r["output_tok_s"] > 0 and r["tpot_p50_ms"] > 0 and r["ttft_p50_ms"] > 0
+        assert r["vs_engine_same_sampling"] > 0 and r["vs_engine_greedy"] > 0 and r["tpot_p50_vs_limit"] > 0
+    for sampling in ("greedy", "sampled"):  # each served run has its own cache salt: no prefix-cache hit
+        assert rows["grpc", sampling]["server"]["prefix_cache_hits"] == 0
+    assert rows["engine", "greedy"]["vs_engine_greedy"] == 1.0
+    m = res["models"]["smollm2"]
+    assert m["limit"]["limit_ms"] > 0 and m["limit"]["batch"] == 4 and m["limit"]["context"] == 34
+    assert m["step"]["batch"] == 4 and m["step"]["greedy_ms"] > 0 and m["step"]["sampled_ms"] > 0
+    assert m["step"]["greedy"]["rows_min"] == m["step"]["sampled"]["rows_min"] == 4  # all four decoding
+    assert m["step"]["ratio"] == pytest.approx(m["step"]["sampled_ms"] / m["step"]["greedy_ms"])
+    assert {"smollm2: engine load", "smollm2: cluster start"} <= set(res["phases_s"])
+    assert "| smollm2 | sampled | grpc |" in text and "sampled ÷ greedy" in text
