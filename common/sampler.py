@@ -7,9 +7,10 @@ batch, after preemption, and whether the batch took the top-k candidate path or 
 the same probabilities in the same vocabulary order). Requests without a seed get one drawn at arrival by the
 engine, so every row draws the same way and no device generator is needed.
 
-Penalties read per-request token counts kept on the device (:class:`Sampler` slots), updated with each step's
-picks on the device; a row's slot is rebuilt from its token ids whenever the host's count of its outputs disagrees,
-so a slot lost or evicted is only a rebuild, never a wrong answer.
+Penalties read per-request state kept on the device (:class:`Sampler` slots): the distinct tokens a request has
+seen and how often each came out, extended with the new outputs by one batched write a step; penalizing is a
+gather and a scatter over those tokens only. A slot is rebuilt from the row's token ids whenever the host's count
+of its outputs disagrees, so a slot lost or evicted is only a rebuild, never a wrong answer.
 
 One device→host copy per step returns the picked ids (and the asked logprobs with them).
 """
@@ -30,7 +31,7 @@ _M64 = (1 << 64) - 1
 # top-k at most this large is sampled among the top-k candidates only; a larger k (or none) takes the full vocabulary
 _CANDIDATE_CAP = 1024
 # columns of the per-step parameter tensor
-_TEMP, _TOPK, _TOPP, _MINP, _REP, _PRES, _FREQ, _U, _SLOT = range(9)
+_TEMP, _TOPK, _TOPP, _MINP, _REP, _PRES, _FREQ, _U, _SLOT, _SEEN = range(10)
 
 
 @dataclass(slots=True)
@@ -88,30 +89,30 @@ def _needs_counts(p: SamplingParams) -> bool:
 
 
 class _Slots:
-    """Per-request token state on the device: ``seen`` (prompt ∪ outputs, for the repetition penalty) and
-    ``counts`` (outputs, for presence and frequency). Slot 0 stays all-zero: rows without penalties read it; the
-    last row is scratch: their picks are recorded there (one batched update, nothing selected on the host)."""
+    """Per-request penalty state on the device, sparse: a slot's row of ``ids`` holds the distinct tokens the
+    request has seen (prompt ∪ outputs), one column each, and ``counts`` how often each came out. A step gathers
+    and scatters only those columns, never a pass over the vocabulary. Slot 0 stays empty: rows without penalties
+    use it. The host keeps each slot's token → column map and folds in new outputs with one batched write a step."""
 
-    def __init__(self, vocab: int, device: torch.device, capacity: int) -> None:
+    def __init__(self, vocab: int, device: torch.device, capacity: int, width: int = 1024) -> None:
         self.vocab, self.device = vocab, device
-        self.seen = torch.zeros(capacity + 2, vocab, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(capacity + 2, vocab, dtype=torch.int32, device=device)
+        self.ids = torch.zeros(capacity + 1, width, dtype=torch.long, device=device)
+        self.counts = torch.zeros(capacity + 1, width, dtype=torch.float32, device=device)
         self.free = list(range(capacity, 0, -1))
         self.by_key: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self.cols: dict[int, dict[int, int]] = {}  # slot → {token: column}
         self.counted: dict[int, int] = {}  # slot → outputs folded into counts
+        self._writes: list[tuple[int, int, int, int]] = []  # (slot, column, token, count increment)
 
-    @property
-    def scratch(self) -> int:
-        return self.seen.shape[0] - 1
-
-    def _grow(self) -> None:
-        old = self.scratch  # the old scratch row becomes a slot
-        extra = old
-        self.seen = torch.cat([self.seen, self.seen.new_zeros(extra, self.vocab)])
-        self.counts = torch.cat([self.counts, self.counts.new_zeros(extra, self.vocab)])
-        self.seen[old].zero_()
-        self.counts[old].zero_()
-        self.free.extend(range(old + extra - 1, old - 1, -1))
+    def _grow(self, rows: int, width: int) -> None:
+        r, w = self.ids.shape
+        if rows <= r and width <= w:
+            return
+        r2, w2 = max(r, rows), max(w, width)
+        ids = self.ids.new_zeros(r2, w2)
+        counts = self.counts.new_zeros(r2, w2)
+        ids[:r, :w], counts[:r, :w] = self.ids, self.counts
+        self.ids, self.counts = ids, counts
 
     def acquire(self, key: str | None, in_use: set[int]) -> int:
         """The slot of ``key`` (None: a fresh one for this call), evicting the least recently used slot that this
@@ -122,7 +123,9 @@ class _Slots:
         if not self.free:
             victim = next((k for k, s in self.by_key.items() if s not in in_use), None)
             if victim is None:
-                self._grow()
+                old = self.ids.shape[0]
+                self._grow(2 * old, 0)
+                self.free.extend(range(2 * old - 1, old - 1, -1))
             else:
                 self.release(victim)
         slot = self.free.pop()
@@ -138,34 +141,59 @@ class _Slots:
 
     def drop(self, slot: int) -> None:
         self.counted.pop(slot, None)
+        self.cols.pop(slot, None)
         self.free.append(slot)
+
+    def _column(self, slot: int, token: int, inc: int) -> None:
+        if not 0 <= token < self.vocab:  # a prompt id past the sampled vocabulary: no logit to penalize
+            return
+        cols = self.cols[slot]
+        col = cols.get(token)
+        if col is None:
+            col = cols[token] = len(cols)
+        self._writes.append((slot, col, token, inc))
 
     def sync(self, slot: int, row: SampleRow) -> None:
         """Bring the slot up to the row's token ids: fold in new outputs, or rebuild when it is out of step."""
         n = len(row.output_ids)
         have = self.counted[slot]
-        dev = self.device
         if have < 0 or have > n:
-            self.seen[slot].zero_()
+            self.cols[slot] = {}
             self.counts[slot].zero_()
-            if len(row.prompt_ids):
-                self.seen[slot, torch.tensor(row.prompt_ids, dtype=torch.long).to(dev)] = True
+            for t in dict.fromkeys(row.prompt_ids):
+                self._column(slot, t, 0)
             have = 0
-        if n > have:
-            new = torch.tensor(row.output_ids[have:], dtype=torch.long).to(dev)
-            self.seen[slot, new] = True
-            self.counts[slot].index_put_((new,), torch.ones_like(new, dtype=torch.int32), accumulate=True)
+        for t in row.output_ids[have:]:
+            self._column(slot, t, 1)
         self.counted[slot] = n
 
-    def record(self, slots: torch.Tensor, tokens: torch.Tensor, host_slots: list[int]) -> None:
-        """The step's picks join their rows' counts (on the device; no host sync). ``slots`` is every row's slot,
-        0 for rows without: those go to the scratch row."""
-        slots = torch.where(slots > 0, slots, self.scratch)
-        self.seen[slots, tokens] = True
-        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-        for s in host_slots:
-            if s:
-                self.counted[s] += 1
+    def seen(self, slot: int) -> int:
+        return len(self.cols.get(slot, ()))
+
+    def flush(self) -> None:
+        """Write the step's new columns and counts to the device: one copy."""
+        if not self._writes:
+            return
+        self._grow(0, max(len(c) for c in self.cols.values()))
+        w = torch.tensor(self._writes, dtype=torch.long).to(self.device, non_blocking=True)
+        self._writes.clear()
+        self.ids.index_put_((w[:, 0], w[:, 1]), w[:, 2])
+        self.counts.index_put_((w[:, 0], w[:, 1]), w[:, 3].float(), accumulate=True)
+
+
+class _Workspace:
+    """[rows, vocab] buffers reused from step to step. Fresh ones would cost more than the arithmetic on the CPU,
+    where each large allocation is new (huge) pages for the kernel to fault in and zero."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, n: int, v: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < n * v:
+            buf = self._bufs[name] = torch.empty(n * v, dtype=dtype, device=self.device)
+        return buf[: n * v].view(n, v)
 
 
 class Sampler:
@@ -174,6 +202,7 @@ class Sampler:
 
     def __init__(self, vocab_size: int, device: torch.device | str, max_rows: int = 64) -> None:
         self._slots = _Slots(vocab_size, torch.device(device), max_rows)
+        self._ws = _Workspace(torch.device(device))
         self.vocab_size = vocab_size
 
     def release(self, key: str) -> None:
@@ -184,20 +213,18 @@ class Sampler:
         return len(self._slots.by_key)
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-        """Pick one token per row of ``logits`` ([N, V], V ≤ the vocab given at construction; float32, or the
+        """Pick one token per row of ``logits`` ([N, V], V the vocab given at construction; float32, or the
         model's dtype: an all-greedy batch is picked from it as is). Does not modify ``logits``."""
         if all(_plain_greedy(r) for r in rows):
             return SampleResult(_argmax(logits), [None] * logits.shape[0])
-        x, prm, spec, slot_t = self._process(logits, rows)
+        x, prm, spec, _ = self._process(logits, rows)
         tok: torch.Tensor | None = None
         if spec.any_greedy:
             tok = x.argmax(dim=-1)
         if spec.any_sampled:
-            picked = _pick(x, prm, spec)
+            picked = _pick(x, prm, spec, self._ws)
             tok = picked if tok is None else torch.where(prm[:, _TEMP] > 0, picked, tok)
         assert tok is not None
-        if slot_t is not None:
-            self._slots.record(slot_t, tok, spec.slot_of_row)
         for slot in spec.temp_slots:
             self._slots.drop(slot)
         return _fetch(tok, spec.raw_lp, spec)
@@ -208,15 +235,16 @@ class Sampler:
         x, _, spec, _ = self._process(logits, rows)
         for slot in spec.temp_slots:
             self._slots.drop(slot)
-        return x
+        return x.clone()
 
     def _process(self, logits: torch.Tensor, rows: list[SampleRow]
                  ) -> tuple[torch.Tensor, torch.Tensor, _StepSpec, torch.Tensor | None]:
         dev = logits.device
-        x = logits.float()
-        if x.data_ptr() == logits.data_ptr():
-            x = x.clone()
-        vocab = x.shape[1]
+        n, vocab = logits.shape
+        if vocab != self.vocab_size:
+            raise ValueError(f"logits have {vocab} columns; this sampler was made for {self.vocab_size}")
+        ws = self._ws
+        x = ws.get("x", n, vocab).copy_(logits)
         spec = _StepSpec(rows, self._slots, vocab)
         prm = torch.tensor(spec.table, dtype=torch.float32).to(dev, non_blocking=True)
         spec.raw_lp = torch.log_softmax(x[spec.lp_index(dev)], dim=-1) if spec.lp_rows else None
@@ -224,12 +252,18 @@ class Sampler:
         if spec.count_rows:
             slot_t = prm[:, _SLOT].long()
             s = self._slots
-            if spec.any_rep:
+            width = spec.max_seen
+            ids = s.ids[:, :width].index_select(0, slot_t)
+            valid = torch.arange(width, device=dev).unsqueeze(0) < prm[:, _SEEN : _SEEN + 1]
+            if spec.any_rep:  # x / rp where x > 0, x · rp elsewhere, once per token seen
+                ids_r = torch.where(valid, ids, ids[:, :1])  # padding repeats column 0: the same value twice
+                v = x.gather(1, ids_r)
                 rp = prm[:, _REP : _REP + 1]
-                x = torch.where(s.seen[slot_t, :vocab], torch.where(x > 0, x / rp, x * rp), x)
-            if spec.any_freq_pres:
-                c = s.counts[slot_t, :vocab].float()
-                x = x - prm[:, _FREQ : _FREQ + 1] * c - prm[:, _PRES : _PRES + 1] * (c > 0).float()
+                x.scatter_(1, ids_r, torch.where(v > 0, v / rp, v * rp))
+            if spec.any_freq_pres:  # x − frequency · count − presence · (count > 0); padding counts are 0
+                c = s.counts[:, :width].index_select(0, slot_t)
+                x.scatter_add_(1, ids, c * -prm[:, _FREQ : _FREQ + 1])
+                x.scatter_add_(1, ids, (c > 0).float() * -prm[:, _PRES : _PRES + 1])
         if spec.bias:
             r_, t_, v_ = zip(*spec.bias)
             x.index_put_((torch.tensor(r_).to(dev), torch.tensor(t_).to(dev)),
@@ -254,6 +288,7 @@ class _StepSpec:
         self.any_rep = self.any_freq_pres = self.any_greedy = self.any_sampled = False
         self.any_top_p = self.any_min_p = False
         self.top_ks: list[int] = []
+        self.max_seen = 0  # most distinct tokens of a penalized row
         self.raw_lp: torch.Tensor | None = None  # log_softmax of the raw logits of lp_rows
         in_use: set[int] = set()
         for i, r in enumerate(rows):
@@ -265,6 +300,7 @@ class _StepSpec:
                 slots.sync(slot, r)
                 if r.key is None:
                     self.temp_slots.append(slot)
+                self.max_seen = max(self.max_seen, slots.seen(slot))
                 self.any_rep |= p.repetition_penalty != 1.0
                 self.any_freq_pres |= bool(p.presence_penalty or p.frequency_penalty)
             self.slot_of_row.append(slot)
@@ -284,9 +320,12 @@ class _StepSpec:
                 self.top_ks.append(k)
                 self.any_top_p |= p.top_p < 1.0
                 self.any_min_p |= p.min_p > 0.0
-            self.table.append([temp, float(k), p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
-                               p.frequency_penalty, row_uniform(r.seed, r.position), float(slot)])
-        self.count_rows = any(self.slot_of_row)
+            seen = slots.seen(slot)
+            rep = p.repetition_penalty if seen else 1.0  # nothing seen: nothing to penalize (padding only)
+            self.table.append([temp, float(k), p.top_p, p.min_p, rep, p.presence_penalty, p.frequency_penalty,
+                               row_uniform(r.seed, r.position), float(slot), float(seen)])
+        slots.flush()
+        self.count_rows = self.max_seen > 0
         # every sampled row has a small top-k: sample among the top candidates only
         self.candidates = max(self.top_ks) if self.top_ks and all(
             0 < k <= _CANDIDATE_CAP for k in self.top_ks) else 0
@@ -295,9 +334,9 @@ class _StepSpec:
         return torch.tensor(self.lp_rows, dtype=torch.long).to(dev)
 
 
-def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then the inverse-CDF pick in vocabulary order. Greedy rows' picks here
-    are discarded (they take temperature 1 to stay finite)."""
+def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec, ws: _Workspace) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then the inverse-CDF pick in vocabulary order; overwrites ``x``. Greedy
+    rows' picks here are discarded (they take temperature 1 to stay finite)."""
     temp = prm[:, _TEMP : _TEMP + 1]
     temp = torch.where(temp > 0, temp, torch.ones_like(temp))
     k_row = prm[:, _TOPK : _TOPK + 1]
@@ -307,35 +346,37 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec) -> torch.Tensor:
         vals = (vals / temp).masked_fill(rank >= k_row, _MASK)
         probs = torch.softmax(vals, dim=-1)
         if spec.any_top_p:
-            probs = probs.masked_fill(probs.cumsum(-1) - probs > prm[:, _TOPP : _TOPP + 1], 0.0)
+            # keep the smallest set whose mass reaches top_p
+            probs = probs.masked_fill(probs.cumsum(-1) - probs >= prm[:, _TOPP : _TOPP + 1], 0.0)
         if spec.any_min_p:
             probs = probs.masked_fill(probs < prm[:, _MINP : _MINP + 1] * probs[:, :1], 0.0)
         order = ids.argsort(dim=-1)  # back to vocabulary order, so the pick matches the full-vocabulary path
         ids, probs = ids.gather(1, order), probs.gather(1, order)
-        return ids.gather(1, _inverse_cdf(probs, prm)).squeeze(1)
-    z = x / temp
+        return ids.gather(1, _inverse_cdf(probs, prm, probs.cumsum(-1))).squeeze(1)
+    n, v = x.shape
+    z = x.div_(temp)
+    mask = ws.get("mask", n, v, torch.bool)
     if any(spec.top_ks):
-        kmax = max(spec.top_ks)
-        top = torch.topk(z, kmax, dim=-1).values
-        kth = top.gather(1, (k_row.long() - 1).clamp(min=0))
-        z = z.masked_fill((k_row > 0) & (z < kth), _MASK)
-    probs = torch.softmax(z, dim=-1)
+        kth = torch.topk(z, max(spec.top_ks), dim=-1).values.gather(1, (k_row.long() - 1).clamp(min=0))
+        z.masked_fill_(torch.lt(z, kth, out=mask).logical_and_(k_row > 0), _MASK)
+    # unnormalized probabilities in place (the largest is 1): top-p and the pick compare against the row's total
+    probs = z.sub_(z.amax(-1, keepdim=True)).exp_()
     if spec.any_top_p:
         sp, si = probs.sort(dim=-1, descending=True)
-        drop = sp.cumsum(-1) - sp > prm[:, _TOPP : _TOPP + 1]  # keep the smallest set whose mass reaches top_p
-        probs = probs.scatter(1, si, sp.masked_fill(drop, 0.0))
+        cut = prm[:, _TOPP : _TOPP + 1] * sp.sum(-1, keepdim=True)
+        drop = sp.cumsum(-1) - sp >= cut
+        probs.scatter_(1, si, sp.masked_fill_(drop, 0.0))
     if spec.any_min_p:
-        probs = probs.masked_fill(probs < prm[:, _MINP : _MINP + 1] * probs.amax(-1, keepdim=True), 0.0)
-    return _inverse_cdf(probs, prm).squeeze(1)
+        probs.masked_fill_(torch.lt(probs, prm[:, _MINP : _MINP + 1], out=mask), 0.0)
+    return _inverse_cdf(probs, prm, torch.cumsum(probs, -1, out=ws.get("cdf", n, v))).squeeze(1)
 
 
-def _inverse_cdf(probs: torch.Tensor, prm: torch.Tensor) -> torch.Tensor:
-    """Index [N, 1] of the first entry whose running mass exceeds u × total: never an entry of probability 0."""
-    cdf = probs.cumsum(-1)
-    j = torch.searchsorted(cdf, prm[:, _U : _U + 1] * cdf[:, -1:], right=True)
-    ar = torch.arange(probs.shape[1], device=probs.device)
-    last = torch.where(probs > 0, ar, 0).amax(-1, keepdim=True)  # rounding can put u × total at the very end
-    return torch.minimum(j, last)
+def _inverse_cdf(probs: torch.Tensor, prm: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
+    """Index [N, 1] of the first entry whose running mass ``cdf`` exceeds u × total. The target is kept below the
+    total, so the entry's mass is above the one before it: never an entry of probability 0."""
+    total = cdf[:, -1:]
+    target = torch.minimum(prm[:, _U : _U + 1] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)
 
 
 def _fetch(tok: torch.Tensor, raw_lp: torch.Tensor | None, spec: _StepSpec) -> SampleResult:

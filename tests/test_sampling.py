@@ -55,7 +55,7 @@ def test_top_k_top_p_min_p_only_leave_allowed_tokens():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     for params, allowed in (
         (SamplingParams(top_k=2), {0, 1}),
-        (SamplingParams(top_p=0.8), {0, 1}),
+        (SamplingParams(top_p=0.79), {0, 1}),
         (SamplingParams(top_p=0.81), {0, 1, 2}),
         (SamplingParams(min_p=0.5), {0, 1}),
     ):
@@ -107,7 +107,7 @@ def _expected(params: SamplingParams) -> dict[int, float]:
     if params.top_p < 1.0:
         kept, mass = [], 0.0
         for i in sorted(p, key=lambda i: -p[i]):
-            if mass > params.top_p:
+            if mass >= params.top_p:
                 break
             kept.append(i)
             mass += p[i]
@@ -287,3 +287,20 @@ def test_logprobs_of_mixed_rows_come_back_per_row(device):
         assert lp == pytest.approx(float(ref[i, res.token_ids[i]]), abs=1e-5)
         assert [t for t, _ in top] == ref[i].topk(k).indices.tolist() if k else top == []
     assert res.token_ids[0] == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_long_history_grows_the_kept_state(device):
+    """More distinct tokens than the kept state's first width (1,024): penalties still equal the reference."""
+    rng = random.Random(3)
+    vocab = 5000
+    prompt = rng.sample(range(vocab), 1800)
+    p = SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.2)
+    r = SampleRow(p, 11, 0, prompt, [], eos_ids=(2,), key="long")
+    sampler = Sampler(vocab, device)
+    for _ in range(3):
+        logits = torch.randn(1, vocab) * 3
+        got = sampler.processed_logits(logits.to(device), [r]).cpu()
+        torch.testing.assert_close(got[0], _reference(logits[0], r), rtol=1e-6, atol=1e-5)
+        r.output_ids += sampler.sample(logits.to(device), [r]).token_ids + [prompt[0]]
+        r.position += 2
