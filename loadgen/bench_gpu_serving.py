@@ -90,36 +90,6 @@ class Sampling:
 SAMPLINGS = (Sampling("greedy", 0.0), Sampling("sampled", 1.0, top_p=0.9, top_k=50, repetition_penalty=1.1))
 
 
-class SampledGrpcTarget(GrpcTarget):
-    """gRPC ``Generate`` with the benchmark's sampling fields."""
-
-    def __init__(self, address: str, opts: SendOptions, sampling: Sampling) -> None:
-        super().__init__(address, None, opts)
-        self.sampling = sampling
-
-    def request(self, spec: RequestSpec) -> Any:
-        req = super().request(spec)
-        for k, v in self.sampling.fields().items():
-            setattr(req.params, k, v)
-        return req
-
-
-class SampledOpenAITarget(OpenAITarget):
-    """The OpenAI API with the benchmark's sampling fields; ``/v1/completions`` gets the prompt as token ids, the
-    same ids the engine and gRPC get."""
-
-    def __init__(self, base_url: str, endpoint: str, opts: SendOptions, sampling: Sampling) -> None:
-        super().__init__(base_url, endpoint, None, opts)
-        self.sampling = sampling
-
-    def payload(self, spec: RequestSpec) -> dict[str, Any]:
-        p = super().payload(spec)
-        if self.endpoint == "completions":
-            p["prompt"] = list(spec.prompt_ids)
-        p.update(self.sampling.fields())
-        return p
-
-
 # -- the step's limit --------------------------------------------------------------------------------------------
 def step_limit(m: Any, dtype: str, batch: int, context: float, bandwidth: float) -> dict[str, float]:
     """The bytes one decode step reads and the time the copy bandwidth needs for them. ``m``: a ModelConfig;
@@ -340,6 +310,17 @@ def _warm_specs(a: argparse.Namespace, builder: PromptBuilder, chat: bool = Fals
     return build_requests(cfg, builder, min(a.max_concurrency, WARMUP_REQUESTS))
 
 
+def served_target(backend: str, cluster: dict[str, Any], sampling: Sampling,
+                  timeout: float | None) -> GrpcTarget | OpenAITarget:
+    """The client of ``backend`` for the cluster, sending ``sampling``'s fields; ``/v1/completions`` gets the prompt
+    as token ids, the same ids the engine and gRPC get."""
+    opts = SendOptions(ignore_eos=True, timeout=timeout, **sampling.fields())
+    if backend == "grpc":
+        return GrpcTarget(cluster["grpc"], None, opts)
+    return OpenAITarget(cluster["http"], "chat" if backend == "openai-chat" else "completions", None, opts,
+                        prompt_ids=True)
+
+
 async def served_runs(a: argparse.Namespace, cluster: dict[str, Any], builder: PromptBuilder,
                       backends: list[str], model: str, res: _Result) -> None:
     """Every client × sampling against the running cluster: a warm-up, then the measured load of each, a row each."""
@@ -347,17 +328,12 @@ async def served_runs(a: argparse.Namespace, cluster: dict[str, Any], builder: P
         sa = _serve_args(a, backend, cluster["state"])
         urls = bench_serve._metrics_urls(sa)
         for sampling in SAMPLINGS:
-            opts = SendOptions(ignore_eos=True, timeout=a.request_timeout)
-            if backend == "grpc":
-                target: Any = SampledGrpcTarget(cluster["grpc"], opts, sampling)
-            else:
-                target = SampledOpenAITarget(cluster["http"], "chat" if backend == "openai-chat" else "completions",
-                                             opts, sampling)
+            target = served_target(backend, cluster, sampling, a.request_timeout)
             await target.open()
             try:
                 t0 = time.perf_counter()
                 warm = _warm_specs(a, builder, chat=backend == "openai-chat")
-                target.opts = dataclasses.replace(opts, cache_salt=uuid.uuid4().hex)
+                target.opts = dataclasses.replace(target.opts, cache_salt=uuid.uuid4().hex)
                 await run_warmups(target, iter(warm), LoadConfig(max_concurrency=a.max_concurrency,
                                                                  num_warmups=len(warm)))
                 run = await bench_serve._one_run(sa, target, builder, [], _load(a), urls)

@@ -4,7 +4,8 @@ a JSON file with every request and PNG plots.
 
 The options follow ``vllm bench serve`` where they mean the same thing (``--backend``, ``--base-url``, ``--model``,
 ``--dataset-name random``, ``--random-input-len``, ``--num-prompts``, ``--request-rate``, ``--max-concurrency``,
-``--ignore-eos``, ``--goodput``, ``--save-result``), so the two can be driven with the same numbers.
+``--ignore-eos``, ``--temperature``, ``--top-p``, ``--top-k``, ``--min-p``, ``--repetition-penalty``, ``--goodput``,
+``--save-result``), so the two can be driven with the same numbers.
 """
 
 from __future__ import annotations
@@ -184,12 +185,18 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
             "server": watcher.report(), "records": [r.to_json() for r in records]}
 
 
+def send_options(a: argparse.Namespace) -> SendOptions:
+    """The per-request options of the parsed command line (``a.api_key``: the key already resolved)."""
+    return SendOptions(ignore_eos=a.ignore_eos, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                       min_p=a.min_p, repetition_penalty=a.repetition_penalty, timeout=a.request_timeout,
+                       api_key=a.api_key, cache_salt=a.cache_salt if a.cache_salt != "auto" else None)
+
+
 async def _main(a: argparse.Namespace) -> dict[str, Any]:
     tenants = list(a.tenant or [])
     api_key = a.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("TOKENMILL_API_KEY")
     a.api_key = api_key
-    opts = SendOptions(ignore_eos=a.ignore_eos, temperature=a.temperature, timeout=a.request_timeout,
-                       api_key=api_key, cache_salt=a.cache_salt if a.cache_salt != "auto" else None)
+    opts = send_options(a)
     target, where = _target(a, opts, tenants)
     loads = _loads(a, tenants)
     builder = _builder(a)
@@ -317,7 +324,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--request-rate the offered rate is the sum of the tenants' rates")
     w.add_argument("--seed", type=int, default=0, help="same seed, same request stream and arrival times (default 0)")
     w.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
-    w.add_argument("--temperature", type=float, help="default: the server's")
+    sp = p.add_argument_group("sampling", "as vllm bench serve's; an option left out is not sent (the server's "
+                                          "default); HTTP sends top_k, min_p and repetition_penalty as vLLM's extra "
+                                          "fields")
+    sp.add_argument("--temperature", type=float, help="0 = greedy")
+    sp.add_argument("--top-p", type=float)
+    sp.add_argument("--top-k", type=int, help="1 = greedy; 0 or -1: off")
+    sp.add_argument("--min-p", type=float)
+    sp.add_argument("--repetition-penalty", type=float)
     lo = p.add_argument_group("load")
     lo.add_argument("--num-prompts", type=int, help="requests per run (default 200, or 1000 all at once)")
     lo.add_argument("--duration", type=float, help="seconds per run instead of a count")

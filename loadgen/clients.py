@@ -19,6 +19,8 @@ from loadgen.metrics import CANCELLED, RequestRecord
 from loadgen.workloads import RequestSpec
 
 BACKENDS = ("grpc", "openai", "openai-chat")
+# SendOptions' sampling fields: the same names in the tokenmill.v1 proto and the OpenAI API (with vLLM's extras)
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,18 @@ class SendOptions:
     """Per-request options common to every target."""
 
     ignore_eos: bool = False
-    temperature: float | None = None
+    temperature: float | None = None  # the sampling fields: None = not sent (the server's default)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     timeout: float | None = None  # seconds; a request past it is cancelled (outcome "cancelled", kind "timeout")
     api_key: str | None = None  # the default key; a tenant's own key wins
     cache_salt: str | None = None  # scopes the server's prefix cache: runs with different salts share no blocks
+
+    def sampling(self) -> dict[str, float | int]:
+        """The sampling fields that are set, by their request names (the same on every target)."""
+        return {k: v for k in SAMPLING_FIELDS if (v := getattr(self, k)) is not None}
 
 
 class Target(Protocol):
@@ -92,9 +102,8 @@ class GrpcTarget:
     def request(self, spec: RequestSpec) -> Any:
         from tokenmill.v1 import common_pb2, frontend_pb2
 
-        params = common_pb2.SamplingParams(max_tokens=spec.output_len, ignore_eos=self.opts.ignore_eos)
-        if self.opts.temperature is not None:
-            params.temperature = self.opts.temperature
+        params = common_pb2.SamplingParams(max_tokens=spec.output_len, ignore_eos=self.opts.ignore_eos,
+                                           **self.opts.sampling())
         return frontend_pb2.GenerateRequest(
             model=self.model or "", prompt_token_ids=frontend_pb2.TokenIds(ids=spec.prompt_ids), params=params,
             priority=spec.tenant.priority if spec.tenant else 0, cache_salt=self.opts.cache_salt or "")
@@ -138,12 +147,14 @@ class GrpcTarget:
 class OpenAITarget:
     """The OpenAI HTTP API, streamed (SSE) with ``stream_options.include_usage``. ``endpoint``: ``chat`` sends the
     prompt as one user message to ``/v1/chat/completions``; ``completions`` sends it as ``prompt`` to
-    ``/v1/completions``. The tenant travels as its API key (``Authorization: Bearer``) and ``x-tenant-id``; its
-    priority as the request's ``priority`` field (a vLLM extension)."""
+    ``/v1/completions`` (as its token ids with ``prompt_ids``: the ids gRPC gets). The tenant travels as its API
+    key (``Authorization: Bearer``) and ``x-tenant-id``; its priority as the request's ``priority`` field (a vLLM
+    extension). ``top_k``, ``min_p`` and ``repetition_penalty`` are vLLM's extra fields beside OpenAI's."""
 
     def __init__(self, base_url: str, endpoint: str, model: str | None, opts: SendOptions,
-                 models_key: str | None = None) -> None:
+                 models_key: str | None = None, prompt_ids: bool = False) -> None:
         self.models_key = models_key  # for GET /v1/models when there is no default key (a tenant's)
+        self.prompt_ids = prompt_ids
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
@@ -187,12 +198,11 @@ class OpenAITarget:
             p["messages"] = [{"role": "user", "content": spec.prompt_text}]
             p["max_completion_tokens"] = spec.output_len
         else:
-            p["prompt"] = spec.prompt_text
+            p["prompt"] = list(spec.prompt_ids) if self.prompt_ids else spec.prompt_text
             p["max_tokens"] = spec.output_len
         if self.opts.ignore_eos:
             p["ignore_eos"] = True
-        if self.opts.temperature is not None:
-            p["temperature"] = self.opts.temperature
+        p.update(self.opts.sampling())
         if spec.tenant and spec.tenant.priority:
             p["priority"] = spec.tenant.priority
         if self.opts.cache_salt:

@@ -9,7 +9,9 @@ import pytest
 
 from common.config import ModelConfig
 from common.loader import load_model_source
-from loadgen.bench_gpu_serving import SAMPLINGS, step_limit
+from loadgen.bench_gpu_serving import SAMPLINGS, served_target, step_limit
+from loadgen.clients import SAMPLING_FIELDS
+from loadgen.workloads import RequestSpec
 from services.cli import main
 
 
@@ -25,6 +27,20 @@ def test_step_limit_counts_the_lm_head_not_the_embedding_table():
     tied = load_model_source("dummy:llama-3.2-1b").config  # its LM head is its embedding table: read once
     assert tied.tie_word_embeddings
     assert step_limit(tied, "bfloat16", 1, 0, 1.0)["weight_bytes"] == pytest.approx(tied.num_params() * 2, rel=1e-4)
+
+
+def test_every_client_sends_the_samplings_fields_and_completions_the_token_ids():
+    spec = RequestSpec(index=0, prompt_ids=(5, 6, 7), prompt_text="a b c", input_len=3, output_len=4)
+    cluster = {"grpc": "127.0.0.1:1", "http": "http://127.0.0.1:2"}
+    for s in SAMPLINGS:
+        want = s.fields()  # greedy: temperature 0 alone; sampled: every field that differs from the default
+        params = served_target("grpc", cluster, s, None).request(spec).params
+        assert {k: getattr(params, k) for k in SAMPLING_FIELDS if params.HasField(k)} == pytest.approx(want)
+        assert params.ignore_eos
+        for backend, prompt in (("openai", [5, 6, 7]), ("openai-chat", None)):
+            p = served_target(backend, cluster, s, None).payload(spec)
+            assert {k: p[k] for k in SAMPLING_FIELDS if k in p} == want and p["ignore_eos"] and p.get("prompt") == prompt
+    assert SAMPLINGS[1].fields() == {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
 
 
 def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):

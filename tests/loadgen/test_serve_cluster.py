@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import signal
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -225,3 +227,74 @@ def test_a_rerun_of_one_seed_hits_the_prefix_cache_unless_salted(cluster, capsys
         assert code == 0, text
         hits.append(json.loads(out.read_text())["runs"][0]["server"]["prefix_cache_hits"])
     assert hits[0] == 0 and hits[1] >= 48 and hits[2] == 0  # 3 full blocks of a 64-token prompt, or more
+
+
+@pytest.fixture
+def generated(monkeypatch):
+    """What each request of a ``bench serve`` run in this process generated, filled as the streams arrive: gRPC
+    token ids keyed by the prompt's ids, HTTP text keyed by the request's index (the records keep neither)."""
+    from tokenmill.v1 import frontend_pb2_grpc
+
+    from loadgen.clients import OpenAITarget
+
+    out: dict[Any, Any] = {}
+    stub_cls, on_data = frontend_pb2_grpc.FrontendStub, OpenAITarget.on_data
+
+    class Call:
+        def __init__(self, call: Any, ids: list[int]) -> None:
+            self.call, self.ids = call, ids
+
+        async def _each(self) -> AsyncIterator[Any]:
+            async for r in self.call:
+                self.ids.extend(r.token_ids)
+                yield r
+
+        def __aiter__(self) -> AsyncIterator[Any]:
+            return self._each()
+
+        def cancel(self) -> bool:
+            return self.call.cancel()
+
+    class Stub:
+        def __init__(self, channel: Any) -> None:
+            self.stub = stub_cls(channel)
+
+        def Generate(self, req: Any, **kw: Any) -> Call:
+            return Call(self.stub.Generate(req, **kw), out.setdefault(tuple(req.prompt_token_ids.ids), []))
+
+    def record_text(self: OpenAITarget, data: str, rec: Any, now: float) -> bool:
+        if data.strip() != "[DONE]":
+            for c in json.loads(data).get("choices") or []:
+                out[rec.index] = out.get(rec.index, "") + ((c.get("delta") or {}).get("content") or c.get("text")
+                                                           or "")
+        return on_data(self, data, rec, now)
+
+    monkeypatch.setattr(frontend_pb2_grpc, "FrontendStub", Stub)
+    monkeypatch.setattr(OpenAITarget, "on_data", record_text)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai", "openai-chat"])
+def test_sampling_options_reach_the_server(cluster, capsys, tmp_path, generated, backend):
+    """``--top-k 1 --temperature 1`` generates what greedy generates (top-k 1 is greedy), where ``--temperature 1``
+    alone does not: top_k travels on every backend. One request at a time and a fresh cache salt per run, so the
+    three runs compute alike; the same seed, so they send the same prompts."""
+    url = cluster["grpc"] if backend == "grpc" else cluster["http"]
+    runs = {}
+    for name, sampling in (("greedy", ["--temperature", "0"]), ("top-k 1", ["--temperature", "1", "--top-k", "1"]),
+                           ("sampled", ["--temperature", "1"])):
+        out = tmp_path / f"{name}.json"
+        generated.clear()
+        code, text = bench(capsys, "serve", "--backend", backend, "--base-url", url, "--api-key", "sk-default",
+                           "--num-prompts", "3", "--max-concurrency", "1", "--seed", "5", "--random-input-len", "16",
+                           "--random-output-len", "12", "--ignore-eos", "--num-warmups", "0", "--cache-salt", "auto",
+                           *sampling, "--no-server-metrics", "--result-file", str(out), "--no-plots",
+                           "--disable-tqdm", "--fail-on-error")
+        assert code == 0, text
+        runs[name] = dict(generated)
+        assert len(runs[name]) == 3 and all(runs[name].values()), runs[name]
+        cfg = json.loads(out.read_text())["config"]
+        assert (cfg["temperature"], cfg["top_k"], cfg["top_p"]) == (float(sampling[1]), 1 if "--top-k" in sampling
+                                                                    else None, None)
+    assert runs["top-k 1"] == runs["greedy"]
+    assert runs["sampled"] != runs["greedy"]
