@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed-stamp
 COMPOSE_VENV := $(VENV)/compose
 
-.PHONY: install up test lint protos clean
+.PHONY: install up test test-gpu lint protos clean
 
 install: $(STAMP)
 
@@ -32,6 +32,17 @@ lint: install
 
 test: install lint
 	$(VENV)/bin/pytest -q
+
+# The GPU suite: the tests marked `gpu` (tests/gpu, and the sampler's tests on cuda); each skips where torch sees
+# no CUDA device.
+#   make test-gpu                        install into .venv if needed, then run it with the venv's Python
+#   make test-gpu INSTALL=0 PY=python3   no install step: run it with an interpreter that already has torch and
+#                                        triton (an offline GPU machine, our packages and stubs on PYTHONPATH)
+# INSTALL: 1 (default) makes `install` a prerequisite, 0 drops it. PY: the interpreter (default $(VENV)/bin/python).
+INSTALL ?= 1
+GPU_TESTS ?= tests/gpu tests/test_sampling.py
+test-gpu: $(if $(filter 1,$(INSTALL)),install)
+	$(PY) -m pytest -q -m gpu $(GPU_TESTS)
 
 # Regenerates the committed gRPC stubs (protos/gen/) from protos/tokenmill/**/*.proto.
 protos: install

@@ -1,0 +1,98 @@
+"""The engine alone on CUDA, SmolLM2 in float32: the fast path (Triton kernels, CUDA graphs for decode) gives
+transformers' greedy tokens; decode through CUDA graphs gives the eager fast path's tokens; seeded sampled rows give
+the same tokens in a batch of 32, in another batch composition, and one at a time (the device sampler)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.sampling import SamplingParams
+from tests.gpu.helpers import N_REF, first_diff, release_cuda
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingParams(max_tokens=N_REF, min_tokens=N_REF, temperature=0.0)
+
+
+def _engine(source, model=None, **kw):
+    from common.config import EngineConfig
+    from common.engine import LLMEngine
+
+    cfg = EngineConfig(**{"device": "cuda", "dtype": "float32", "max_num_seqs": 32, "kv_cache_memory": 1 << 30, **kw})
+    return LLMEngine(source, cfg, model=model)
+
+
+def _assert_no_leak(eng) -> None:
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"KV blocks leaked: {bm.num_blocks - bm.num_free_blocks} in use"
+
+
+@pytest.fixture(scope="module")
+def graphs_engine(source):
+    eng = _engine(source)
+    yield eng
+    del eng
+    release_cuda()
+
+
+@pytest.fixture(scope="module")
+def graph_outputs(graphs_engine, gpu_prompts) -> tuple[list[list[int]], int]:
+    """Greedy tokens of the twenty prompts in one batch through the fast path, and the graph replays it took."""
+    eng = graphs_engine
+    assert eng.runner.fast_cuda and eng.runner.model.use_triton, "the CUDA fast path is off"
+    assert eng.runner.graphs is not None, "no CUDA graphs captured (TOKENMILL_CUDA_GRAPHS=0 in the environment?)"
+    r0 = eng.runner.graphs.replays
+    outs = [r.token_ids for r in eng.generate(gpu_prompts, GREEDY)]
+    _assert_no_leak(eng)
+    return outs, eng.runner.graphs.replays - r0
+
+
+def test_fast_path_greedy_equals_transformers(graph_outputs, hf_reference):
+    outs, replays = graph_outputs
+    # one prefill step, then every decode-only step is one graph replay
+    assert replays >= N_REF // 2, f"only {replays} CUDA-graph replays for {N_REF} decode steps"
+    bad = {i: first_diff(o, r) for i, (o, r) in enumerate(zip(outs, hf_reference)) if o != r}
+    assert not bad, f"prompts diverging from transformers (prompt: first differing token): {bad}"
+
+
+def test_cuda_graph_decode_equals_eager(source, graphs_engine, graph_outputs, gpu_prompts):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENMILL_CUDA_GRAPHS", "0")
+        eager = _engine(source, model=graphs_engine.runner.model)
+    assert eager.runner.graphs is None and eager.runner.fast_cuda
+    outs = [r.token_ids for r in eager.generate(gpu_prompts, GREEDY)]
+    _assert_no_leak(eager)
+    bad = {i: first_diff(o, g) for i, (o, g) in enumerate(zip(outs, graph_outputs[0])) if o != g}
+    assert not bad, f"eager decode diverges from CUDA-graph decode (prompt: first differing token): {bad}"
+
+
+def test_seeded_sampling_same_in_any_batch(source, graphs_engine, gpu_prompts):
+    """The device sampler: seeded rows draw their noise from (seed, position), whatever else is in the batch."""
+    eng = _engine(source, model=graphs_engine.runner.model, max_num_seqs=64, enable_prefix_caching=False)
+    prompts = gpu_prompts + [p[::-1] for p in gpu_prompts[:12]]
+    assert len(prompts) == 32
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, seed=1000 + i, temperature=1.0, top_p=0.9, top_k=50,
+                             repetition_penalty=1.1) for i in range(32)]
+    s0 = eng.num_steps
+    batch = [r.token_ids for r in eng.generate(prompts, params)]
+    assert eng.num_steps - s0 <= 24 + 4, f"{eng.num_steps - s0} steps: the 32 requests did not run as one batch"
+    assert all(len(t) == 24 for t in batch), [len(t) for t in batch]
+    alone = [eng.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+    bad = {i: first_diff(b, a) for i, (b, a) in enumerate(zip(batch, alone)) if b != a}
+    assert not bad, f"seeded rows differ between the batch of 32 and one at a time (row: first diff): {bad}"
+    # another composition: reversed, with unseeded sampled requests in between
+    mixed_p, mixed_sp, where = [], [], []
+    for i in reversed(range(32)):
+        where.append(len(mixed_p))
+        mixed_p.append(prompts[i])
+        mixed_sp.append(params[i])
+        if i % 2:
+            mixed_p.append(prompts[(i * 7) % 32])
+            mixed_sp.append(SamplingParams(max_tokens=30, ignore_eos=True, temperature=1.0, top_p=0.9, top_k=50,
+                                           repetition_penalty=1.1))
+    mixed = [r.token_ids for r in eng.generate(mixed_p, mixed_sp)]
+    bad = {i: first_diff(mixed[w], alone[i]) for w, i in zip(where, reversed(range(32))) if mixed[w] != alone[i]}
+    assert not bad, f"seeded rows differ in a reversed batch with unseeded rows (row: first diff): {bad}"
+    _assert_no_leak(eng)
+    del eng
+    release_cuda()

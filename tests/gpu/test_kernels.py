@@ -1,0 +1,209 @@
+"""The Triton kernels of the CUDA fast path (common/triton_ops.py) against float64 / portable references on fresh
+random inputs, outputs poisoned with NaN first where the kernel writes into a given buffer: paged decode attention
+(batches 1/7/64, contexts to 2,000, flash-decoding splits, a padding row), RoPE + KV write, residual add + RMSNorm,
+SiLU·mul, the batch-1 GEMV (and the down projection with SiLU·mul fused into it), split-K GEMM and its partials
+summed by the norm kernel.
+
+Every check takes its device: the tests run them on CUDA; on a CPU they run under Triton's interpreter
+(``TRITON_INTERPRET=1``) with a smaller KV pool (``nb``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+# (dtype, heads, kv heads, head dim, relative tolerance): Llama-3.1-8B's heads in bfloat16, SmolLM2's in float32
+CONFIGS = {
+    "bf16-llama8b": (torch.bfloat16, 32, 8, 128, 1e-2),
+    "fp32-smollm2": (torch.float32, 9, 3, 64, 1e-5),
+}
+DECODE_CASES = [(1, 128, 0), (1, 2000, 0), (7, 600, 1), (7, 600, 3), (64, 1024, 0), (64, 1024, 2)]  # batch, ctx, splits
+GEMV_SHAPES = [(6144, 4096), (4096, 14336), (1000, 576)]
+LAYERS, BS = 4, 16
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN when ``out`` holds a NaN (an element the kernel never wrote)."""
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str) -> None:
+    err = rel_err(out, ref)
+    assert err < tol, f"{what}: relative error {err:.3e} (tolerance {tol:.0e}; nan: elements left unwritten)"
+
+
+def _gen(device: str, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _randn(*shape: int, g: torch.Generator, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return torch.randn(*shape, device=device, generator=g).to(dtype)
+
+
+def ref_decode(q: torch.Tensor, cache: torch.Tensor, layer: int, tables: torch.Tensor, ctx: torch.Tensor
+               ) -> torch.Tensor:
+    """Decode attention in float64, one sequence at a time from the paged pool; a context of 0 gives zeros."""
+    b_, h, d = q.shape
+    bs, kvh = cache.shape[3], cache.shape[4]
+    outs = []
+    for b in range(b_):
+        c = int(ctx[b])
+        if c == 0:
+            outs.append(torch.zeros(h, d, dtype=torch.float64, device=q.device))
+            continue
+        blocks = tables[b, : -(-c // bs)].long()
+        k = cache[blocks, layer, 0].reshape(-1, kvh, d)[:c].double().repeat_interleave(h // kvh, 1)
+        v = cache[blocks, layer, 1].reshape(-1, kvh, d)[:c].double().repeat_interleave(h // kvh, 1)
+        sc = torch.einsum("hd,nhd->hn", q[b].double(), k) / math.sqrt(d)
+        outs.append(torch.einsum("hn,nhd->hd", sc.softmax(-1), v))
+    return torch.stack(outs)
+
+
+def check_decode_attention(device: str, config: str, batch: int, max_ctx: int, splits: int, nb: int = 3000) -> None:
+    from common import triton_ops as tk
+
+    dtype, h, kvh, d, tol = CONFIGS[config]
+    g = _gen(device, 1000 * batch + max_ctx + splits)
+    cache = _randn(nb, LAYERS, 2, BS, kvh, d, g=g, dtype=dtype, device=device)
+    w = -(-max_ctx // BS)
+    tables = torch.stack([torch.randperm(nb, device=device, generator=g)[:w] for _ in range(batch)]).int()
+    ctx = torch.randint(1, max_ctx + 1, (batch,), device=device, generator=g).int()
+    ctx[0] = max_ctx
+    if batch > 1:
+        ctx[-1] = 0  # a padding row: its output must be zeros
+    qkv = _randn(batch, (h + 2 * kvh) * d, g=g, dtype=dtype, device=device)
+    q = qkv[:, : h * d].view(batch, h, d)  # strided rows, as the forward passes them
+    out = torch.full((batch, h, d), float("nan"), dtype=dtype, device=device)
+    tk.paged_decode_attention(q, cache, 2, tables, ctx, d**-0.5, out, num_splits=splits)
+    assert_close(out, ref_decode(q, cache, 2, tables, ctx), tol,
+                 f"paged decode attention {config} batch {batch} context ≤{max_ctx} splits {splits}")
+
+
+def check_rope_kv_write(device: str, config: str, nb: int = 3000) -> None:
+    from common import triton_ops as tk
+    from common.model import apply_rope
+
+    dtype, h, kvh, d, tol = CONFIGS[config]
+    g = _gen(device, 2)
+    t, maxpos = 300, 4096
+    inv = 1.0 / (500000 ** (torch.arange(0, d, 2, device=device).float() / d))
+    fr = torch.outer(torch.arange(maxpos, device=device).float(), inv)
+    emb = torch.cat((fr, fr), -1)
+    cos, sin = emb.cos(), emb.sin()
+    qkv = _randn(t, (h + 2 * kvh) * d, g=g, dtype=dtype, device=device)
+    orig = qkv.clone()
+    pos = torch.randint(0, maxpos, (t,), device=device, generator=g)
+    slots = torch.randperm(nb * BS, device=device, generator=g)[:t]
+    blocks, offs = slots // BS, slots % BS
+    rows = blocks * (LAYERS * 2 * BS) + offs  # layer-0 K rows
+    rows[5] = -1  # a padding row: nothing written
+    cache = torch.full((nb, LAYERS, 2, BS, kvh, d), float("nan"), dtype=dtype, device=device)
+    tk.rope_kv_write(qkv, pos, rows, cos, sin, cache, 1, h, kvh, d)
+    ref = apply_rope(orig[:, : (h + kvh) * d].double().view(t, h + kvh, d), cos[pos].unsqueeze(1).double(),
+                     sin[pos].unsqueeze(1).double())
+    keep = torch.arange(t, device=device) != 5
+    assert_close(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), ref, tol, f"RoPE of Q and K in place ({config})")
+    assert_close(cache[blocks[keep], 1, 0, offs[keep]], ref[keep, h:], tol, f"K written to the pool ({config})")
+    v_written = cache[blocks[keep], 1, 1, offs[keep]]
+    assert torch.equal(v_written, orig[keep, (h + kvh) * d :].view(-1, kvh, d)), f"V not copied exactly ({config})"
+    assert torch.isnan(cache[blocks[5], 1, :, offs[5]]).all(), f"the padding row (slot -1) was written ({config})"
+    written = torch.zeros(nb, BS, dtype=torch.bool, device=device)
+    written[blocks[keep], offs[keep]] = True
+    other = cache[:, 1].transpose(1, 2)[~written]  # [slots, 2 (k/v), kvh, d] of layer 1 that no row targets
+    assert torch.isnan(other).all() and torch.isnan(cache[:, [0, 2, 3]]).all(), \
+        f"the kernel wrote outside its target slots / layer ({config})"
+
+
+def check_add_rms_norm(device: str, config: str) -> None:
+    from common import triton_ops as tk
+    from common.model import rms_norm
+
+    dtype, h, _kvh, d, tol = CONFIGS[config]
+    g = _gen(device, 3)
+    t, n = 300, h * d
+    x = _randn(t, n, g=g, dtype=dtype, device=device)
+    delta = _randn(t, n, g=g, dtype=dtype, device=device)
+    wt = _randn(n, g=g, dtype=dtype, device=device)
+    x0 = x.clone()
+    out = tk.add_rms_norm(x, delta, wt, 1e-5)
+    xr = x0 + delta
+    assert_close(x, xr, tol, f"residual add in place ({config})")
+    assert_close(out, rms_norm(xr, wt, 1e-5), tol, f"RMSNorm of the sum ({config})")
+    # without a delta: the norm alone, x untouched
+    x1 = x.clone()
+    assert_close(tk.add_rms_norm(x, None, wt, 1e-5), rms_norm(x1, wt, 1e-5), tol, f"RMSNorm alone ({config})")
+    assert torch.equal(x, x1), f"add_rms_norm without a delta changed x ({config})"
+
+
+def check_silu_mul(device: str, config: str) -> None:
+    from common import triton_ops as tk
+
+    dtype, _h, _kvh, _d, tol = CONFIGS[config]
+    g = _gen(device, 4)
+    gu = _randn(300, 2 * 1536, g=g, dtype=dtype, device=device)
+    gate, up = gu.chunk(2, -1)
+    assert_close(tk.silu_mul(gu), torch.nn.functional.silu(gate) * up, tol, f"SiLU·mul ({config})")
+
+
+def check_gemv_and_splitk(device: str, n: int, k: int) -> None:
+    """bfloat16, as the fast path uses them: the batch-1 GEMV (with a bias; and with SiLU·mul fused into its input
+    for the down projection), and where K allows, split-K GEMM at 5/16/64 rows, alone and summed by the norm."""
+    from common import triton_ops as tk
+    from common.model import rms_norm
+
+    bf, tol = torch.bfloat16, 1e-2
+    g = _gen(device, n + k)
+    w = _randn(n, k, g=g, dtype=bf, device=device)
+    x = _randn(1, k, g=g, dtype=bf, device=device)
+    bias = _randn(n, g=g, dtype=bf, device=device)
+    ref = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    assert_close(tk.gemv(x, w, bias), ref, tol, f"GEMV {n}x{k}")
+    gu = _randn(1, 2 * k, g=g, dtype=bf, device=device)
+    assert_close(tk.down_proj(gu, w), torch.nn.functional.linear(tk.silu_mul(gu).double(), w.double()), tol,
+                 f"down projection with fused SiLU·mul {n}x{k}")
+    cfg = tk.SPLITK_CONFIG
+    if k % (cfg[1] * cfg[2]):
+        return  # split-K needs K divisible into splits × BLOCK_K
+    for m in (5, 16, 64):
+        xm = _randn(m, k, g=g, dtype=bf, device=device)
+        refm = torch.nn.functional.linear(xm.double(), w.double())
+        assert_close(tk.splitk_mm(xm, w, cfg).sum(0), refm, tol, f"split-K {m}x{n}x{k}")
+        res_x = _randn(m, n, g=g, dtype=bf, device=device)
+        nw = _randn(n, g=g, dtype=bf, device=device)
+        xr = res_x + refm.to(bf)
+        hn = tk.add_rms_norm(res_x, tk.splitk_mm(xm, w, cfg), nw, 1e-5)
+        assert_close(res_x, xr, tol, f"residual + split-K partials {m}x{n}x{k}")
+        assert_close(hn, rms_norm(xr, nw, 1e-5), tol, f"RMSNorm of residual + split-K partials {m}x{n}x{k}")
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}-ctx{c[1]}-splits{c[2]}")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_paged_decode_attention(config, case):
+    check_decode_attention("cuda", config, *case)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_rope_kv_write(config):
+    check_rope_kv_write("cuda", config)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_add_rms_norm(config):
+    check_add_rms_norm("cuda", config)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_silu_mul(config):
+    check_silu_mul("cuda", config)
+
+
+@pytest.mark.parametrize("shape", GEMV_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_gemv_and_splitk(shape):
+    check_gemv_and_splitk("cuda", *shape)
