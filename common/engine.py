@@ -111,6 +111,8 @@ class LLMEngine:
         # only ids it can decode
         vocab = self.model_cfg.vocab_size
         self.sample_vocab = min(vocab, self.tokenizer.vocab_size) if self.tokenizer is not None else vocab
+        if self.cfg.noop_model:
+            self.sample_vocab = 1  # its logits have one column
         self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs)
         self.num_steps = 0
         self.num_generated_tokens = 0

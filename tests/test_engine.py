@@ -191,3 +191,5 @@ def test_noop_model_runs_the_control_plane_only(make_engine):
     eng = make_engine(noop_model=True, max_num_seqs=8)
     res = eng.generate([[1, 2, 3]] * 8, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
     assert [len(r.token_ids) for r in res] == [5] * 8
+    sampled = SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, repetition_penalty=1.2, ignore_eos=True)
+    assert [r.token_ids for r in eng.generate([[1, 2, 3]] * 8, sampled)] == [[0] * 5] * 8
