@@ -311,9 +311,9 @@ class _StepSpec:
                 self.lp_rows.append(i)
                 self.lp_k.append(p.logprobs)
             k = p.top_k if 0 < p.top_k < vocab else 0
-            if p.greedy:
+            if p.greedy:  # picked by argmax; in the sampling pass it keeps one candidate, so its row stays finite
                 self.any_greedy = True
-                temp = 0.0
+                temp, k = 0.0, 1
             else:
                 self.any_sampled = True
                 temp = p.temperature
@@ -376,7 +376,8 @@ def _inverse_cdf(probs: torch.Tensor, prm: torch.Tensor, cdf: torch.Tensor) -> t
     total, so the entry's mass is above the one before it: never an entry of probability 0."""
     total = cdf[:, -1:]
     target = torch.minimum(prm[:, _U : _U + 1] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)
+    # a row of NaN (a broken model's logits) finds no entry: the clamp keeps it an index, not a device assert
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
 
 
 def _fetch(tok: torch.Tensor, raw_lp: torch.Tensor | None, spec: _StepSpec) -> SampleResult:

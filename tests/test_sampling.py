@@ -171,6 +171,23 @@ def test_the_pick_does_not_depend_on_the_batch_path(device):
     assert candidate == full == full_k == alone
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampled", [SamplingParams(top_k=50, top_p=0.9, repetition_penalty=1.1),
+                                     SamplingParams(top_p=0.9), SamplingParams(temperature=0.8)],
+                         ids=["top_k", "top_p", "temperature"])
+def test_greedy_and_sampled_rows_share_a_batch(device, sampled):
+    """Greedy rows beside sampled ones (either path): greedy rows pick the argmax, sampled rows what they pick
+    alone."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, 3000, generator=g) * 3).to(device)
+    greedy = SamplingParams(temperature=0)
+    rows = [row(greedy if i % 2 else sampled, prompt=[5, 6], seed=40 + i, position=i) for i in range(6)]
+    got = sample(logits.clone(), rows).token_ids
+    for i in range(6):
+        want = int(logits[i].argmax()) if i % 2 else sample(logits[i : i + 1].clone(), [rows[i]]).token_ids[0]
+        assert got[i] == want, (i, got)
+
+
 def test_row_uniform_is_a_pure_function_in_0_1():
     us = [row_uniform(s, p) for s in range(200) for p in range(50)]
     assert all(0.0 <= u < 1.0 for u in us)
