@@ -2,8 +2,8 @@
 RoPE + KV write, fused residual add + RMSNorm, fused SiLU·mul.
 
 Imported only on CUDA (``common.model`` imports it lazily); the portable PyTorch path in ``common.model`` stays the
-reference for CPU and tests. ``loadgen/bench_gpu.py`` checks every kernel here against that path on random data
-and then runs the engine through them (SmolLM2 greedy vs transformers, Llama-3.1-8B decode vs the limit).
+reference for CPU and tests. ``tests/gpu/test_kernels.py`` (``make test-gpu``) checks every kernel here against
+float64 / portable references on random data; ``loadgen/bench_gpu.py`` times them.
 
 The pool is ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``. A token's K of layer ``l`` lies at element
 ``(row + l * 2 * block_size) * kv_heads * head_dim`` where ``row`` is its layer-0 K row (``common.model.cache_rows``);

@@ -1,9 +1,9 @@
 """The CUDA fast path's CPU-testable parts: dispatch, CUDA-graph batch sizes, decode input staging, split choice.
 
-The kernels and graphs themselves need a GPU: ``python -m loadgen.bench_gpu`` ran them on an H200 (2026-11-26,
-docs/gpu-2026-11-26-h200-fast.json): every Triton kernel against float64 / portable references on random data, and
-SmolLM2 through the fast path (CUDA graphs) greedy-equal to transformers for 20/20 prompts. Where Triton is
-installed, the last test here runs the same kernels on CPU through Triton's interpreter.
+The kernels and graphs themselves need a GPU: tests/gpu (``make test-gpu``) checks every Triton kernel against
+float64 / portable references on random data, and SmolLM2 through the fast path (CUDA graphs) greedy-equal to
+transformers. Where Triton is installed, the last test here runs the same kernels on CPU through Triton's
+interpreter.
 """
 
 from __future__ import annotations
