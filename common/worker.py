@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -112,6 +113,8 @@ class WorkerBase:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         self.role = cfg.role
+        if cfg.cluster.worker_switch_interval_ms is not None:
+            sys.setswitchinterval(cfg.cluster.worker_switch_interval_ms / 1000)
         self.registry = CollectorRegistry(auto_describe=True)
         self.metrics = WorkerMetrics(self.registry)
         self.engine: LLMEngine | None = None

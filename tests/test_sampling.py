@@ -319,5 +319,5 @@ def test_a_long_history_grows_the_kept_state(device):
         logits = torch.randn(1, vocab) * 3
         got = sampler.processed_logits(logits.to(device), [r]).cpu()
         torch.testing.assert_close(got[0], _reference(logits[0], r), rtol=1e-6, atol=1e-5)
-        r.output_ids += sampler.sample(logits.to(device), [r]).token_ids + [prompt[0]]
+        r.output_ids += [*sampler.sample(logits.to(device), [r]).token_ids, prompt[0]]
         r.position += 2
