@@ -31,7 +31,8 @@ _M64 = (1 << 64) - 1
 # top-k at most this large is sampled among the top-k candidates only; a larger k (or none) takes the full vocabulary
 _CANDIDATE_CAP = 1024
 # columns of the per-step parameter tensor
-_TEMP, _TOPK, _TOPP, _MINP, _REP, _PRES, _FREQ, _U, _SLOT, _SEEN = range(10)
+_TEMP, _TOPK, _TOPP, _MINP, _REP, _PRES, _FREQ, _U, _SLOT, _GREEDY = range(10)
+_U_MAX = 1.0 - 2.0**-23  # u × total stays below total in float32: the pick never runs off the end
 
 
 @dataclass(slots=True)
@@ -64,7 +65,11 @@ def _mix64(z: int) -> int:
 
 def row_uniform(seed: int, position: int) -> float:
     """The row's uniform draw in [0, 1): 24 bits, exact in float32, from splitmix64 over (seed, position)."""
-    return (_mix64(_mix64(seed & _M64) ^ (position & _M64)) >> 40) * 2.0**-24
+    return _uniform(_mix64(seed & _M64), position)
+
+
+def _uniform(seed_hash: int, position: int) -> float:
+    return (_mix64(seed_hash ^ (position & _M64)) >> 40) * 2.0**-24
 
 
 def _argmax(x: torch.Tensor) -> list[int]:
@@ -103,6 +108,7 @@ class _Slots:
         self.cols: dict[int, dict[int, int]] = {}  # slot → {token: column}
         self.counted: dict[int, int] = {}  # slot → outputs folded into counts
         self._writes: list[tuple[int, int, int, int]] = []  # (slot, column, token, count increment)
+        self._fills: list[tuple[int, int]] = []  # (slot, its column-0 token): a row's padding repeats column 0
 
     def _grow(self, rows: int, width: int) -> None:
         r, w = self.ids.shape
@@ -112,6 +118,7 @@ class _Slots:
         ids = self.ids.new_zeros(r2, w2)
         counts = self.counts.new_zeros(r2, w2)
         ids[:r, :w], counts[:r, :w] = self.ids, self.counts
+        ids[:, w:] = ids[:, :1]
         self.ids, self.counts = ids, counts
 
     def acquire(self, key: str | None, in_use: set[int]) -> int:
@@ -151,6 +158,8 @@ class _Slots:
         col = cols.get(token)
         if col is None:
             col = cols[token] = len(cols)
+            if col == 0:
+                self._fills.append((slot, token))
         self._writes.append((slot, col, token, inc))
 
     def sync(self, slot: int, row: SampleRow) -> None:
@@ -171,10 +180,14 @@ class _Slots:
         return len(self.cols.get(slot, ()))
 
     def flush(self) -> None:
-        """Write the step's new columns and counts to the device: one copy."""
+        """Write the step's new columns and counts to the device: one copy (two when a row was started)."""
         if not self._writes:
             return
         self._grow(0, max(len(c) for c in self.cols.values()))
+        if self._fills:
+            f = torch.tensor(self._fills, dtype=torch.long).to(self.device, non_blocking=True)
+            self._fills.clear()
+            self.ids[f[:, 0]] = f[:, 1:2].expand(-1, self.ids.shape[1])
         w = torch.tensor(self._writes, dtype=torch.long).to(self.device, non_blocking=True)
         self._writes.clear()
         self.ids.index_put_((w[:, 0], w[:, 1]), w[:, 2])
@@ -188,6 +201,13 @@ class _Workspace:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._bufs: dict[str, torch.Tensor] = {}
+
+    def rank(self, k: int) -> torch.Tensor:
+        """[1, k]: 0, 1, …, k − 1."""
+        r = self._bufs.get("rank")
+        if r is None or r.numel() < k:
+            r = self._bufs["rank"] = torch.arange(max(k, 64), dtype=torch.float32, device=self.device)
+        return r[:k].unsqueeze(0)
 
     def get(self, name: str, n: int, v: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         buf = self._bufs.get(name)
@@ -203,10 +223,12 @@ class Sampler:
     def __init__(self, vocab_size: int, device: torch.device | str, max_rows: int = 64) -> None:
         self._slots = _Slots(vocab_size, torch.device(device), max_rows)
         self._ws = _Workspace(torch.device(device))
+        self._static: dict[str, _RowStatic] = {}  # by request id
         self.vocab_size = vocab_size
 
     def release(self, key: str) -> None:
         self._slots.release(key)
+        self._static.pop(key, None)
 
     @property
     def num_tracked(self) -> int:
@@ -223,7 +245,7 @@ class Sampler:
             tok = x.argmax(dim=-1)
         if spec.any_sampled:
             picked = _pick(x, prm, spec, self._ws)
-            tok = picked if tok is None else torch.where(prm[:, _TEMP] > 0, picked, tok)
+            tok = picked if tok is None else torch.where(prm[:, _GREEDY] > 0, tok, picked)
         assert tok is not None
         for slot in spec.temp_slots:
             self._slots.drop(slot)
@@ -245,7 +267,7 @@ class Sampler:
             raise ValueError(f"logits have {vocab} columns; this sampler was made for {self.vocab_size}")
         ws = self._ws
         x = ws.get("x", n, vocab).copy_(logits)
-        spec = _StepSpec(rows, self._slots, vocab)
+        spec = _StepSpec(rows, self._slots, vocab, self._static)
         prm = torch.tensor(spec.table, dtype=torch.float32).to(dev, non_blocking=True)
         spec.raw_lp = torch.log_softmax(x[spec.lp_index(dev)], dim=-1) if spec.lp_rows else None
         slot_t = None
@@ -253,13 +275,11 @@ class Sampler:
             slot_t = prm[:, _SLOT].long()
             s = self._slots
             width = spec.max_seen
-            ids = s.ids[:, :width].index_select(0, slot_t)
-            valid = torch.arange(width, device=dev).unsqueeze(0) < prm[:, _SEEN : _SEEN + 1]
+            ids = s.ids[:, :width].index_select(0, slot_t)  # a row's padding repeats its column 0
             if spec.any_rep:  # x / rp where x > 0, x · rp elsewhere, once per token seen
-                ids_r = torch.where(valid, ids, ids[:, :1])  # padding repeats column 0: the same value twice
-                v = x.gather(1, ids_r)
+                v = x.gather(1, ids)
                 rp = prm[:, _REP : _REP + 1]
-                x.scatter_(1, ids_r, torch.where(v > 0, v / rp, v * rp))
+                x.scatter_(1, ids, torch.where(v > 0, v / rp, v * rp))
             if spec.any_freq_pres:  # x − frequency · count − presence · (count > 0); padding counts are 0
                 c = s.counts[:, :width].index_select(0, slot_t)
                 x.scatter_add_(1, ids, c * -prm[:, _FREQ : _FREQ + 1])
@@ -274,10 +294,37 @@ class Sampler:
         return x, prm, spec, slot_t
 
 
+@dataclass(frozen=True, slots=True)
+class _RowStatic:
+    """What a request's parameters say about every one of its rows, worked out once."""
+
+    head: tuple[float, ...]  # the table's columns _TEMP.._FREQ
+    greedy: bool
+    counts: bool  # needs the kept penalty state
+    rep: bool
+    freq_pres: bool
+    top_k: int  # 0: none (sampled rows)
+    top_p: bool
+    min_p: bool
+    bias: tuple[tuple[int, float], ...]
+    seed_hash: int
+
+    @classmethod
+    def of(cls, p: SamplingParams, seed: int, vocab: int) -> _RowStatic:
+        k = p.top_k if 0 < p.top_k < vocab else 0
+        greedy = p.greedy
+        # a greedy row is picked by argmax; in the sampling pass it keeps one candidate at temperature 1 (finite)
+        head = (1.0 if greedy else p.temperature, 1.0 if greedy else float(k), p.top_p, p.min_p,
+                p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
+        return cls(head, greedy, _needs_counts(p), p.repetition_penalty != 1.0,
+                   bool(p.presence_penalty or p.frequency_penalty), k, p.top_p < 1.0, p.min_p > 0.0,
+                   tuple((t, b) for t, b in p.logit_bias if t < vocab), _mix64(seed & _M64))
+
+
 class _StepSpec:
     """The host side of one step: per-row parameters as one table, and which stages any row needs."""
 
-    def __init__(self, rows: list[SampleRow], slots: _Slots, vocab: int) -> None:
+    def __init__(self, rows: list[SampleRow], slots: _Slots, vocab: int, cache: dict[str, _RowStatic]) -> None:
         self.table: list[list[float]] = []
         self.slot_of_row: list[int] = []
         self.bans: list[tuple[int, int]] = []
@@ -293,37 +340,43 @@ class _StepSpec:
         in_use: set[int] = set()
         for i, r in enumerate(rows):
             p = r.params
+            st = cache.get(r.key) if r.key is not None else None  # a request's params and seed never change
+            if st is None:
+                st = _RowStatic.of(p, r.seed, vocab)
+                if r.key is not None:
+                    cache[r.key] = st
+            row = [*st.head, min(_uniform(st.seed_hash, r.position), _U_MAX), 0.0, float(st.greedy)]
             slot = 0
-            if _needs_counts(p):
+            if st.counts:
                 slot = slots.acquire(r.key, in_use)
                 in_use.add(slot)
                 slots.sync(slot, r)
                 if r.key is None:
                     self.temp_slots.append(slot)
-                self.max_seen = max(self.max_seen, slots.seen(slot))
-                self.any_rep |= p.repetition_penalty != 1.0
-                self.any_freq_pres |= bool(p.presence_penalty or p.frequency_penalty)
+                seen = slots.seen(slot)
+                if seen:
+                    self.max_seen = max(self.max_seen, seen)
+                    self.any_rep |= st.rep
+                    self.any_freq_pres |= st.freq_pres
+                else:  # nothing seen: nothing to penalize (its ids row may be stale)
+                    row[_REP] = 1.0
+                row[_SLOT] = float(slot)
             self.slot_of_row.append(slot)
             if len(r.output_ids) < p.min_tokens:
                 self.bans += [(i, t) for t in {*r.eos_ids, *p.stop_token_ids} if 0 <= t < vocab]
-            self.bias += [(i, t, b) for t, b in p.logit_bias if t < vocab]
+            if st.bias:
+                self.bias += [(i, t, b) for t, b in st.bias]
             if p.logprobs is not None:
                 self.lp_rows.append(i)
                 self.lp_k.append(p.logprobs)
-            k = p.top_k if 0 < p.top_k < vocab else 0
-            if p.greedy:  # picked by argmax; in the sampling pass it keeps one candidate, so its row stays finite
+            if st.greedy:
                 self.any_greedy = True
-                temp, k = 0.0, 1
             else:
                 self.any_sampled = True
-                temp = p.temperature
-                self.top_ks.append(k)
-                self.any_top_p |= p.top_p < 1.0
-                self.any_min_p |= p.min_p > 0.0
-            seen = slots.seen(slot)
-            rep = p.repetition_penalty if seen else 1.0  # nothing seen: nothing to penalize (padding only)
-            self.table.append([temp, float(k), p.top_p, p.min_p, rep, p.presence_penalty, p.frequency_penalty,
-                               row_uniform(r.seed, r.position), float(slot), float(seen)])
+                self.top_ks.append(st.top_k)
+                self.any_top_p |= st.top_p
+                self.any_min_p |= st.min_p
+            self.table.append(row)
         slots.flush()
         self.count_rows = self.max_seen > 0
         # every sampled row has a small top-k: sample among the top candidates only
@@ -338,12 +391,10 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec, ws: _Workspace) -
     """Temperature, top-k, top-p, min-p, then the inverse-CDF pick in vocabulary order; overwrites ``x``. Greedy
     rows' picks here are discarded (they take temperature 1 to stay finite)."""
     temp = prm[:, _TEMP : _TEMP + 1]
-    temp = torch.where(temp > 0, temp, torch.ones_like(temp))
     k_row = prm[:, _TOPK : _TOPK + 1]
     if spec.candidates:
         vals, ids = torch.topk(x, spec.candidates, dim=-1)  # sorted, largest first
-        rank = torch.arange(spec.candidates, device=x.device).unsqueeze(0)
-        vals = (vals / temp).masked_fill(rank >= k_row, _MASK)
+        vals = vals.div_(temp).masked_fill_(ws.rank(spec.candidates) >= k_row, _MASK)
         probs = torch.softmax(vals, dim=-1)
         if spec.any_top_p:
             # keep the smallest set whose mass reaches top_p
@@ -372,10 +423,9 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec, ws: _Workspace) -
 
 
 def _inverse_cdf(probs: torch.Tensor, prm: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:
-    """Index [N, 1] of the first entry whose running mass ``cdf`` exceeds u × total. The target is kept below the
-    total, so the entry's mass is above the one before it: never an entry of probability 0."""
-    total = cdf[:, -1:]
-    target = torch.minimum(prm[:, _U : _U + 1] * total, torch.nextafter(total, torch.zeros_like(total)))
+    """Index [N, 1] of the first entry whose running mass ``cdf`` exceeds u × total. The target is below the total,
+    so the entry's mass is above the one before it: never an entry of probability 0."""
+    target = prm[:, _U : _U + 1] * cdf[:, -1:]  # u ≤ _U_MAX: below the total
     # a row of NaN (a broken model's logits) finds no entry: the clamp keeps it an index, not a device assert
     return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
 
