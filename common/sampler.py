@@ -239,7 +239,7 @@ class Sampler:
         model's dtype: an all-greedy batch is picked from it as is). Does not modify ``logits``."""
         if all(_plain_greedy(r) for r in rows):
             return SampleResult(_argmax(logits), [None] * logits.shape[0])
-        x, prm, spec, _ = self._process(logits, rows)
+        x, prm, spec = self._process(logits, rows)
         tok: torch.Tensor | None = None
         if spec.any_greedy:
             tok = x.argmax(dim=-1)
@@ -254,13 +254,13 @@ class Sampler:
     def processed_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The float32 logits the pick sees (penalties, logit_bias, min_tokens masks applied); samples nothing and
         leaves the kept counts as they were. For checks against a reference."""
-        x, _, spec, _ = self._process(logits, rows)
+        x, _, spec = self._process(logits, rows)
         for slot in spec.temp_slots:
             self._slots.drop(slot)
         return x.clone()
 
     def _process(self, logits: torch.Tensor, rows: list[SampleRow]
-                 ) -> tuple[torch.Tensor, torch.Tensor, _StepSpec, torch.Tensor | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, _StepSpec]:
         dev = logits.device
         n, vocab = logits.shape
         if vocab != self.vocab_size:
@@ -270,7 +270,6 @@ class Sampler:
         spec = _StepSpec(rows, self._slots, vocab, self._static)
         prm = torch.tensor(spec.table, dtype=torch.float32).to(dev, non_blocking=True)
         spec.raw_lp = torch.log_softmax(x[spec.lp_index(dev)], dim=-1) if spec.lp_rows else None
-        slot_t = None
         if spec.count_rows:
             slot_t = prm[:, _SLOT].long()
             s = self._slots
@@ -291,7 +290,7 @@ class Sampler:
         if spec.bans:
             r_, t_ = zip(*spec.bans)
             x[torch.tensor(r_).to(dev), torch.tensor(t_).to(dev)] = _MASK
-        return x, prm, spec, slot_t
+        return x, prm, spec
 
 
 @dataclass(frozen=True, slots=True)
