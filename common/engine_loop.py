@@ -31,7 +31,8 @@ class EngineLoop:
 
     ``on_outputs`` gets every step's outputs (on the engine thread: keep it cheap, e.g. a queue put).
     ``on_tick`` runs once per iteration (poll transfers, expire leases); ``busy`` says whether ticks are
-    needed even when the engine is idle (a transfer in flight)."""
+    needed even when the engine is idle (a transfer in flight). ``on_failure`` gets the exception that ended the
+    loop (on the engine thread, once), so the service can fail what waits on it and go down."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class EngineLoop:
         on_tick: Callable[[LLMEngine], None] | None = None,
         busy: Callable[[], bool] | None = None,
         idle_tick_s: float = 0.05,
+        on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         # an engine, or a factory the loop's thread calls first (see the module's docstring); ``ready`` holds it
         built = isinstance(engine, LLMEngine)
@@ -52,6 +54,7 @@ class EngineLoop:
         self._on_tick = on_tick
         self._busy = busy or (lambda: False)
         self._idle_tick_s = idle_tick_s
+        self._on_failure = on_failure
         self._cmds: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopping = False
@@ -115,9 +118,12 @@ class EngineLoop:
                     outs = eng.step()
                     if outs:
                         self._on_outputs(outs)
-        except BaseException as e:  # the worker reports it and goes NOT_SERVING
+        except BaseException as e:  # the worker fails what waits on the engine and goes down
             self.error = e
+            self._stopping = True  # later submits fail at once
             log.exception("engine loop failed")
+            if self._on_failure is not None:
+                self._on_failure(e)
         finally:
             self._fail_pending()
 

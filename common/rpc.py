@@ -144,7 +144,8 @@ class ServiceApp(Protocol):
 
 
 # Optional on a ServiceApp: ``async def begin_drain(self) -> None``, awaited as soon as the drain starts (before
-# in-flight RPCs finish), e.g. to tell the router "draining" at once. Exceptions are logged and ignored.
+# in-flight RPCs finish), e.g. to tell the router "draining" at once. Exceptions are logged and ignored. Also
+# optional: ``stop_event`` (an ``asyncio.Event`` the app sets to end itself) and ``failed`` (not None: `run` exits 1).
 
 
 @dataclass
@@ -205,7 +206,7 @@ async def start_server(
 
 async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: asyncio.Event | None = None) -> None:
     """Run ``app`` on ``cfg``'s ports until SIGTERM/SIGINT (or ``stop`` is set), then drain and stop it."""
-    stop = stop or asyncio.Event()
+    stop = stop or getattr(app, "stop_event", None) or asyncio.Event()  # an app may end itself (a dead engine)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -246,6 +247,10 @@ def run(app: ServiceApp, cfg: ServiceConfig) -> int:
         return 1
     except Exception:
         log.exception("%s failed", cfg.name)
+        return 1
+    failed = getattr(app, "failed", None)
+    if failed is not None:
+        log.error("%s stopped because its engine failed: %s: %s", cfg.name, type(failed).__name__, failed)
         return 1
     return 0
 

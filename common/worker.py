@@ -22,6 +22,7 @@ from common.kv_transfer import KvCompat, KvTransferAgent
 from common.load_report import engine_load, report_forever
 from common.loader import load_model_source
 from common.model_runner import KV_LAYOUT
+from common.rpc import Unavailable
 from common.sampling import SamplingParams
 from common.sequence import FinishReason
 
@@ -122,6 +123,9 @@ class WorkerBase:
         self.agent: KvTransferAgent | None = None
         self.aio: asyncio.AbstractEventLoop | None = None
         self.draining = False
+        # the engine thread died: set with the exception; ``stop_event`` then ends the service (exit code 1)
+        self.failed: BaseException | None = None
+        self.stop_event = asyncio.Event()
         self._events: dict[str, tuple[list[int], list[int]]] = {}  # per router: KV events not yet reported
         self._stop_reports = asyncio.Event()
         self._report_tasks: list[asyncio.Task[None]] = []
@@ -136,6 +140,20 @@ class WorkerBase:
     def busy(self) -> bool:
         return False
 
+    def fail_requests(self, exc: Exception) -> None:
+        """Every request waiting on the engine ends with ``exc`` (asyncio loop; the engine thread died)."""
+        raise NotImplementedError
+
+    def _engine_failed(self, e: BaseException) -> None:  # engine thread
+        self.call_in_aio(self._fail, e)
+
+    def _fail(self, e: BaseException) -> None:
+        self.failed = e
+        self.draining = True
+        self.fail_requests(Unavailable(f"{self.cfg.name}: its engine failed ({type(e).__name__}: {e}); the "
+                                       f"request can be sent again"))
+        self.stop_event.set()
+
     async def start(self) -> None:
         self.aio = asyncio.get_running_loop()
 
@@ -144,7 +162,8 @@ class WorkerBase:
             self.agent = make_agent(self.cfg, engine)
             return engine
 
-        self.loop = EngineLoop(setup, self.on_outputs, self.on_tick, self.busy, idle_tick_s=0.005)
+        self.loop = EngineLoop(setup, self.on_outputs, self.on_tick, self.busy, idle_tick_s=0.005,
+                               on_failure=self._engine_failed)
         self.loop.start()
         self.engine = await asyncio.wrap_future(self.loop.ready)
         self.metrics.bind(self.engine, self.agent)

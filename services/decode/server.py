@@ -87,6 +87,10 @@ class DecodeWorker(WorkerBase):
         await super().stop()
         self._detok_q.put(("stop",))
 
+    def fail_requests(self, exc: Exception) -> None:
+        for q in self.streams.values():
+            q.put_nowait(exc)
+
     # -- engine thread -----------------------------------------------------------------------------------
     def on_outputs(self, outs: list[RequestOutput]) -> None:
         self._detok_q.put(("outs", outs))  # one hand-off per step, not per token

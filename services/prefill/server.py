@@ -55,6 +55,12 @@ class PrefillWorker(WorkerBase):
         self._unscheduled: dict[str, _Queued] = {}  # engine thread only (tracing)
         self._tick_ns = 0  # engine thread: the last tick, i.e. just before the step that follows it
 
+    def fail_requests(self, exc: Exception) -> None:
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._waiters.clear()
+
     def register(self, server: grpc.aio.Server) -> list[str]:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
         return [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name]
