@@ -118,12 +118,14 @@ class BlockManager:
         b.ref_count += 1
 
     def allocate(self, seq: Sequence, num_tokens_after: int) -> None:
-        """Grow ``seq``'s block table to hold ``num_tokens_after`` tokens."""
+        """Grow ``seq``'s block table to hold ``num_tokens_after`` tokens. The blocks taken in one call go into the
+        table in ascending id order: neighbours in the table are then neighbours in the pool as often as the free
+        list allows, and a KV transfer posts each such run as one descriptor (common/kv_transfer.py)."""
         need = self.blocks_needed(num_tokens_after) - len(seq.block_ids)
         if need > len(self._free):
             raise NoFreeBlocksError(f"need {need} blocks, {len(self._free)} free")
-        for _ in range(need):
-            bid, _ = self._free.popitem(last=False)  # least recently freed
+        taken = sorted(self._free.popitem(last=False)[0] for _ in range(need))  # the least recently freed
+        for bid in taken:
             b = self.blocks[bid]
             if b.hash is not None:
                 if self._by_hash.get(b.hash) == bid:

@@ -108,9 +108,14 @@ class WorkerConfig:
     # list ("0,1", "0,0", "cuda:1": the workers take them in order; a GPU named twice is shared on purpose and
     # splits engine.gpu_memory_utilization). None: one GPU of its own per worker, chosen by the launcher
     gpus: str | None = None
+    # prefill: how long a finished prompt's KV blocks wait for a decode worker to claim them, and how long a claimed
+    # lease holds them for its READ; both timed on the prefill worker's own monotonic clock (services/prefill)
+    kv_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         parse_gpus(self.gpus)  # raises ValueError naming the value
+        if not self.kv_lease_s > 0:
+            raise ValueError(f"kv_lease_s must be > 0 seconds, got {self.kv_lease_s}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,26 @@ class WorkerMetrics:
         self.nixl_failures = Gauge("tokenmill:nixl_xfer_failures", "Failed NIXL transfers", registry=r)
         self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
                                       registry=r)
+        # one observation per request's KV transfer, on both sides: decode from posting its READ to seeing it
+        # complete, prefill from the decode worker's Claim to the READ's completion notification
+        self.kv_transfer_seconds = Histogram(
+            "tokenmill:kv_transfer_seconds", "A request's KV transfer over NIXL, seconds", registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0))
+        self.kv_transfer_bytes = Histogram(
+            "tokenmill:kv_transfer_bytes", "A request's KV transfer over NIXL, bytes", registry=r,
+            buckets=tuple(float(1 << k) for k in range(20, 34)))  # 1 MiB .. 8 GiB
+        self.kv_transfer_blocks = Histogram(
+            "tokenmill:kv_transfer_blocks", "A request's KV transfer over NIXL, blocks", registry=r,
+            buckets=tuple(float(1 << k) for k in range(0, 14)))  # 1 .. 8,192
+        self.kv_recomputes = Counter(
+            "tokenmill:kv_recomputes", "Prompts a decode worker recomputed instead of pulling their KV, by reason "
+            "(claim_refused: the lease was gone or its holder unreachable; read_failed; read_timeout: the READ "
+            "outlived the claim's hold; no_room: no free blocks for the pull)", ["reason"], registry=r)
+
+    def observe_transfer(self, seconds: float, nbytes: int, blocks: int) -> None:
+        self.kv_transfer_seconds.observe(seconds)
+        self.kv_transfer_bytes.observe(nbytes)
+        self.kv_transfer_blocks.observe(blocks)
 
     def bind(self, engine: LLMEngine, agent: KvTransferAgent | None) -> None:
         """Read the engine's and the agent's state at scrape time, so ``/metrics`` is never a report interval

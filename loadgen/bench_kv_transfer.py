@@ -1,14 +1,19 @@
-"""KV transfer benchmark: two processes, decode READs a prompt's KV blocks from prefill over NIXL (local mode, DRAM).
+"""KV transfer benchmark: two processes, decode READs a prompt's KV blocks from prefill over NIXL.
 
-The KV of a 512- and a 4,096-token prompt of SmolLM2-135M in float32 (30 layers, 3 KV heads, head dim 64,
-block 16: 720 KiB a block, 22.5 MiB and 180 MiB a prompt), with block ids scattered on both sides (no two
-neighbours, so NIXL cannot merge descriptors). Each READ is timed from ``start_read`` to the ``poll`` that sees
-DONE (polled in a tight loop); the median of several repetitions after a warm-up, and GB/s = bytes / median.
-Every configuration runs in a fresh pair of processes, because UCX reads UCX_TLS once per process.
+The KV of a 512- and a 4,096-token prompt (``--sizes``) of SmolLM2-135M in float32 (30 layers, 3 KV heads, head
+dim 64, block 16: 720 KiB a block, 22.5 MiB and 180 MiB a prompt), or of Llama-3.1-8B in bfloat16 (``--shape
+llama-3.1-8b``: 32 layers, 8 KV heads, head dim 128: 2 MiB a block). Block ids are ``scattered`` on both sides (no
+two neighbours, so every block is its own descriptor) or ``contiguous`` (one run on each side, handed over in
+descending order as a freed sequence's blocks come back: the agent sorts them into one descriptor). Each READ is
+timed from ``start_read`` to the ``poll`` that sees DONE (polled in a tight loop); the median of several repetitions
+after a warm-up, and GB/s = bytes / median. Every configuration runs in a fresh pair of processes, because UCX reads
+UCX_TLS once per process. With two GPUs, torch's peer copy (``copy_`` from one card to the other, bytes counted
+once) of the largest size is timed in the same run, as the ceiling.
 
     python -m loadgen.bench_kv_transfer                           # the defaults common/kv_transfer.py picks
     python -m loadgen.bench_kv_transfer --compare                 # UCX_TLS / error handling / progress thread
     python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1    # GPU pools (prefill's, decode's)
+    UCX_PROTO_INFO=y python -m loadgen.bench_kv_transfer ...      # UCX prints the transport of each protocol
 
 The numbers behind the defaults are in the comments of common/kv_transfer.py.
 """
@@ -24,7 +29,12 @@ import time
 from typing import Any
 
 BLOCK = 16
-SHAPE = (30, 2, BLOCK, 3, 64)  # SmolLM2-135M: layers, k/v, block size, kv heads, head dim
+# a block's shape (layers, k/v, block size, kv heads, head dim) and dtype
+SHAPES: dict[str, tuple[tuple[int, ...], str]] = {
+    "smollm2": ((30, 2, BLOCK, 3, 64), "float32"),
+    "llama-3.1-8b": ((32, 2, BLOCK, 8, 128), "bfloat16"),
+}
+PATTERNS = ("scattered", "contiguous")
 DEFAULT_SIZES = (512, 4096)
 
 # name -> KvTransferAgent keyword arguments, added to role="prefill" / role="decode" (which pick the progress
@@ -53,22 +63,23 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _pool(num_blocks: int, fill: bool, device: str):
+def _pool(num_blocks: int, fill: bool, device: str, shape: str):
     import torch
 
+    dims, dtype = SHAPES[shape]
     if not fill:
-        return torch.zeros((num_blocks, *SHAPE), dtype=torch.float32, device=device)
+        return torch.zeros((num_blocks, *dims), dtype=getattr(torch, dtype), device=device)
     g = torch.Generator().manual_seed(1234)
-    return torch.randn((num_blocks, *SHAPE), generator=g, dtype=torch.float32).to(device)
+    return torch.randn((num_blocks, *dims), generator=g).to(device=device, dtype=getattr(torch, dtype))
 
 
-def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str) -> None:
+def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str) -> None:
     import torch
 
     torch.set_num_threads(1)
     from common.kv_transfer import KvCompat, KvTransferAgent
 
-    kv = _pool(num_blocks, fill=True, device=device)
+    kv = _pool(num_blocks, fill=True, device=device, shape=shape)
     agent = KvTransferAgent("bench-prefill", kv, KvCompat.for_pool(kv, "smollm2", "bench"), **kw)
     conn.send(agent.handshake_payload())
     notifs: list[bytes] = []
@@ -99,7 +110,7 @@ def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str) -> None:
 
 
 def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ...], reps: int,
-            poll_sleep: float, device: str) -> None:
+            poll_sleep: float, device: str, shape: str, pattern: str) -> None:
     import random
 
     import torch
@@ -108,7 +119,7 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
     from common.kv_transfer import KvTransferAgent
 
     hs = conn.recv()
-    kv = _pool(num_blocks, fill=False, device=device)
+    kv = _pool(num_blocks, fill=False, device=device, shape=shape)
     agent = KvTransferAgent("bench-decode", kv, hs.compat, **kw)
     t0 = time.perf_counter()
     agent.add_peer(*hs)
@@ -121,9 +132,12 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
         times, posts = [], []
         cpu = 0.0
         for i in range(reps + 1):
-            # every other block, shuffled: no two neighbours, both sides
-            remote = rng.sample(range(0, num_blocks, 2), n)
-            local = rng.sample(range(1, num_blocks, 2), n)
+            if pattern == "scattered":  # every other block, shuffled: no two neighbours, both sides
+                remote = rng.sample(range(0, num_blocks, 2), n)
+                local = rng.sample(range(1, num_blocks, 2), n)
+            else:  # one run a side, descending
+                r0, l0 = rng.randrange(num_blocks - n + 1), rng.randrange(num_blocks - n + 1)
+                remote, local = list(range(r0 + n - 1, r0 - 1, -1)), list(range(l0 + n - 1, l0 - 1, -1))
             c0, t0 = _cpu_seconds(), time.perf_counter()
             h = agent.start_read(hs.agent_name, remote, local, notif=f"{tokens}:{i}".encode())
             post = time.perf_counter() - t0
@@ -143,7 +157,7 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
         conn.send(("sha", remote))
         ok = conn.recv() == hashlib.sha256(kv[local].cpu().numpy().tobytes()).hexdigest()
         med = statistics.median(times)
-        rows.append({"tokens": tokens, "blocks": n, "bytes": n * agent.bytes_per_block, "median_s": med,
+        rows.append({"tokens": tokens, "blocks": n, "runs": h.runs, "bytes": n * agent.bytes_per_block, "median_s": med,
                      "min_s": min(times), "max_s": max(times), "first_s": first_s, "exact": ok,
                      "post_s": statistics.median(posts), "cpu_per_read_s": cpu / reps})
     conn.send(("notifs", sent))
@@ -160,14 +174,15 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
 
 
 def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 15,
-               poll_sleep: float = 0.0, device: str = "cpu", timeout: float = 120.0) -> dict[str, Any]:
+               poll_sleep: float = 0.0, device: str = "cpu", timeout: float = 120.0, shape: str = "smollm2",
+               pattern: str = "scattered") -> dict[str, Any]:
     """One configuration in a fresh prefill + decode process pair; returns the decode side's measurements."""
     ctx = mp.get_context("spawn")
     num_blocks = 2 * -(-max(sizes) // BLOCK) + 8
     a, b = ctx.Pipe()
     res_r, res_w = ctx.Pipe(duplex=False)
-    pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0]), daemon=True)
-    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1]), daemon=True)
+    pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0], shape), daemon=True)
+    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern), daemon=True)
     pre.start()
     dec.start()
     try:
@@ -190,15 +205,16 @@ def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps:
 
 
 def _table(results: dict[str, dict[str, Any] | str]) -> str:
-    lines = ["| config | UCX_TLS | prompt tokens | MiB | median ms | min–max ms | in start_read ms | decode CPU ms | first ms | "
-             "GB/s | exact | idle CPU prefill / decode |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | UCX_TLS | prompt tokens | MiB | descriptors | median ms | min–max ms | in start_read ms | decode CPU ms | "
+             "first ms | GB/s | exact | idle CPU prefill / decode |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if isinstance(r, str):
             lines.append(f"| {name} | failed: {r} ||||||||||| ")
             continue
         for row in r["rows"]:
             lines.append(
-                f"| {name} | {r['ucx_tls']} | {row['tokens']} | {row['bytes'] / 2**20:.1f} | {row['median_s'] * 1e3:.2f} | "
+                f"| {name} | {r['ucx_tls']} | {row['tokens']} | {row['bytes'] / 2**20:.1f} | {row['runs']} | "
+                f"{row['median_s'] * 1e3:.2f} | "
                 f"{row['min_s'] * 1e3:.2f}–{row['max_s'] * 1e3:.2f} | {row['post_s'] * 1e3:.2f} | "
                 f"{row['cpu_per_read_s'] * 1e3:.1f} | "
                 f"{row['first_s'] * 1e3:.1f} | "
@@ -216,21 +232,60 @@ def main(argv: list[str] | None = None) -> None:
                     help="sleep between polls (0: tight loop; an engine polls once per step)")
     ap.add_argument("--device", default="cpu", help="where the pools live: cpu (local mode), cuda[:N], or prefill's,decode's (cuda:0,cuda:1)")
     ap.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="prompt lengths in tokens")
+    ap.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the KV block's model shape")
+    ap.add_argument("--pattern", choices=[*PATTERNS, "both"], default="both", help="block ids on both sides")
     args = ap.parse_args(argv)
     names = list(CONFIGS) if args.compare else (args.config or [next(iter(CONFIGS))])
+    patterns = PATTERNS if args.pattern == "both" else (args.pattern,)
     results: dict[str, dict[str, Any] | str] = {}
     for name in names:
-        try:
-            r = run_config(CONFIGS[name], tuple(args.sizes), args.reps, args.poll_sleep_ms / 1e3, args.device)
-            if r["notifs"] != r["sent"]:
-                print(f"{name}: prefill saw {r['notifs']} of {r['sent']} notifications")
-            results[name] = r
-        except Exception as e:
-            results[name] = f"{type(e).__name__}: {e}"[:120]
-        print(f"done: {name}", flush=True)
-    print(f"\n{args.reps} READs per row after one warm-up; block ids scattered on both sides; "
-          f"poll sleep {args.poll_sleep_ms} ms; pools on {args.device}.\n")
+        for pattern in patterns:
+            key = f"{name}; {pattern}"
+            try:
+                r = run_config(CONFIGS[name], tuple(args.sizes), args.reps, args.poll_sleep_ms / 1e3, args.device,
+                               shape=args.shape, pattern=pattern)
+                if r["notifs"] != r["sent"]:
+                    print(f"{key}: prefill saw {r['notifs']} of {r['sent']} notifications")
+                results[key] = r
+            except Exception as e:
+                results[key] = f"{type(e).__name__}: {e}"[:120]
+            print(f"done: {key}", flush=True)
+    print(f"\n{args.reps} READs per row after one warm-up; {args.shape} blocks; poll sleep {args.poll_sleep_ms} ms; "
+          f"pools on {args.device}.\n")
     print(_table(results))
+    devices = args.device.split(",")
+    if len(devices) == 2 and devices[0] != devices[1] and devices[0].startswith("cuda"):
+        nbytes = -(-max(args.sizes) // BLOCK) * _block_bytes(args.shape)
+        gbs = peer_copy_gbs(devices[0], devices[1], nbytes)
+        print(f"\ntorch peer copy {devices[0]} -> {devices[1]}, {nbytes / 2**20:.0f} MiB (bytes counted once): "
+              f"{gbs:.1f} GB/s")
+
+
+def _block_bytes(shape: str) -> int:
+    dims, dtype = SHAPES[shape]
+    n = 1
+    for d in dims:
+        n *= d
+    return n * (4 if dtype == "float32" else 2)
+
+
+def peer_copy_gbs(src: str, dst: str, nbytes: int, reps: int = 20) -> float:
+    """GB/s of torch's ``dst.copy_(src)`` between two GPUs, bytes counted once; median of ``reps`` after warm-up."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src).random_(0, 255)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
+    times = []
+    for i in range(reps + 3):
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(dst)
+        torch.cuda.synchronize(src)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
 
 
 if __name__ == "__main__":

@@ -99,3 +99,17 @@ def test_scheduler_preempts_lowest_priority_latest():
     assert [s.request_id for s in out.preempted] == ["lo"]
     assert [i.seq.request_id for i in out.decodes] == ["hi"]
     assert lo.num_computed_tokens == 0 and lo in sch.waiting and lo.block_ids == []
+
+
+def test_blocks_taken_in_one_allocation_ascend():
+    """A freed sequence's blocks return to the free list tail first; the next allocation still lays them out in
+    ascending order, so a KV transfer of them is one contiguous run on this side."""
+    bm = BlockManager(num_blocks=5, block_size=4, model_id="m", enable_prefix_caching=False)
+    a = seq("a", list(range(20)))
+    run_prefill(bm, a)
+    assert a.block_ids == [0, 1, 2, 3, 4]
+    bm.free(a)
+    b = seq("b", list(range(100, 120)))
+    bm.admit(b)
+    bm.allocate(b, b.num_tokens)
+    assert b.block_ids == [0, 1, 2, 3, 4]  # the free list holds them as 4, 3, 2, 1, 0

@@ -1,7 +1,8 @@
 """common.kv_transfer: a decode process READs a prefill process's KV blocks over NIXL, byte for byte.
 
 Real separate processes (multiprocessing spawn), the SmolLM2 KV shape in float32 (30 layers, block 16, 3 KV heads,
-head dim 64: 720 KiB a block), 64 blocks a pool. The scenario runs once per module; the tests check its parts.
+head dim 64: 720 KiB a block), 64 blocks a pool. The scenario runs once per module and pool placement (host memory;
+both pools on one GPU; prefill on GPU 0 and decode on GPU 1); the tests check its parts.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ SHAPE = (64, 30, 2, 16, 3, 64)
 REMOTE = [5, 9, 10, 40]
 LOCAL = [0, 1, 2, 3]
 NOTIF = b"lease-7f3a"
+RUN_REMOTE = list(range(20, 28))
+RUN_LOCAL = list(range(30, 38))
 TIMEOUT = 60.0
 
 
@@ -110,6 +113,14 @@ def _decode_main(conn, device: str) -> None:
         # a second, blocking read of the same blocks in another order lands in other local blocks
         agent.read_blocks(hs.agent_name, REMOTE[::-1], [60, 50, 20, 11], timeout=TIMEOUT)
         out["reversed"] = kv[[60, 50, 20, 11]].cpu()
+        # a run contiguous on both sides, handed over in descending order (as the free list returns a freed
+        # sequence's blocks), is posted as one descriptor and lands in order
+        h = agent.start_read(hs.agent_name, RUN_REMOTE[::-1], RUN_LOCAL[::-1])
+        while agent.poll(h) == "PROC" and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        out["run_state"], out["runs"] = h.state, h.runs
+        agent.release(h)
+        out["run_blocks"] = kv[RUN_LOCAL].cpu()
         conn.send(out)
         conn.recv()  # prefill is gone now: a READ must fail, not hang
         t0 = time.monotonic()
@@ -140,16 +151,21 @@ def _recv(conn, proc, what: str):
 
 
 @pytest.fixture(scope="module", params=[
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
-])
+    ("cpu", "cpu"),
+    pytest.param(("cuda:0", "cuda:0"), marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="no CUDA device")),
+    pytest.param(("cuda:0", "cuda:1"), marks=[pytest.mark.gpu2, pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs two CUDA devices")]),
+], ids=["host", "one-gpu", "two-gpus"])
 def scenario(request):
-    """Both pools in host memory (local mode), or both on the GPU (VRAM, where UCX picks cuda_ipc)."""
+    """Both pools in host memory (local mode), both on one GPU, or prefill's on GPU 0 and decode's on GPU 1 (VRAM,
+    where UCX picks cuda_ipc)."""
     ctx = mp.get_context("spawn")
     p_conn, p_child = ctx.Pipe()
     d_conn, d_child = ctx.Pipe()
-    pre = ctx.Process(name="prefill", target=_prefill_main, args=(p_child, request.param), daemon=True)
-    dec = ctx.Process(name="decode", target=_decode_main, args=(d_child, request.param), daemon=True)
+    pre_dev, dec_dev = request.param
+    pre = ctx.Process(name="prefill", target=_prefill_main, args=(p_child, pre_dev), daemon=True)
+    dec = ctx.Process(name="decode", target=_decode_main, args=(d_child, dec_dev), daemon=True)
     pre.start()
     dec.start()
     try:
@@ -166,6 +182,8 @@ def scenario(request):
         res["notifs"] = _recv(p_conn, pre, "notifications")
         p_conn.send(("blocks", REMOTE))
         res["expected"] = _recv(p_conn, pre, "the prefill blocks")
+        p_conn.send(("blocks", RUN_REMOTE))
+        res["run_expected"] = _recv(p_conn, pre, "the prefill run")
         pre.kill()  # SIGKILL: no goodbye to UCX
         pre.join(10)
         d_conn.send("go")
@@ -187,6 +205,12 @@ def test_scattered_blocks_arrive_exactly(scenario):
     assert got.numpy().tobytes() == exp.numpy().tobytes()  # bit for bit
     assert scenario["rest_untouched"], "a READ wrote outside the requested local blocks"
     assert scenario["reversed"].numpy().tobytes() == exp.flip(0).numpy().tobytes()
+
+
+def test_a_descending_run_is_one_descriptor_and_lands_in_order(scenario):
+    assert scenario["run_state"] == "DONE"
+    assert scenario["runs"] == 1
+    assert scenario["run_blocks"].numpy().tobytes() == scenario["run_expected"].numpy().tobytes()
 
 
 def test_counters(scenario):
@@ -227,7 +251,21 @@ def test_dead_peer_fails_instead_of_hanging(scenario):
     assert scenario["has_peer_after_death"] is False  # forgotten: the next request redoes the handshake
 
 
-# -- no processes: compat and descriptors ----------------------------------------------------------------------
+# -- no processes: compat, descriptors, runs -------------------------------------------------------------------
+@pytest.mark.parametrize("remote, local, sorted_remote, sorted_local, runs", [
+    ([3, 4, 5], [7, 8, 9], [3, 4, 5], [7, 8, 9], 1),
+    ([5, 4, 3], [9, 8, 7], [3, 4, 5], [7, 8, 9], 1),  # a freed sequence's blocks come back in descending order
+    ([5, 4, 3], [7, 8, 9], [3, 4, 5], [9, 8, 7], 3),  # contiguous on one side only
+    ([1, 2, 10, 11, 12], [0, 1, 5, 6, 7], [1, 2, 10, 11, 12], [0, 1, 5, 6, 7], 2),
+    ([8], [2], [8], [2], 1),
+])
+def test_pair_runs_sorts_by_remote_and_counts_runs(remote, local, sorted_remote, sorted_local, runs):
+    from common.kv_transfer import pair_runs
+
+    r, loc, n = pair_runs(remote, local)
+    assert r.tolist() == sorted_remote and loc.tolist() == sorted_local and n == runs
+
+
 def _compat(**kw) -> KvCompat:
     base = dict(protocol_version=1, model_id="smollm2", dtype="float32", num_layers=30, num_kv_heads=3,
                 head_dim=64, block_size=16, layout="block-major")

@@ -1,15 +1,22 @@
 """The Decode service: one engine in continuous batching, KV pulled over NIXL, text beside the loop.
 
 Threads: the asyncio loop (gRPC), the engine loop (``EngineLoop``: steps, NIXL polls), and the detokenizer
-(``OutputProcessor``: token ids → text, stop strings). A request with a KV handle streams its first token at once,
-then its blocks are pulled with one NIXL READ, polled once per step; when it lands the sequence joins the running
-batch. A pull that fails, or a lease too close to expiry, falls back to recomputing the prompt here.
+(``OutputProcessor``: token ids → text, stop strings). A request with a KV handle first claims its lease
+(``Prefill.Claim``: the prefill worker holds the blocks for a stated time from then), streams its first token, then
+pulls the blocks with one NIXL READ, checked once per step while the running batch goes on; when it lands the
+sequence joins the batch. A refused claim, a failed READ, or a READ still running ``LEASE_SAFETY_S`` before the
+claim's hold ends (timed on this worker's monotonic clock from before the Claim was sent) is given up and the prompt
+recomputed here, so no READ ever runs past the hold.
+
+Fault injection for tests (``KV_PULL_FAULT``): ``before:S`` holds each pull S seconds between its claim
+and its READ; ``after:S`` treats each READ as in flight for at least S seconds after posting it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,7 +30,7 @@ from tokenmill.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, p
 from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine, RequestOutput, TokenLogprob
-from common.kv_transfer import KvCompat, KvIncompatibleError, KvReadHandle
+from common.kv_transfer import KvCompat, KvIncompatibleError, KvReadHandle, KvTransferError
 from common.output_processor import OutputProcessor, TextDelta
 from common.sampling import SamplingParams
 from common.wire import sampling_params_from_proto
@@ -31,7 +38,18 @@ from common.worker import FINISH_TO_PROTO, WorkerBase, compat_proto, logprob_pro
 
 log = logging.getLogger(__name__)
 
-LEASE_SAFETY_S = 2.0  # never start a READ this close to the lease's end: the prefill worker may reuse the blocks
+LEASE_SAFETY_S = 2.0  # a READ still running this close to the end of its claim's hold (or its last quarter) is given up
+CLAIM_TIMEOUT_S = 5.0
+
+
+def _fault_delays(spec: str | None) -> tuple[float, float]:
+    """``KV_PULL_FAULT`` (``before:S`` / ``after:S``) as (delay before the READ, minimum READ time)."""
+    if not spec:
+        return 0.0, 0.0
+    where, _, secs = spec.partition(":")
+    if where not in ("before", "after"):
+        raise ValueError(f"KV_PULL_FAULT={spec!r}: expected before:SECONDS or after:SECONDS")
+    return (float(secs), 0.0) if where == "before" else (0.0, float(secs))
 
 
 class PeerRefused(rpc.Unavailable):
@@ -40,9 +58,14 @@ class PeerRefused(rpc.Unavailable):
 
 @dataclass
 class _Pull:
-    handle: KvReadHandle
+    handle: KvReadHandle | None  # None: not posted yet (fault injection ``before``)
     peer: str
     lease_id: str
+    deadline: float  # time.monotonic(): give the READ up after this (LEASE_SAFETY_S inside the claim's hold)
+    remote: list[int]
+    local: list[int]
+    post_at: float = 0.0  # time.monotonic(): post the READ then (fault injection ``before``)
+    observe_after: float = 0.0  # time.monotonic(): count it in flight until then (fault injection ``after``)
     aborted: bool = False
     started_ns: int = 0  # tracing: READ started (its span is made on the asyncio loop when it ends)
     trace_ctx: Any = None  # the request's ``decode`` span: the parent of ``kv_transfer``
@@ -70,6 +93,9 @@ class DecodeWorker(WorkerBase):
         self._pulls: dict[str, _Pull] = {}  # engine thread only
         self._peers: dict[str, str] = {}  # prefill address → its agent name (handshake done)
         self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._prefill_stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}  # for Claim, one channel per worker
+        self._channels: list[grpc.aio.Channel] = []
+        self._delay_before, self._delay_after = _fault_delays(os.environ.get("KV_PULL_FAULT"))
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
@@ -86,6 +112,8 @@ class DecodeWorker(WorkerBase):
     async def stop(self) -> None:
         await super().stop()
         self._detok_q.put(("stop",))
+        for ch in self._channels:
+            await ch.close()
 
     def fail_requests(self, exc: Exception) -> None:
         for q in self.streams.values():
@@ -102,25 +130,86 @@ class DecodeWorker(WorkerBase):
     def on_tick(self, engine: LLMEngine) -> None:
         assert self.agent is not None
         for rid, pull in list(self._pulls.items()):
+            now = time.monotonic()
+            if pull.handle is None:  # fault injection: the READ is posted late
+                if pull.aborted or now >= pull.deadline:
+                    del self._pulls[rid]
+                    self._give_back(pull)
+                    if pull.aborted:
+                        engine.abort(rid)
+                    else:
+                        log.warning("KV pull for %s from %s not started before its claim's hold: recomputing "
+                                    "here", rid, pull.peer)
+                        self._recompute(engine, rid, "read_timeout")
+                elif now >= pull.post_at:
+                    self._post(engine, rid, pull)
+                continue
             state = self.agent.poll(pull.handle)
-            if state == "PROC":
+            if state == "PROC" and now >= pull.deadline:
+                self._give_up(engine, rid, pull)
+                continue
+            if state == "PROC" or now < pull.observe_after:
                 continue
             self.agent.release(pull.handle)
             del self._pulls[rid]
             h = pull.handle
             self.call_in_aio(telemetry.record_span, "kv_transfer", pull.started_ns, time.time_ns(), pull.trace_ctx,
-                             {"bytes": h.nbytes, "blocks": h.num_blocks, "peer": pull.peer},
+                             {"bytes": h.nbytes, "blocks": h.num_blocks, "runs": h.runs, "peer": pull.peer},
                              None if state == "DONE" else f"KV pull {state}: {h.error}")
+            if state == "DONE":
+                self.metrics.observe_transfer(h.seconds, h.nbytes, h.num_blocks)
+            else:
+                self._give_back(pull)  # the READ failed: no completion notification frees the lease
             if pull.aborted:
                 engine.abort(rid)
             elif state == "DONE":
                 engine.kv_ready(rid)
             else:
-                log.warning("KV pull for %s from %s failed (%s): recomputing here", rid, pull.peer, pull.handle.error)
-                engine.kv_failed(rid)
+                log.warning("KV pull for %s from %s failed (%s): recomputing here", rid, pull.peer, h.error)
+                self._recompute(engine, rid, "read_failed")
+
+    def _recompute(self, engine: LLMEngine, rid: str, reason: str) -> None:
+        self.metrics.kv_recomputes.labels(reason).inc()
+        engine.kv_failed(rid)
+
+    def _give_back(self, pull: _Pull) -> None:
+        """Tell the prefill worker its lease is free (no READ of ours runs under it); best effort."""
+        try:
+            self.agent.send_notification(pull.peer, pull.lease_id.encode())  # type: ignore[union-attr]
+        except KvTransferError as e:  # it went away: its blocks went with it
+            log.info("could not give lease %s back to %s: %s", pull.lease_id, pull.peer, e)
+
+    def _give_up(self, engine: LLMEngine, rid: str, pull: _Pull) -> None:
+        """The READ outlived its claim's hold (less LEASE_SAFETY_S): cancel it and recompute here."""
+        assert pull.handle is not None and self.agent is not None
+        cancelled = self.agent.release(pull.handle)
+        del self._pulls[rid]
+        log.warning("KV pull for %s from %s still running %.1f s after its claim: %s, recomputing here", rid,
+                    pull.peer, pull.handle.seconds, "cancelled" if cancelled else "NIXL could not cancel it")
+        if cancelled:
+            self._give_back(pull)
+        if pull.aborted:
+            engine.abort(rid)
+        else:
+            self._recompute(engine, rid, "read_timeout")
+
+    def _post(self, engine: LLMEngine, rid: str, pull: _Pull) -> None:
+        """Post the READ (engine thread); a READ that cannot be posted (the peer went away) is recomputed."""
+        assert self.agent is not None
+        try:
+            pull.handle = self.agent.start_read(pull.peer, pull.remote, pull.local, pull.lease_id.encode())
+        except KvTransferError as e:
+            del self._pulls[rid]
+            log.warning("KV pull for %s from %s could not start (%s): recomputing here", rid, pull.peer, e)
+            self._recompute(engine, rid, "read_failed")
+            return
+        pull.started_ns = time.time_ns()
+        pull.observe_after = time.monotonic() + self._delay_after
 
     def _admit(self, engine: LLMEngine, rid: str, req: decode_pb2.DecodeRequest, params: SamplingParams,
-               trace_ctx: Any = None) -> None:
+               trace_ctx: Any = None, deadline: float | None = None) -> None:
+        """Add the request (engine thread). With a KV handle: ``deadline`` is its claim's (None: the claim was
+        refused, so the prompt is recomputed here)."""
         meta = req.meta
         if not req.HasField("kv"):
             engine.add_request(rid, list(req.prompt_token_ids), params, meta.priority, meta.cache_salt)
@@ -134,17 +223,24 @@ class DecodeWorker(WorkerBase):
         )
         self._detok_q.put(("out", out))  # the first token streams before the pull
         kv = req.kv
-        peer = self._peers[kv.address]
-        if plan is None:  # finished already, or recomputed here: the prefill worker can free its blocks
-            self.agent.send_notification(peer, kv.lease_id.encode())  # type: ignore[union-attr]
+        peer = self._peers.get(kv.address, kv.worker_id)
+        pull = _Pull(None, peer, kv.lease_id, deadline or 0.0, [], [], trace_ctx=trace_ctx)
+        if plan is None:  # finished already, or no room: recomputed here; the prefill worker can free its blocks
+            if deadline is not None:
+                self._give_back(pull)
+            if not out.finished:
+                self.metrics.kv_recomputes.labels("no_room").inc()
             return
-        if kv.lease_expires_unix_ms / 1000 - time.time() < LEASE_SAFETY_S:
-            log.warning("lease %s for %s is about to expire: recomputing here", kv.lease_id, rid)
-            engine.kv_failed(rid)
+        if deadline is None:
+            self._recompute(engine, rid, "claim_refused")
             return
-        remote = list(kv.block_ids[plan.num_cached_blocks :])
-        handle = self.agent.start_read(peer, remote, plan.local_block_ids, kv.lease_id.encode())  # type: ignore[union-attr]
-        self._pulls[rid] = _Pull(handle, peer, kv.lease_id, started_ns=time.time_ns(), trace_ctx=trace_ctx)
+        pull.remote = list(kv.block_ids[plan.num_cached_blocks :])
+        pull.local = plan.local_block_ids
+        self._pulls[rid] = pull
+        if self._delay_before:
+            pull.post_at = time.monotonic() + self._delay_before
+        else:
+            self._post(engine, rid, pull)
 
     def _abort(self, engine: LLMEngine, rid: str) -> None:
         pull = self._pulls.get(rid)
@@ -197,7 +293,26 @@ class DecodeWorker(WorkerBase):
         if q is not None:
             q.put_nowait(item)
 
-    # -- handshake with prefill workers (asyncio) --------------------------------------------------------
+    # -- leases and handshakes with prefill workers (asyncio) -------------------------------------------
+    async def claim(self, kv: common_pb2.KvHandle) -> float | None:
+        """Claim the lease: the monotonic time by which our READ must be over (LEASE_SAFETY_S inside the hold,
+        counted from before the Claim left), or None when the lease is gone or its holder unreachable."""
+        stub = self._prefill_stubs.get(kv.address)
+        if stub is None:
+            ch = grpc.aio.insecure_channel(kv.address, options=rpc.GRPC_OPTIONS)
+            self._channels.append(ch)
+            stub = self._prefill_stubs[kv.address] = prefill_pb2_grpc.PrefillStub(ch)
+        sent = time.monotonic()
+        try:
+            resp = await stub.Claim(prefill_pb2.ClaimRequest(lease_id=kv.lease_id), timeout=CLAIM_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.warning("claim of lease %s on %s refused (%s: %s): recomputing here", kv.lease_id, kv.address,
+                        e.code().name, e.details())
+            return None
+        hold = resp.hold_ms / 1000
+        deadline = sent + hold - min(LEASE_SAFETY_S, hold / 4)
+        return deadline if deadline > time.monotonic() else None
+
     async def ensure_peer(self, kv: common_pb2.KvHandle) -> None:
         """Handshake with a prefill worker once; again after the agent dropped it (it restarted or died)."""
         assert self.agent is not None
@@ -259,8 +374,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         params = sampling_params_from_proto(request.params)
         prompt = list(request.prompt_token_ids)
         w.engine.validate(prompt, params)  # reads only config: safe off the engine thread
+        deadline = None
         if request.HasField("kv"):
-            await w.ensure_peer(request.kv)
+            try:
+                await w.ensure_peer(request.kv)
+            except grpc.aio.AioRpcError as e:  # the prefill worker is gone: recompute here
+                log.warning("no KV handshake with %s (%s: %s): recomputing here", request.kv.address,
+                            e.code().name, e.details())
+            else:
+                deadline = await w.claim(request.kv)
         q: asyncio.Queue[_Item | BaseException] = asyncio.Queue()
         w.streams[rid] = q
         w.metrics.prompt_tokens.inc(len(prompt))
@@ -269,7 +391,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         trace_ctx = telemetry.context_with(span)
         try:
             w._detok_q.put(("add", rid, prompt, params))
-            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, trace_ctx)))
+            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, trace_ctx,
+                                                                        deadline)))
             while not finished:
                 items = [await q.get()]
                 while not q.empty():

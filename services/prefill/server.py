@@ -1,9 +1,11 @@
 """The Prefill service: computes a prompt (chunked, prefix-cached), samples the first token, and holds the
 prompt's blocks under a lease until the decode worker has pulled them.
 
-A lease ends on the decode worker's NIXL notification (its READ is over), on ``Release`` (cancelled), or on
-expiry. Blocks are never reused while leased; a decode worker never starts a READ within ``LEASE_SAFETY_S`` of the
-end (see services/decode), so a late pull gets a clear fallback (recompute), never another request's bytes.
+A lease waits ``prefill.kv_lease_s`` for the decode worker's ``Claim``; a claim holds the blocks for that long
+again, for the READ. It ends on the decode worker's NIXL notification (its READ is over, or it gave up), on
+``Release`` (cancelled), or on expiry. Every time is on this worker's own monotonic clock: the decode worker learns
+only durations, and gives up its READ well inside the hold (services/decode), so expiry never frees blocks under a
+READ, and a late decode gets NOT_FOUND and recomputes instead of another request's bytes.
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from common.worker import FINISH_TO_PROTO, WorkerBase, compat_proto, logprob_pro
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 30.0
 
 
 @dataclass
 class _Lease:
     request_id: str
-    expires: float  # unix seconds
+    num_blocks: int
+    granted: float  # time.monotonic()
+    expires: float  # time.monotonic()
+    claimed: float | None = None  # time.monotonic() of the Claim: a READ may be in flight
 
 
 @dataclass
@@ -47,9 +51,9 @@ class _Queued:
 class PrefillWorker(WorkerBase):
     role_proto = router_pb2.WORKER_ROLE_PREFILL
 
-    def __init__(self, cfg: ServiceConfig, lease_s: float = LEASE_S) -> None:
+    def __init__(self, cfg: ServiceConfig) -> None:
         super().__init__(cfg)
-        self.lease_s = lease_s
+        self.lease_s = cfg.cluster.prefill.kv_lease_s
         self._waiters: dict[str, asyncio.Future[RequestOutput]] = {}  # asyncio side
         self._leases: dict[str, _Lease] = {}  # engine thread only
         self._unscheduled: dict[str, _Queued] = {}  # engine thread only (tracing)
@@ -91,31 +95,53 @@ class PrefillWorker(WorkerBase):
                 self._unscheduled.pop(rid).scheduled_ns = self._tick_ns
         self._tick_ns = time.time_ns()
         for _peer, msg in self.agent.completed_notifications():
-            self._end_lease(engine, msg.decode(errors="replace"))
-        now = time.time()
+            self._end_lease(engine, msg.decode(errors="replace"), read=True)
+        now = time.monotonic()
         for lease_id, lease in list(self._leases.items()):
             if lease.expires <= now:
-                log.warning("lease %s (%s) expired unread: freeing its blocks", lease_id, lease.request_id)
+                if lease.claimed is None:
+                    log.warning("lease %s (%s) expired unclaimed after %.1f s: freeing its blocks", lease_id,
+                                lease.request_id, self.lease_s)
+                else:
+                    log.warning("lease %s (%s) expired %.1f s after its claim with no word from the decode "
+                                "worker (which gives its READ up before then): freeing its blocks", lease_id,
+                                lease.request_id, self.lease_s)
                 self.metrics.expired_leases.inc()
                 self._end_lease(engine, lease_id)
 
-    def _end_lease(self, engine: LLMEngine, lease_id: str) -> bool:
+    def _end_lease(self, engine: LLMEngine, lease_id: str, read: bool = False) -> bool:
+        """Free a lease's blocks. ``read``: the decode worker's notification ended it: its transfer figures are
+        recorded, timed from the claim (the READ's post and copy, and the notification's way back)."""
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
         engine.release(lease.request_id)
+        if read and lease.claimed is not None:
+            assert self.agent is not None
+            self.metrics.observe_transfer(time.monotonic() - lease.claimed,
+                                          lease.num_blocks * self.agent.bytes_per_block, lease.num_blocks)
         return True
+
+    def _claim(self, lease_id: str) -> float:
+        """A decode worker is about to READ: hold the blocks ``lease_s`` from now; returns that hold in seconds."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise rpc.NotFound(f"lease {lease_id!r} is unknown or expired on {self.cfg.name} (leases wait "
+                               f"{self.lease_s:g} s for a claim); recompute the prompt")
+        lease.claimed = time.monotonic()
+        lease.expires = lease.claimed + self.lease_s
+        return self.lease_s
 
     def _add(self, engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
              meta: common_pb2.RequestMeta, queued: _Queued) -> None:
         engine.add_request(rid, prompt, params, meta.priority, meta.cache_salt, prefill_only=True)
         self._unscheduled[rid] = queued
 
-    def _grant(self, engine: LLMEngine, o: RequestOutput) -> tuple[str, float]:
+    def _grant(self, engine: LLMEngine, o: RequestOutput) -> str:
         lease_id = uuid.uuid4().hex
-        expires = time.time() + self.lease_s
-        self._leases[lease_id] = _Lease(o.request_id, expires)
-        return lease_id, expires
+        now = time.monotonic()
+        self._leases[lease_id] = _Lease(o.request_id, len(o.kv_block_ids or ()), now, now + self.lease_s)
+        return lease_id
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -160,10 +186,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if o.logprobs:
             result.first_logprob.CopyFrom(logprob_proto(o.logprobs[0]))
         if o.kv_block_ids is not None:
-            lease_id, expires = await asyncio.wrap_future(w.loop.submit(lambda e: w._grant(e, o)))
+            lease_id = await asyncio.wrap_future(w.loop.submit(lambda e: w._grant(e, o)))
             result.kv.CopyFrom(common_pb2.KvHandle(
                 worker_id=w.agent.name, address=w.cfg.address, block_ids=o.kv_block_ids,
-                num_tokens=len(prompt), lease_id=lease_id, lease_expires_unix_ms=int(expires * 1000),
+                num_tokens=len(prompt), lease_id=lease_id, lease_ms=int(w.lease_s * 1000),
             ))
         return result
 
@@ -173,6 +199,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         assert w.loop is not None
         ok = await asyncio.wrap_future(w.loop.submit(lambda e: w._end_lease(e, request.lease_id)))
         return prefill_pb2.ReleaseResponse(released=ok)
+
+    @rpc.translate_errors
+    async def Claim(self, request: prefill_pb2.ClaimRequest, context: grpc.aio.ServicerContext):
+        w = self.w
+        assert w.loop is not None
+        hold_s = await asyncio.wrap_future(w.loop.submit(lambda e: w._claim(request.lease_id)))
+        return prefill_pb2.ClaimResponse(hold_ms=int(hold_s * 1000))
 
     @rpc.translate_errors
     async def KvHandshake(self, request: prefill_pb2.KvHandshakeRequest, context: grpc.aio.ServicerContext):

@@ -50,6 +50,14 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: Callable[[], str]
         time.sleep(0.1)
 
 
+def cuda_visible_devices(pid: int) -> str | None:
+    """A running process's CUDA_VISIBLE_DEVICES (None: not set)."""
+    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        if entry.startswith(b"CUDA_VISIBLE_DEVICES="):
+            return entry.split(b"=", 1)[1].decode()
+    return None
+
+
 # -- a real cluster ----------------------------------------------------------------------------------------------
 def _tail(path: str | Path, n: int) -> str:
     try:

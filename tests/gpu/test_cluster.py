@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from tests.gpu.helpers import (
     GPU_ENGINE_ARGS,
     SAMPLED,
     GpuCluster,
+    cuda_visible_devices,
     first_diff,
     generate_all,
     ids_request,
@@ -185,21 +185,14 @@ def shared_gpu(agg, aggregated_long, tmp_path_factory):
     c.stop()
 
 
-def _cuda_visible_devices(pid: int) -> str | None:
-    for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-        if entry.startswith(b"CUDA_VISIBLE_DEVICES="):
-            return entry.split(b"=", 1)[1].decode()
-    return None
-
-
 def test_prefill_and_decode_sharing_one_gpu_equal_aggregated(shared_gpu, aggregated_long):
     """Runs last in this module: it stops the aggregated cluster."""
     [pre] = shared_gpu.procs("prefill")
     [dec] = shared_gpu.procs("decode")
     gpu0 = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()  # GPU 0 as this process names it
     for p in (pre, dec):
-        assert _cuda_visible_devices(p["pid"]) == gpu0, (
-            f"{p['name']} was started with CUDA_VISIBLE_DEVICES={_cuda_visible_devices(p['pid'])!r}; "
+        assert cuda_visible_devices(p["pid"]) == gpu0, (
+            f"{p['name']} was started with CUDA_VISIBLE_DEVICES={cuda_visible_devices(p['pid'])!r}; "
             f"prefill.gpus=cuda:0 and decode.gpus=cuda:0 should give both GPU {gpu0}")
         assert p.get("gpu_memory_utilization") == pytest.approx(UTILIZATION / 2, abs=1e-3), (
             f"{p['name']}: gpu_memory_utilization {p.get('gpu_memory_utilization')} in the state file; two workers "

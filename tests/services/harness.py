@@ -120,16 +120,17 @@ async def wait_for_workers(router_address: str, n: int, timeout: float = 5.0) ->
 
 
 @contextlib.contextmanager
-def running_cluster(tmp: Path, *args: str, timeout: float = 240) -> Iterator[dict[str, Any]]:
+def running_cluster(tmp: Path, *args: str, timeout: float = 240,
+                    env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
     """``tokenmill up`` as a user runs it, on a free port range, until the block exits (then SIGTERM, and the
-    launcher must exit 0). ``args``: more ``up`` options. Yields the state file's content plus ``base``,
+    launcher must exit 0). ``args``: more ``up`` options; ``env``: more environment. Yields the state file's content plus ``base``,
     ``gateway`` (gRPC HOST:PORT), ``http`` (the OpenAI API root URL) and ``state`` (its path)."""
     base = free_base_port()
     state = tmp / "state.json"
     cmd = [sys.executable, "-m", "services.cli", "up", "--base-port", str(base), "--gateway-port", str(base + 450),
            "--http-port", str(base + 451), "--state-file", str(state), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     deadline = time.monotonic() + timeout
     try:
         while not (state.exists() and json.loads(state.read_text()).get("ready")):

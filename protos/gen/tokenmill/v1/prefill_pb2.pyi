@@ -37,6 +37,18 @@ class ReleaseRequest(_message.Message):
     lease_id: str
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
+class ClaimRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ClaimResponse(_message.Message):
+    __slots__ = ("hold_ms",)
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    hold_ms: int
+    def __init__(self, hold_ms: _Optional[int] = ...) -> None: ...
+
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
     RELEASED_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,11 @@ class PrefillStub:
                 request_serializer=tokenmill_dot_v1_dot_prefill__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=tokenmill_dot_v1_dot_prefill__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Claim = channel.unary_unary(
+                '/tokenmill.v1.Prefill/Claim',
+                request_serializer=tokenmill_dot_v1_dot_prefill__pb2.ClaimRequest.SerializeToString,
+                response_deserializer=tokenmill_dot_v1_dot_prefill__pb2.ClaimResponse.FromString,
+                _registered_method=True)
         self.KvHandshake = channel.unary_unary(
                 '/tokenmill.v1.Prefill/KvHandshake',
                 request_serializer=tokenmill_dot_v1_dot_prefill__pb2.KvHandshakeRequest.SerializeToString,
@@ -71,6 +76,15 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Claim(self, request, context):
+        """The decode worker is about to READ a lease's blocks: from now they are held for hold_ms (the holder's own
+        monotonic clock), freed earlier only by the READ's completion notification or a Release. NOT_FOUND: the
+        lease expired or is unknown; the decode worker recomputes the prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def KvHandshake(self, request, context):
         """NIXL handshake: agent metadata, serialized KV pool descriptors and the compatibility fields.
         """
@@ -90,6 +104,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=tokenmill_dot_v1_dot_prefill__pb2.ReleaseRequest.FromString,
                     response_serializer=tokenmill_dot_v1_dot_prefill__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Claim': grpc.unary_unary_rpc_method_handler(
+                    servicer.Claim,
+                    request_deserializer=tokenmill_dot_v1_dot_prefill__pb2.ClaimRequest.FromString,
+                    response_serializer=tokenmill_dot_v1_dot_prefill__pb2.ClaimResponse.SerializeToString,
             ),
             'KvHandshake': grpc.unary_unary_rpc_method_handler(
                     servicer.KvHandshake,
@@ -153,6 +172,33 @@ class Prefill:
             '/tokenmill.v1.Prefill/Release',
             tokenmill_dot_v1_dot_prefill__pb2.ReleaseRequest.SerializeToString,
             tokenmill_dot_v1_dot_prefill__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Claim(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenmill.v1.Prefill/Claim',
+            tokenmill_dot_v1_dot_prefill__pb2.ClaimRequest.SerializeToString,
+            tokenmill_dot_v1_dot_prefill__pb2.ClaimResponse.FromString,
             options,
             channel_credentials,
             insecure,
