@@ -63,6 +63,14 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _bytes(t) -> bytes:
+    """A tensor's bytes (numpy has no bfloat16: viewed as int16)."""
+    import torch
+
+    t = t.contiguous().cpu()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+
+
 def _pool(num_blocks: int, fill: bool, device: str, shape: str):
     import torch
 
@@ -90,7 +98,7 @@ def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str)
             continue
         cmd, arg = conn.recv()
         if cmd == "sha":
-            conn.send(hashlib.sha256(kv[arg].cpu().numpy().tobytes()).hexdigest())
+            conn.send(hashlib.sha256(_bytes(kv[arg])).hexdigest())
         elif cmd == "idle":  # CPU this process burns over `arg` seconds with nothing to do but the loop above
             c0, t0 = _cpu_seconds(), time.perf_counter()
             while time.perf_counter() - t0 < arg:
@@ -155,7 +163,7 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
             else:
                 first_s = h.seconds
         conn.send(("sha", remote))
-        ok = conn.recv() == hashlib.sha256(kv[local].cpu().numpy().tobytes()).hexdigest()
+        ok = conn.recv() == hashlib.sha256(_bytes(kv[local])).hexdigest()
         med = statistics.median(times)
         rows.append({"tokens": tokens, "blocks": n, "runs": h.runs, "bytes": n * agent.bytes_per_block, "median_s": med,
                      "min_s": min(times), "max_s": max(times), "first_s": first_s, "exact": ok,
