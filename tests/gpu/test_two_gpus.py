@@ -45,15 +45,15 @@ def ids_and_refs() -> tuple[list[list[int]], list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def late(ids_and_refs, tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("late"), *ENGINE, *kv_pulls.LATE["args"], "--prefill-gpus", "0",
-                         "--decode-gpus", "1", env=kv_pulls.LATE["env"], timeout=300) as c:
+    with running_cluster(tmp_path_factory.mktemp("late"), *ENGINE, *kv_pulls.LATE["args"], "--prefill-gpus", "cuda:0",
+                         "--decode-gpus", "cuda:1", env=kv_pulls.LATE["env"], timeout=300) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def held(late, tmp_path_factory):
-    with running_cluster(tmp_path_factory.mktemp("held"), *ENGINE, *kv_pulls.HELD["args"], "--prefill-gpus", "0,0",
-                         "--decode-gpus", "1", env=kv_pulls.HELD["env"], timeout=300) as c:
+    with running_cluster(tmp_path_factory.mktemp("held"), *ENGINE, *kv_pulls.HELD["args"], "--prefill-gpus", "cuda:0,cuda:0",
+                         "--decode-gpus", "cuda:1", env=kv_pulls.HELD["env"], timeout=300) as c:
         yield c
 
 
