@@ -231,33 +231,31 @@ def _tail(path: Path, n: int = 3000) -> str:
 
 
 @contextlib.contextmanager
-def served_cluster(model: str, a: argparse.Namespace, dtype: str, log_dir: Path) -> Iterator[dict[str, Any]]:
-    """``tokenmill up`` on one device (aggregated), ready when the gateway's /health answers 200; SIGTERM to the
-    launcher at exit. Yields the gRPC address, the HTTP base URL, the state file, the log and the seconds it took
-    to be ready. Raises RuntimeError (with the log's end) when it exits or times out first."""
+def start_cluster(name: str, up_args: list[str], log_dir: Path, startup_timeout: float) -> Iterator[dict[str, Any]]:
+    """``python -m services.cli up`` with ``up_args`` (layout, model, device, ``--set`` items) as a user starts it,
+    on free ports below 32768 (the ports, the state file and the log, named after ``name``, are added here); ready
+    when the gateway's ``/health`` answers 200; SIGTERM to the launcher at exit. Yields the gRPC address, the HTTP
+    base URL, the state file, the log and the seconds it took to be ready. Raises RuntimeError (with the log's end)
+    when it exits or times out first."""
     base = free_base_port()
-    slug = model.replace(":", "-").replace("/", "-")
+    slug = name.replace(":", "-").replace("/", "-")
     state, log = log_dir / f"cluster-{slug}.json", log_dir / f"cluster-{slug}.log"
-    cmd = [sys.executable, "-m", "services.cli", "up", "--model", _spec_arg(model), "--prefills", "0",
-           "--base-port", str(base), "--gateway-port", str(base + 450), "--http-port", str(base + 451),
-           "--state-file", str(state), "--set", f"engine.max_num_seqs={a.max_concurrency}",
-           "--set", f"engine.dtype={dtype}", "--device", a.device, "--tokenizer", _spec_arg(a.tokenizer)]
-    for item in a.set_items or []:
-        cmd += ["--set", item]
-    _say(f"{model}: starting the cluster: {' '.join(cmd[1:])} (log {log})")
+    cmd = [sys.executable, "-m", "services.cli", "up", *up_args, "--base-port", str(base),
+           "--gateway-port", str(base + 450), "--http-port", str(base + 451), "--state-file", str(state)]
+    _say(f"{name}: starting the cluster: {' '.join(cmd[1:])} (log {log})")
     http = f"http://127.0.0.1:{base + 451}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
     t0 = time.perf_counter()
     with open(log, "wb") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
     try:
-        deadline = time.monotonic() + a.startup_timeout
+        deadline = time.monotonic() + startup_timeout
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"tokenmill up exited with {proc.returncode} before it was ready; its log "
                                    f"({log}) ends:\n{_tail(log)}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway's /health was not 200 after {a.startup_timeout:.0f} s; the log "
+                raise RuntimeError(f"the gateway's /health was not 200 after {startup_timeout:.0f} s; the log "
                                    f"({log}) ends:\n{_tail(log)}")
             with contextlib.suppress(urllib.error.URLError, OSError), \
                     opener.open(f"{http}/health", timeout=2) as r:
@@ -265,7 +263,7 @@ def served_cluster(model: str, a: argparse.Namespace, dtype: str, log_dir: Path)
                     break
             time.sleep(0.5)
         ready_s = round(time.perf_counter() - t0, 1)
-        _say(f"{model}: cluster ready in {ready_s:.1f} s")
+        _say(f"{name}: cluster ready in {ready_s:.1f} s")
         yield {"grpc": f"127.0.0.1:{base + 450}", "http": http, "state": str(state), "log": str(log),
                "ready_s": ready_s}
     finally:
@@ -276,20 +274,28 @@ def served_cluster(model: str, a: argparse.Namespace, dtype: str, log_dir: Path)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        _say(f"{model}: cluster stopped (exit {proc.returncode})")
+        _say(f"{name}: cluster stopped (exit {proc.returncode})")
 
 
-def _spec_arg(spec: str) -> str:
+def served_cluster(model: str, a: argparse.Namespace, dtype: str,
+                   log_dir: Path) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """``tokenmill up`` on one device (aggregated: ``--prefills 0``) for ``model``, as ``start_cluster`` runs it."""
+    args = ["--model", spec_arg(model), "--prefills", "0", "--set", f"engine.max_num_seqs={a.max_concurrency}",
+            "--set", f"engine.dtype={dtype}", "--device", a.device, "--tokenizer", spec_arg(a.tokenizer)]
+    for item in a.set_items or []:
+        args += ["--set", item]
+    return start_cluster(model, args, log_dir, a.startup_timeout)
+
+
+def spec_arg(spec: str) -> str:
     """A model/tokenizer spec for a child started in the repository root: a local path made absolute."""
     p = Path(spec).expanduser()
     return str(p.resolve()) if p.exists() else spec
 
 
 def _serve_args(a: argparse.Namespace, backend: str, state: str | None) -> argparse.Namespace:
-    """``tokenmill bench serve``'s options for one client, parsed by its own parser (so every default is its)."""
-    p = argparse.ArgumentParser()
-    bench_serve.add_parser(p.add_subparsers())
-    argv = ["serve", "--backend", backend, "--random-input-len", str(a.input_len), "--random-output-len",
+    """``tokenmill bench serve``'s options for one client."""
+    argv = ["--backend", backend, "--random-input-len", str(a.input_len), "--random-output-len",
             str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.max_concurrency),
             "--ignore-eos", "--seed", str(a.seed), "--cache-salt", "auto", "--num-warmups", "0", "--disable-tqdm",
             "--no-plots"]
@@ -297,7 +303,15 @@ def _serve_args(a: argparse.Namespace, backend: str, state: str | None) -> argpa
         argv += ["--tokenizer", a.tokenizer]
     if state:
         argv += ["--cluster-state", state]
-    return p.parse_args(argv)
+    return parse_serve_args(argv)
+
+
+def parse_serve_args(argv: list[str]) -> argparse.Namespace:
+    """``tokenmill bench serve ARGV`` parsed by its own parser (so every default is its): the options
+    ``bench_serve._one_run`` takes."""
+    p = argparse.ArgumentParser()
+    bench_serve.add_parser(p.add_subparsers())
+    return p.parse_args(["serve", *argv])
 
 
 def _load(a: argparse.Namespace) -> LoadConfig:
@@ -322,7 +336,7 @@ def served_target(backend: str, cluster: dict[str, Any], sampling: Sampling,
 
 
 async def served_runs(a: argparse.Namespace, cluster: dict[str, Any], builder: PromptBuilder,
-                      backends: list[str], model: str, res: _Result) -> None:
+                      backends: list[str], model: str, res: BenchResult) -> None:
     """Every client × sampling against the running cluster: a warm-up, then the measured load of each, a row each."""
     for backend in backends:
         sa = _serve_args(a, backend, cluster["state"])
@@ -416,7 +430,16 @@ def _parse(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     return models, backends
 
 
-class _Result:
+def make_log_dir(log_dir: str | None, result_file: Path | None, tool: str) -> Path:
+    """Where the clusters' logs and state files go, created: ``log_dir``, else beside the result file
+    (``NAME-logs``), else a fresh temporary directory."""
+    out = Path(log_dir) if log_dir else (result_file.with_name(result_file.stem + "-logs") if result_file
+                                         else Path(tempfile.mkdtemp(prefix=f"tokenmill-{tool}-")))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class BenchResult:
     """The result document, rewritten to ``path`` after every phase: a run cut short keeps what it measured."""
 
     def __init__(self, path: Path | None, doc: dict[str, Any]) -> None:
@@ -442,7 +465,7 @@ class _Result:
 
 
 def engine_phase(a: argparse.Namespace, model: str, dtype: str, specs: list[RequestSpec], builder: PromptBuilder,
-                 res: _Result) -> None:
+                 res: BenchResult) -> None:
     """The engine alone: load, warm-up, the decode step timed greedy and sampled, the load with each sampling."""
     from common.cluster_config import ClusterConfig
     from common.engine import LLMEngine
@@ -499,11 +522,9 @@ def run(a: argparse.Namespace) -> int:
     models, backends = _parse(a)
     dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     path = Path(a.result_file) if a.result_file else None
-    log_dir = Path(a.log_dir) if a.log_dir else (path.with_name(path.stem + "-logs") if path
-                                                 else Path(tempfile.mkdtemp(prefix="tokenmill-gpu-serving-")))
-    log_dir.mkdir(parents=True, exist_ok=True)
+    log_dir = make_log_dir(a.log_dir, path, "gpu-serving")
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else _machine().get("cpu", "cpu")
-    res = _Result(path, {
+    res = BenchResult(path, {
         "tool": "tokenmill bench gpu-serving", "device": a.device, "device_name": device_name, "dtype": dtype,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": _machine(), "source": _source_state(),
         "torch": torch.__version__, "config": {k: v for k, v in vars(a).items() if not callable(v)},
@@ -561,7 +582,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def served_phase(a: argparse.Namespace, model: str, dtype: str, builder: PromptBuilder, backends: list[str],
-                 log_dir: Path, res: _Result) -> None:
+                 log_dir: Path, res: BenchResult) -> None:
     """The served cluster: started, every client × sampling run against it, stopped."""
     with res.phase(f"{model}: served (cluster start, loads, stop)"), \
             served_cluster(model, a, dtype, log_dir) as cluster:

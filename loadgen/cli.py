@@ -10,6 +10,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     from loadgen import (
         bench_control_plane,
+        bench_disagg,
         bench_gpu_serving,
         bench_offline,
         bench_serve,
@@ -22,4 +23,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_serve.add_parser(bsub)
     bench_serving_peer.add_parser(bsub)
     bench_gpu_serving.add_parser(bsub)
+    bench_disagg.add_parser(bsub)
     report.add_compare_parser(bsub)

@@ -9,8 +9,12 @@ runs on ``cuda:0``, and ``engine.gpu_memory_utilization`` is a fraction of that 
 - a device list: the pool's workers take these GPUs in order. A GPU named more than once, in one list or in both,
   is shared on purpose: its workers split ``gpu_memory_utilization`` equally.
 
-One visible GPU and no prefill layout given (``prefill.count``, ``prefill.gpus``): the aggregated layout, no
-prefill worker (the decode worker prefills). More workers than GPUs of their own: an error that says how to share.
+No prefill layout given (``prefill.count``, ``prefill.gpus``): the aggregated layout, no prefill worker (each
+decode worker prefills its own requests). No decode count given: a decode worker on every GPU not taken by prefill.
+So N GPUs run N aggregated replicas behind the router by default: on two H200s with the 8B model that layout served
+as much goodput as one prefill + one decode GPU, or more, at every rate measured (docs/benchmarks.md, ``tokenmill
+bench disagg``); 1P+1D is one flag away (``--prefills 1``) for loads where steady ITL matters more. More workers than
+GPUs of their own: an error that says how to share.
 ``plan_gpus`` is pure (the visible GPUs are an argument); ``visible_gpus`` asks torch.
 """
 
@@ -98,8 +102,11 @@ def plan_gpus(cluster: ClusterConfig, visible: Sequence[str], given: Collection[
     if n == 0:
         raise GpuPlanError("--device cuda (engine.device=cuda), but torch sees no CUDA device on this machine")
     counts = _counts(cluster, specs, given)
-    if n == 1 and specs["prefill"] is None and "prefill.count" not in given:
-        counts["prefill"] = 0  # one GPU: the aggregated layout, the decode worker prefills
+    if specs["prefill"] is None and "prefill.count" not in given:
+        counts["prefill"] = 0  # no prefill layout asked for: aggregated replicas (the measured default, see above)
+    if "decode.count" not in given and not isinstance(specs["decode"], tuple):
+        taken = len(set(specs["prefill"])) if isinstance(specs["prefill"], tuple) else counts["prefill"]
+        counts["decode"] = max(1, n - taken)  # a replica on every GPU left
 
     named: set[int] = set()
     for role, spec in specs.items():

@@ -176,7 +176,7 @@ class DecodeWorker(WorkerBase):
         """Tell the prefill worker its lease is free (no READ of ours runs under it); best effort."""
         try:
             self.agent.send_notification(pull.peer, pull.lease_id.encode())  # type: ignore[union-attr]
-        except KvTransferError as e:  # it went away: its blocks went with it
+        except Exception as e:  # it went away (its blocks went with it), or NIXL refused: the lease expires
             log.info("could not give lease %s back to %s: %s", pull.lease_id, pull.peer, e)
 
     def _give_up(self, engine: LLMEngine, rid: str, pull: _Pull) -> None:
@@ -198,8 +198,9 @@ class DecodeWorker(WorkerBase):
         assert self.agent is not None
         try:
             pull.handle = self.agent.start_read(pull.peer, pull.remote, pull.local, pull.lease_id.encode())
-        except KvTransferError as e:
+        except (KvTransferError, ValueError) as e:  # the peer went away, or its handle names blocks it lacks
             del self._pulls[rid]
+            self._give_back(pull)
             log.warning("KV pull for %s from %s could not start (%s): recomputing here", rid, pull.peer, e)
             self._recompute(engine, rid, "read_failed")
             return

@@ -78,6 +78,11 @@ def test_greedy_through_1p1d_equals_one_engine(held, ids_and_refs):
     kv_pulls.check_pd_equals_engine(held, *ids_and_refs)
 
 
+def test_a_handle_naming_missing_blocks_is_recomputed(held, ids_and_refs):
+    ids, refs = ids_and_refs
+    kv_pulls.check_bad_block_ids_recompute(held, ids[kv_pulls.FORGED], refs[kv_pulls.FORGED])
+
+
 def test_cancel_during_the_pull_frees_both_cards(held, ids_and_refs):
     kv_pulls.check_cancel_during_pull(held, ids_and_refs[0][kv_pulls.CANCEL])
 

@@ -50,8 +50,10 @@ LONG_TEXTS = [
     "Every compiler turns a program into a sequence of simpler steps, one pass at a time. " * 8,
     "The old lighthouse keeper wrote down the weather twice a day for forty years. " * 8,
     "Bread rises because yeast turns sugar into gas that the dough traps in small pockets. " * 8,
+    "A chess clock has two faces, and only one of them runs at any moment of the game. " * 8,
 ]
-PD, CANCEL, KILL = (0, 1, 2), 3, 4  # which prompt each check of the ``held`` cluster takes: none hits a cache
+PD, CANCEL, FORGED, KILL = (0, 1, 2), 3, 5, 4  # which prompt each check of the ``held`` cluster takes: none hits
+# a cache
 
 
 # -- a cluster's processes and metrics --------------------------------------------------------------------------
@@ -184,6 +186,31 @@ def check_claim_refused_recomputes(info: dict[str, Any], prompt_ids: list[int], 
     assert ids == ref, f"recomputed after a refused claim: {ids} vs one engine {ref}"
     assert metric(dec, "tokenmill:kv_recomputes_total", 'reason="claim_refused"') == before + 1
     wait_all_blocks_free(info)
+
+
+def check_bad_block_ids_recompute(info: dict[str, Any], prompt_ids: list[int], ref: list[int]) -> None:
+    """A KV handle naming blocks its prefill worker does not have (a bug or a forged handle) costs a recompute,
+    not the decode worker: the stream completes, and the real lease is given back at once."""
+    pre = procs(info, "prefill")[0]
+    [dec] = procs(info, "decode")
+    failed0 = metric(dec, "tokenmill:kv_recomputes_total", 'reason="read_failed"')
+    params = common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with grpc.insecure_channel(pre["address"]) as ch:
+        res = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+            meta=common_pb2.RequestMeta(request_id="forged"), prompt_token_ids=prompt_ids, params=params),
+            timeout=120)
+    kv = common_pb2.KvHandle()
+    kv.CopyFrom(res.kv)
+    kv.block_ids[-1] = 1 << 30
+    ids: list[int] = []
+    with grpc.insecure_channel(dec["address"]) as ch:
+        for d in decode_pb2_grpc.DecodeStub(ch).Decode(decode_pb2.DecodeRequest(
+                meta=common_pb2.RequestMeta(request_id="forged"), prompt_token_ids=prompt_ids, params=params,
+                first_token_id=res.first_token_id, kv=kv), timeout=120):
+            ids += list(d.token_ids)
+    assert ids == ref, f"recomputed after a bad handle: {ids} vs one engine {ref}"
+    assert metric(dec, "tokenmill:kv_recomputes_total", 'reason="read_failed"') == failed0 + 1
+    wait_all_blocks_free(info, timeout=5)  # given back, not left to expire (kv_lease_s is 30 s here)
 
 
 def check_pull_outliving_its_hold_recomputes(info: dict[str, Any], prompt_ids: list[int], ref: list[int]) -> None:

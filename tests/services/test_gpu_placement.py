@@ -32,21 +32,24 @@ def layout(p) -> dict[str, tuple[tuple[str, ...], float]]:
 
 
 # -- the plan -------------------------------------------------------------------------------------------------
-def test_one_gpu_runs_aggregated_and_two_give_each_worker_its_own():
+def test_by_default_every_gpu_runs_an_aggregated_replica_and_a_prefill_layout_gets_its_own():
     p = plan(["0"])
     assert (p.cluster.prefill.count, p.cluster.decode.count) == (0, 1)
     assert layout(p) == {"decode-0": (("0",), 0.9)}
     p = plan(["0", "1", "2"])
-    assert (p.cluster.prefill.count, p.cluster.decode.count) == (1, 1)
-    assert layout(p) == {"prefill-0": (("0",), 0.9), "decode-0": (("1",), 0.9)}
+    assert (p.cluster.prefill.count, p.cluster.decode.count) == (0, 3)
+    assert layout(p) == {"decode-0": (("0",), 0.9), "decode-1": (("1",), 0.9), "decode-2": (("2",), 0.9)}
+    p = plan(["0", "1", "2"], **{"prefill.count": 1})  # 1P + a decode worker on each GPU left
+    assert (p.cluster.prefill.count, p.cluster.decode.count) == (1, 2)
+    assert layout(p) == {"prefill-0": (("0",), 0.9), "decode-0": (("1",), 0.9), "decode-1": (("2",), 0.9)}
     # the launcher's own CUDA_VISIBLE_DEVICES: its cuda:0 and cuda:1 are GPUs 3 and 5 of the machine
-    p = plan(["3", "5"], **{"decode.count": 1})
+    p = plan(["3", "5"], **{"prefill.count": 1, "decode.count": 1})
     assert layout(p) == {"prefill-0": (("3",), 0.9), "decode-0": (("5",), 0.9)}
     assert p.placements["decode-0"].describe() == "cuda:0 (GPU 5)"
 
 
 def test_a_count_is_the_gpus_of_each_worker_as_in_helm_and_ray():
-    p = plan(["0", "1", "2", "3"], **{"decode.gpus": "1", "decode.count": 3})
+    p = plan(["0", "1", "2", "3"], **{"decode.gpus": "1", "decode.count": 3, "prefill.count": 1})
     assert (p.cluster.prefill.count, p.cluster.decode.count) == (1, 3)
     assert layout(p) == {"prefill-0": (("0",), 0.9), "decode-0": (("1",), 0.9), "decode-1": (("2",), 0.9),
                          "decode-2": (("3",), 0.9)}
@@ -63,7 +66,7 @@ def test_device_lists_share_on_purpose_and_split_the_utilization():
     assert layout(p) == {"prefill-0": (("1",), 0.4), "decode-0": (("0",), 0.4), "decode-1": (("0",), 0.4),
                          "decode-2": (("1",), 0.4)}
     # a list and an automatic pool: the automatic one takes a GPU no list names
-    p = plan(["0", "1", "2"], **{"decode.gpus": "[0, 0]"})
+    p = plan(["0", "1", "2"], **{"decode.gpus": "[0, 0]", "prefill.count": 1})
     assert layout(p) == {"prefill-0": (("1",), 0.9), "decode-0": (("0",), 0.45), "decode-1": (("0",), 0.45)}
     assert split_utilization(0.9, 1 / 3) == 0.3 and split_utilization(0.9, 1 / 7) * 7 <= 0.9
 
@@ -74,7 +77,8 @@ def test_device_lists_share_on_purpose_and_split_the_utilization():
         ([], {}, "--device cuda (engine.device=cuda), but torch sees no CUDA device on this machine"),
         (["0"], {"prefill.count": 1}, "1 prefill + 1 decode workers need a GPU each, but 1 is visible; run fewer "
                                       "workers (--prefills, --decodes), or share a GPU on purpose"),
-        (["0", "1"], {"decode.count": 2}, "1 prefill + 2 decode workers need a GPU each, but 2 are visible"),
+        (["0", "1"], {"prefill.count": 1, "decode.count": 2}, "1 prefill + 2 decode workers need a GPU each, but 2 "
+                                                              "are visible"),
         (["0", "1"], {"decode.gpus": "3"}, "decode.gpus=3: a decode worker runs on one GPU (gpus counts a worker's "
                                            "GPUs, as in Helm and Ray); for more GPUs run more workers (--decodes 3)"),
         (["4", "6"], {"decode.gpus": "0,2"}, "decode.gpus=0,2: GPU 2 does not exist; 2 GPUs are visible "
