@@ -198,7 +198,7 @@ def test_up_flags_plan_and_bad_input_is_one_line_exit_2_and_nothing_started(caps
     for args, message in [
         (["--decode-gpus", "0,2"], "decode.gpus=0,2: GPU 2 does not exist; 2 GPUs are visible"),
         (["--decode-gpus", "4"], "decode.gpus=4: a decode worker runs on one GPU"),
-        (["--decodes", "2"], "1 prefill + 2 decode workers need a GPU each, but 2 are visible"),
+        (["--prefills", "1", "--decodes", "2"], "1 prefill + 2 decode workers need a GPU each, but 2 are visible"),
         (["--prefill-gpus", "one"], "prefill: gpus 'one' is not a GPU count (2) or a device list"),
     ]:
         code, out, err = tokenmill(capsys, "up", "--device", "cuda", "--state-file", state, *args)
