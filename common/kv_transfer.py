@@ -316,7 +316,9 @@ class KvTransferAgent:
 
         # counters (the services export them as nixl_xfer_* metrics)
         self.bytes_transferred = 0
-        self.transfer_seconds = 0.0
+        self.transfer_seconds = 0.0  # summed over READs: overlapping READs each count their own time
+        self.busy_seconds = 0.0  # time with at least one READ in flight: bytes / this is the link's delivered rate
+        self._busy_since = 0.0
         self.transfers = 0
         self.failures = 0
         self.notifications_received = 0
@@ -448,6 +450,8 @@ class KvTransferAgent:
                 gone = self._forget_if_disconnected(peer, e)
                 raise KvTransferError(f"READ of {n} blocks from {peer!r} could not be posted: {e}"
                                       + ("; peer forgotten, handshake again" if gone else "")) from e
+            if not self._inflight:
+                self._busy_since = h.started
             self._inflight.add(h)
             if self._settle(h, state) == "PROC" and self.mem_type == "VRAM":
                 self._start_poller()
@@ -499,6 +503,8 @@ class KvTransferAgent:
             return h.state
         h.finished = time.perf_counter()
         self._inflight.discard(h)
+        if not self._inflight:
+            self.busy_seconds += h.finished - self._busy_since
         if state == "DONE":
             h.state = "DONE"
             self.transfers += 1
@@ -574,6 +580,7 @@ class KvTransferAgent:
 
     def counters(self) -> dict[str, float]:
         return {"bytes_transferred": self.bytes_transferred, "transfer_seconds": self.transfer_seconds,
+                "busy_seconds": self.busy_seconds,
                 "transfers": self.transfers, "failures": self.failures,
                 "notifications_received": self.notifications_received}
 

@@ -55,7 +55,10 @@ class WorkerMetrics:
         self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "Arrival to first schedule",
                                     registry=r)
         self.nixl_bytes = Gauge("tokenmill:nixl_xfer_bytes", "KV bytes moved over NIXL", registry=r)
-        self.nixl_seconds = Gauge("tokenmill:nixl_xfer_seconds", "Seconds spent in NIXL transfers", registry=r)
+        self.nixl_seconds = Gauge("tokenmill:nixl_xfer_seconds", "Seconds spent in NIXL transfers, summed over "
+                                  "transfers (overlapping ones each count)", registry=r)
+        self.nixl_busy = Gauge("tokenmill:nixl_xfer_busy_seconds", "Seconds with at least one NIXL transfer in "
+                               "flight: bytes ÷ this is the bandwidth the link delivered", registry=r)
         self.nixl_failures = Gauge("tokenmill:nixl_xfer_failures", "Failed NIXL transfers", registry=r)
         self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
                                       registry=r)
@@ -94,6 +97,7 @@ class WorkerMetrics:
         if agent is not None:
             self.nixl_bytes.set_function(lambda: agent.bytes_transferred)
             self.nixl_seconds.set_function(lambda: agent.transfer_seconds)
+            self.nixl_busy.set_function(lambda: agent.busy_seconds)
             self.nixl_failures.set_function(lambda: agent.failures)
 
 

@@ -14,7 +14,7 @@ gives both layouts the same prompts and arrival times.
 Per run: goodput (requests that meet both SLOs, TTFT and TPOT per request, ÷ the run's duration), SLO attainment,
 whether TTFT p90 and TPOT p90 meet the SLOs, TTFT/ITL/TPOT percentiles, throughput, and where a prefill worker ran,
 the KV bandwidth NIXL reached (the decode workers' ``tokenmill:nixl_xfer_bytes`` delta ÷ their
-``tokenmill:nixl_xfer_seconds`` delta) and the share of prompts the router sent to the prefill worker. Before the
+``tokenmill:nixl_xfer_busy_seconds`` delta: time with a READ in flight) and the share of prompts the router sent to the prefill worker. Before the
 clusters start, torch's copy from the prefill GPU to the decode GPU (``cuda:0`` → ``cuda:1``) is timed in a
 subprocess, bytes counted once: NIXL's figure ÷ that one is how much of the link the transfers use.
 """
@@ -204,7 +204,7 @@ def build_table(doc: dict[str, Any]) -> str:
         n = lay.get("nixl")
         if n and n["Bps"]:
             lines.append(f"{name}: NIXL {n['Bps'] / 1e9:.2f} GB/s over all runs ({n['bytes'] / 1e9:.2f} GB in "
-                         f"{n['seconds']:.2f} s of transfers)" + (f" = {n['vs_peer_copy']:.2f}× the peer copy"
+                         f"{n['seconds']:.2f} s with a READ in flight)" + (f" = {n['vs_peer_copy']:.2f}× the peer copy"
                                                                   if n["vs_peer_copy"] else ""))
     return "\n".join(lines)
 
@@ -329,7 +329,7 @@ async def layout_runs(a: argparse.Namespace, layout: Layout, cluster: dict[str, 
                     row = run_row(layout.name, w.name, rate, run["summary"], slo)
                     # only the decode workers export NIXL figures, only the router its placements
                     row["nixl"] = nixl_figures(delta(before, after, "tokenmill:nixl_xfer_bytes"),
-                                               delta(before, after, "tokenmill:nixl_xfer_seconds"), peer)
+                                               delta(before, after, "tokenmill:nixl_xfer_busy_seconds"), peer)
                     remote, local = (delta(before, after, "tokenmill:router_placements_total", {"prefill": p})
                                      for p in ("remote", "local"))
                     row["placements"] = {"remote": remote, "local": local}

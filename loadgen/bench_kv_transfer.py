@@ -264,7 +264,9 @@ def main(argv: list[str] | None = None) -> None:
     devices = args.device.split(",")
     if len(devices) == 2 and devices[0] != devices[1] and devices[0].startswith("cuda"):
         nbytes = -(-max(args.sizes) // BLOCK) * _block_bytes(args.shape)
-        gbs = peer_copy_gbs(devices[0], devices[1], nbytes)
+        from loadgen.bench_disagg import copy_bandwidth_between
+
+        gbs = copy_bandwidth_between(devices[0], devices[1], nbytes)["Bps"] / 1e9
         print(f"\ntorch peer copy {devices[0]} -> {devices[1]}, {nbytes / 2**20:.0f} MiB (bytes counted once): "
               f"{gbs:.1f} GB/s")
 
@@ -275,26 +277,3 @@ def _block_bytes(shape: str) -> int:
     for d in dims:
         n *= d
     return n * (4 if dtype == "float32" else 2)
-
-
-def peer_copy_gbs(src: str, dst: str, nbytes: int, reps: int = 20) -> float:
-    """GB/s of torch's ``dst.copy_(src)`` between two GPUs, bytes counted once; median of ``reps`` after warm-up."""
-    import torch
-
-    a = torch.empty(nbytes, dtype=torch.uint8, device=src).random_(0, 255)
-    b = torch.empty(nbytes, dtype=torch.uint8, device=dst)
-    times = []
-    for i in range(reps + 3):
-        torch.cuda.synchronize(src)
-        torch.cuda.synchronize(dst)
-        t0 = time.perf_counter()
-        b.copy_(a)
-        torch.cuda.synchronize(dst)
-        torch.cuda.synchronize(src)
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
-
-
-if __name__ == "__main__":
-    main()

@@ -220,6 +220,7 @@ def test_counters(scenario):
     assert c["transfers"] == 1 and c["failures"] == 0
     assert c["bytes_transferred"] == len(REMOTE) * scenario["bytes_per_block"] == 4 * 737_280
     assert c["transfer_seconds"] > 0
+    assert c["busy_seconds"] == pytest.approx(c["transfer_seconds"])  # one READ at a time: busy while it ran
 
 
 def test_notification_reaches_prefill(scenario):

@@ -69,8 +69,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help="public gRPC port (default 50051)" if role == "gateway"
                        else f"first {role} gRPC port (default: from --base-port)")
     g.add_argument("--http-port", type=int, help="the gateway's OpenAI HTTP port (default 8000)")
-    g = up.add_argument_group("GPUs (with --device cuda; default: a GPU of its own per worker, and on a one-GPU "
-                              "machine no prefill worker)")
+    g = up.add_argument_group("GPUs (with --device cuda; default: an aggregated replica on every GPU, no prefill "
+                              "worker; with --prefills N, a GPU per prefill worker and a decode worker on each GPU "
+                              "left)")
     for role in ("prefill", "decode"):
         g.add_argument(f"--{role}-gpus", dest=f"{role}_gpus_spec", metavar="N|LIST",
                        help=f"{role}.gpus: GPUs per {role} worker (1; as in Helm and Ray) or a device list "
