@@ -101,7 +101,7 @@ def test_comparison_marks_the_higher_goodput_and_the_itl_ratio():
     assert "| long | 2 | 1.50 | 1.20 | 1p1d | 30.0 | 120.0 | 0.25× |" in table
     assert "| short | 8 | 4.00 | 3.97 | tie | 40.0 | 20.0 | 2.00× |" in table
     assert "peer copy cuda:0 → cuda:1: 50.0 GB/s (2.00 GiB, median of 10, bytes counted once)" in table
-    assert "1p1d: NIXL 25.00 GB/s over all runs (8.00 GB in 0.32 s of transfers) = 0.50× the peer copy" in table
+    assert "1p1d: NIXL 25.00 GB/s over all runs (8.00 GB in 0.32 s with a READ in flight) = 0.50× the peer copy" in table
 
 
 def test_refuses_without_two_gpus(monkeypatch, capsys):
