@@ -21,7 +21,9 @@ pytestmark = [pytest.mark.gpu2,
 
 MODEL = "dummy:smollm2-135m"
 TOKENIZER = os.environ.get("GPU_TEST_TOKENIZER", "smollm2")
-ENGINE = ("--model", MODEL, "--tokenizer", TOKENIZER, "--device", "cuda", "--set", "engine.dtype=float32")
+# 0.4 of each GPU: the module's two clusters are up together for a while (``held`` starts before ``late`` stops)
+ENGINE = ("--model", MODEL, "--tokenizer", TOKENIZER, "--device", "cuda", "--set", "engine.dtype=float32",
+          "--set", "engine.gpu_memory_utilization=0.4")
 
 
 @pytest.fixture(scope="module")
