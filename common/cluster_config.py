@@ -60,6 +60,9 @@ class GatewayConfig:
     hosts: tuple[str, ...] | None = None  # where the instances are (containers); see the module doc
     max_inflight_per_channel: int = 256  # per tokenizer channel: 3,000 unbounded calls on one channel fail
     placement_retries: int = 2  # re-placements when a worker fails before the first token reached the client
+    # moves of a stream whose decode worker fails after tokens reached the client: placed again with the tokens
+    # already sent as its prior outputs, the client's stream goes on (0: such a stream ends UNAVAILABLE)
+    migration_limit: int = 3
     # OpenAI HTTP API. Keys: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to); none: no auth.
     # From the environment as a comma-separated list: TOKENMILL_GATEWAY__API_KEYS=team-a:sk-1,team-b:sk-2
     api_keys: tuple[str, ...] = ()

@@ -157,12 +157,17 @@ class LLMEngine:
         return max_tokens
 
     def _new_seq(
-        self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, priority: int, cache_salt: str
+        self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, priority: int, cache_salt: str,
+        prior_output_ids: Seq[int] = (),
     ) -> Sequence:
         if request_id in self._seqs or request_id in self._pending_kv or request_id in self._leased:
             raise ValueError(f"request id {request_id!r} is already running")
         max_tokens = self.validate(prompt_ids, params)
+        if len(prior_output_ids) >= max_tokens:
+            raise RequestError(f"{len(prior_output_ids)} tokens were already generated and max_tokens is "
+                               f"{max_tokens}: nothing is left to generate")
         return Sequence(
+            output_ids=[int(t) for t in prior_output_ids],
             request_id=request_id,
             prompt_ids=[int(t) for t in prompt_ids],
             params=params,
@@ -181,12 +186,15 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str = "",
         prefill_only: bool = False,
+        prior_output_ids: Seq[int] = (),
     ) -> None:
         """Queue a request. Raises RequestError for invalid input, ValueError for a duplicate id.
 
         ``prefill_only``: compute the prompt, sample the first token, then keep the prompt's blocks under a lease
-        (the output carries ``kv_block_ids``) until ``release``."""
-        seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt)
+        (the output carries ``kv_block_ids``) until ``release``. ``prior_output_ids``: tokens this request already
+        generated elsewhere (a stream moved off a failed worker): they count as outputs (max_tokens, penalties,
+        a seeded row's positions), are recomputed with the prompt, and only what follows them is returned."""
+        seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt, prior_output_ids)
         self._seqs[request_id] = seq
         if prefill_only:
             self._prefill_only.add(request_id)

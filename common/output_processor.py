@@ -45,12 +45,15 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._states: dict[str, _State] = {}
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
+            prior_output_ids: Sequence[int] = ()) -> None:
+        """``prior_output_ids``: outputs generated (and their text sent) before this process took the request;
+        the text continues after them. A stop string that began in their text is not seen."""
         detok = None
         if self.tokenizer is not None:
-            detok = self.tokenizer.detokenizer(prompt_ids, params.skip_special_tokens)
+            detok = self.tokenizer.detokenizer([*prompt_ids, *prior_output_ids], params.skip_special_tokens)
         hold = max((len(s) for s in params.stop), default=1) - 1
-        self._states[request_id] = _State(params, detok, hold)
+        self._states[request_id] = _State(params, detok, hold, num_tokens=len(prior_output_ids))
 
     def discard(self, request_id: str) -> None:
         self._states.pop(request_id, None)

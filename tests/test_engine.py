@@ -193,3 +193,28 @@ def test_noop_model_runs_the_control_plane_only(make_engine):
     assert [len(r.token_ids) for r in res] == [5] * 8
     sampled = SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, repetition_penalty=1.2, ignore_eos=True)
     assert [r.token_ids for r in eng.generate([[1, 2, 3]] * 8, sampled)] == [[0] * 5] * 8
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11, repetition_penalty=1.3,
+                   frequency_penalty=0.5, ignore_eos=True),
+], ids=["greedy", "seeded-with-penalties"])
+def test_prior_outputs_continue_where_another_worker_stopped(make_engine, france, params):
+    """A stream moved off a failed worker comes back with the tokens it already sent: they count as outputs
+    (max_tokens, penalties, a seeded row's positions), so the rest equals the tail of an undisturbed run."""
+    eng = make_engine(dtype="float32")
+    [full] = eng.generate([france], params)
+    assert len(full.token_ids) == 24
+    k = 9
+    eng.add_request("moved", france, params, prior_output_ids=full.token_ids[:k])
+    rest = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            rest += o.new_token_ids
+            if o.finished:
+                assert o.num_output_tokens == 24 and o.num_prompt_tokens == len(france)
+    assert rest == full.token_ids[k:]
+    with pytest.raises(RequestError, match="24 tokens were already generated and max_tokens is 24"):
+        eng.add_request("done", france, params, prior_output_ids=full.token_ids)
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks

@@ -213,7 +213,8 @@ class DecodeWorker(WorkerBase):
         refused, so the prompt is recomputed here)."""
         meta = req.meta
         if not req.HasField("kv"):
-            engine.add_request(rid, list(req.prompt_token_ids), params, meta.priority, meta.cache_salt)
+            engine.add_request(rid, list(req.prompt_token_ids), params, meta.priority, meta.cache_salt,
+                               prior_output_ids=list(req.prior_output_ids))
             return
         first_lp = None
         if req.HasField("first_logprob"):
@@ -263,7 +264,7 @@ class DecodeWorker(WorkerBase):
                 if kind == "stop":
                     return
                 if kind == "add":
-                    proc.add(msg[1], msg[2], msg[3])
+                    proc.add(msg[1], msg[2], msg[3], msg[4])
                 elif kind == "discard":
                     proc.discard(msg[1])
                 elif kind == "out":
@@ -374,6 +375,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise ValueError(f"request id {rid!r} is already streaming on {w.cfg.name}")
         params = sampling_params_from_proto(request.params)
         prompt = list(request.prompt_token_ids)
+        prior = list(request.prior_output_ids)
+        if prior and request.HasField("kv"):
+            raise ValueError("prior_output_ids and kv cannot come together: a moved stream recomputes its context")
         w.engine.validate(prompt, params)  # reads only config: safe off the engine thread
         deadline = None
         if request.HasField("kv"):
@@ -391,7 +395,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         span = telemetry.start_span("decode", attributes={"request_id": rid, "prompt_tokens": len(prompt)})
         trace_ctx = telemetry.context_with(span)
         try:
-            w._detok_q.put(("add", rid, prompt, params))
+            w._detok_q.put(("add", rid, prompt, params, prior))
             await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, trace_ctx,
                                                                         deadline)))
             while not finished:

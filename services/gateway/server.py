@@ -7,7 +7,11 @@
 - Client cancellation cancels the Decode call (the decode worker frees its blocks); cancelled after prefill but
   before Decode was called, the gateway releases the prefill lease.
 - A worker that fails with UNAVAILABLE before any token reached the client is excluded and the request re-placed
-  (``gateway.placement_retries`` times, a prefill result is kept); after tokens, the stream ends UNAVAILABLE.
+  (``gateway.placement_retries`` times, a prefill result is kept).
+- A decode worker that fails with UNAVAILABLE (died, unreachable, its engine failed) after tokens reached the
+  client: the stream moves (``gateway.migration_limit`` times). The request is placed again, that worker
+  excluded, with the tokens already sent as its prior outputs; the new decode worker recomputes prompt + those
+  tokens (its prefix cache helps) and streams what follows, so the client sees no token twice and none missing.
 """
 
 from __future__ import annotations
@@ -99,6 +103,8 @@ class GatewayMetrics:
         self.running = Gauge("tokenmill:num_requests_running", "Requests in flight at the gateway", registry=r)
         self.retries = Counter("tokenmill:request_replacements", "Re-placements after a worker failed",
                                ["role"], registry=r)
+        self.migrations = Counter("tokenmill:request_migrations", "Streams moved to another decode worker after "
+                                  "theirs failed mid-stream", registry=r)
 
 
 class _Timing:
@@ -126,10 +132,13 @@ class _Attempts:
     """One request's placement attempts: what failed, the prefill result, who owns its lease."""
 
     max_retries: int
+    max_migrations: int = 0
     exclude: list[str] = field(default_factory=list)
     pre: prefill_pb2.PrefillResult | None = None
     lease_ours: bool = False
     done: bool = False
+    sent: list[int] = field(default_factory=list)  # token ids streamed to the client so far
+    migrations: int = 0
 
     def retry(self, failed_worker: str) -> bool:
         """Exclude ``failed_worker``; False when the retries are spent."""
@@ -246,11 +255,13 @@ class GatewayService:
     async def _place_and_run(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta,
                              ids: list[int], context: grpc.aio.ServicerContext, timing: _Timing
                              ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
-        st = _Attempts(self.cfg.cluster.gateway.placement_retries)
+        gw = self.cfg.cluster.gateway
+        st = _Attempts(gw.placement_retries, gw.migration_limit)
         try:
             while True:
-                placement = await self._place(req, meta, ids, st.exclude, context)
-                if st.pre is None and placement.HasField("prefill"):
+                # a moved stream is placed by its whole context and recomputes it on the decode worker
+                placement = await self._place(req, meta, ids + st.sent, st.exclude, context)
+                if st.pre is None and not st.sent and placement.HasField("prefill"):
                     if not await self._prefill(placement.prefill, meta, ids, req, context, st):
                         continue  # the prefill worker was unavailable: re-placed without it
                     assert st.pre is not None
@@ -297,8 +308,9 @@ class GatewayService:
                       st: _Attempts) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         """Stream one Decode call to the client. Sets ``st.done``, or returns to re-place (worker unavailable
         before its first message), or raises."""
-        dreq = decode_pb2.DecodeRequest(meta=meta, prompt_token_ids=ids, params=req.params)
-        if st.pre is not None:
+        dreq = decode_pb2.DecodeRequest(meta=meta, prompt_token_ids=ids, params=req.params,
+                                        prior_output_ids=st.sent)
+        if st.pre is not None and not st.sent:
             dreq.first_token_id = st.pre.first_token_id
             if st.pre.HasField("first_logprob"):
                 dreq.first_logprob.CopyFrom(st.pre.first_logprob)
@@ -306,10 +318,9 @@ class GatewayService:
         call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(
             dreq, timeout=context.time_remaining(), metadata=telemetry.outgoing_metadata())
         st.lease_ours = False  # the decode worker pulls the KV and releases the lease (or lets it expire)
-        received = 0
         try:
             async for delta in call:
-                received += 1
+                st.sent.extend(delta.token_ids)
                 timing.on_tokens(len(delta.token_ids))
                 st.done = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 yield frontend_pb2.GenerateResponse(
@@ -320,10 +331,18 @@ class GatewayService:
         except grpc.aio.AioRpcError as e:
             if e.code() != _UNAVAILABLE:
                 raise
-            if received:
-                raise rpc.Unavailable(
-                    f"decode worker {ref.worker_id} failed after {timing.tokens} tokens were streamed "
-                    f"({e.details()}); the output is incomplete, retry the request") from e
+            if st.sent:  # tokens reached the client: move the stream
+                if st.migrations >= st.max_migrations:
+                    raise rpc.Unavailable(
+                        f"decode worker {ref.worker_id} failed after {len(st.sent)} tokens were streamed "
+                        f"({e.details()}) and the stream was moved {st.migrations} times already "
+                        f"(gateway.migration_limit); the output is incomplete, retry the request") from e
+                st.migrations += 1
+                st.exclude.append(ref.worker_id)
+                self.metrics.migrations.inc()
+                log.warning("%s: decode worker %s failed after %d tokens (%s); moving the stream", meta.request_id,
+                            ref.worker_id, len(st.sent), e.details())
+                return
             st.lease_ours = st.pre is not None and bool(st.pre.kv.lease_id)  # it never started: ours again
             if not st.retry(ref.worker_id):
                 raise rpc.Unavailable(f"decode worker {ref.worker_id} is unavailable ({e.details()}) after "

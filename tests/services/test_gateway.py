@@ -51,7 +51,8 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is 9000 tokens; this model accepts 8192")
         try:
             for i in range(10**6 if self.mode == "slow" else self.tokens):
-                if self.mode == "fail_after" and i == 2:
+                fails = self.mode == "fail_after" or (self.mode == "fail_fresh" and not request.prior_output_ids)
+                if fails and i == 2:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost its GPU")
                 last = i == self.tokens - 1 and self.mode != "slow"
                 yield decode_pb2.TokenDelta(
@@ -228,9 +229,31 @@ def test_unavailable_decode_is_replaced_before_the_first_token(tok):
     asyncio.run(body())
 
 
-def test_failure_after_tokens_ends_the_stream_unavailable_and_spent_retries_release_the_lease(tok):
+def test_a_stream_whose_decode_worker_fails_after_tokens_moves_with_the_tokens_sent(tok):
     async def body():
-        async with stack(tok, {"decode-a": FakeDecode("fail_after", tokens=5)}) as st:
+        decodes = {"decode-a": FakeDecode("fail_fresh", tokens=5), "decode-b": FakeDecode("fail_fresh", tokens=5)}
+        async with stack(tok, decodes) as st, grpc.aio.insecure_channel(st.gateway) as ch:
+            got, ids = [], []
+            async for r in frontend_pb2_grpc.FrontendStub(ch).Generate(frontend_pb2.GenerateRequest(prompt="hi"),
+                                                                        timeout=20):
+                got.append(r.text)
+                ids += r.token_ids
+            # two tokens from the worker that failed, then the other one's stream (the fakes restart at <0>)
+            assert got == ["<0>", "<1>", "<0>", "<1>", "<2>", "<3>", "<4>"] and ids[:2] == [100, 101]
+            first, moved = sorted(decodes.values(), key=lambda d: len(d.requests[0].prior_output_ids))
+            assert len(first.requests) == 1 and len(moved.requests) == 1
+            assert list(moved.requests[0].prior_output_ids) == [100, 101]
+            assert moved.requests[0].prompt_token_ids == first.requests[0].prompt_token_ids
+            assert not moved.requests[0].HasField("kv")
+            assert _sample(st.gw.metrics.migrations, "_total") == 1
+
+    asyncio.run(body())
+
+
+def test_failure_after_tokens_past_the_migration_limit_ends_unavailable_and_spent_retries_release_the_lease(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode("fail_after", tokens=5)},
+                         **{"gateway.migration_limit": 0}) as st:
             got = []
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async with grpc.aio.insecure_channel(st.gateway) as ch:
@@ -240,6 +263,7 @@ def test_failure_after_tokens_ends_the_stream_unavailable_and_spent_retries_rele
             assert got == ["<0>", "<1>"]
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "decode-a failed after 2 tokens" in e.value.details()
+            assert "moved 0 times already (gateway.migration_limit)" in e.value.details()
         dead = {"decode-a": FakeDecode("unavailable"), "decode-b": FakeDecode("unavailable"),
                 "decode-c": FakeDecode("unavailable")}
         async with stack(tok, dead, prefill_finish=0, threshold=4) as st:
