@@ -134,6 +134,8 @@ class ClusterConfig:
     tokenizer_spec: str | None = None
     base_port: int = 20000
     grace_s: float = 10.0  # how long a draining service lets in-flight RPCs finish
+    # `tokenmill up` restarts a child that died after start-up: 1 s after, doubling with each death in a row, up to
+    restart_backoff_max_s: float = 30.0
     startup_timeout_s: float = 600.0  # `tokenmill up` gives up when a service is not SERVING by then
     threads_per_process: int | None = None  # OMP/RAYON threads per child; None: cores ÷ model workers, ≥ 1
     otlp_endpoint: str | None = None  # spans over OTLP/gRPC (else OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)

@@ -116,7 +116,9 @@ def build_engine(cfg: ServiceConfig) -> LLMEngine:
 
 def make_agent(cfg: ServiceConfig, engine: LLMEngine) -> KvTransferAgent:
     kv = engine.runner.kv_cache
-    return KvTransferAgent(cfg.name, kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT), role=cfg.role)
+    # the name is unique to this process: a restarted worker's peers see a new agent, never READ through the old
+    return KvTransferAgent(f"{cfg.name}.{os.getpid()}", kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT),
+                           role=cfg.role)
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:

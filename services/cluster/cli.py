@@ -190,10 +190,10 @@ def cmd_status(a: argparse.Namespace) -> int:
     else:
         phase = "ready" if state.get("ready") else "starting"
         print(f"cluster {phase}: launcher pid {state['launcher_pid']}, model {state.get('model')}, state {path}")
-        print(f"{'process':<12} {'pid':>8}  {'grpc':<21} {'metrics':>7}  {'devices':<16} health")
+        print(f"{'process':<12} {'pid':>8}  {'grpc':<21} {'metrics':>7}  {'devices':<16} {'restarts':>8}  health")
         for p in procs:
             print(f"{p['name']:<12} {p['pid']:>8}  {p['address']:<21} {p['metrics_port']:>7}  "
-                  f"{p.get('devices') or '-':<16} {p['health']}")
+                  f"{p.get('devices') or '-':<16} {p.get('restarts', 0):>8}  {p['health']}")
     return 0 if healthy else 1
 
 

@@ -6,7 +6,9 @@ records them in a state file (for ``tokenmill status``) and then watches them. O
 worker gets its own GPU(s) by ``CUDA_VISIBLE_DEVICES`` and its share of them on its command line
 (``placement_gpu.py``); the other children see no GPU. Ctrl-C / SIGTERM: SIGTERM to
 every child (gateway first: it stops taking requests), ``grace_s`` + 5 s to drain, then SIGKILL. A child that
-dies takes the cluster down, with its role, exit code and last log lines on stderr.
+dies during start-up takes the cluster down, with its role, exit code and last log lines on stderr; one that dies
+later is reported the same way and started again, as a process supervisor does: after 1 s, doubling with each
+death in a row up to ``restart_backoff_max_s``; its restarts are counted in the state file (``tokenmill status``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from common.rpc import health_status
 from services.cluster.placement_gpu import WORKERS, Placement
 
 STATE_VERSION = 1
+RESTART_RESET_S = 60.0  # a child that lived this long before dying is restarted after the shortest backoff again
 
 
 def default_state_file() -> Path:
@@ -67,6 +70,10 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
     ready: bool = False
+    restarts: int = 0
+    deaths_in_a_row: int = 0  # deaths with less than RESTART_RESET_S of life between them
+    restart_at: float | None = None  # time.monotonic() of the next start, while it is dead
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def svc(self) -> ServiceConfig:
@@ -80,7 +87,7 @@ class Child:
         return {"role": self.svc.role, "index": self.svc.index, "name": self.name, "pid": self.proc.pid,
                 "address": self.svc.address, "grpc_port": self.svc.grpc_port,
                 "metrics_port": self.svc.metrics_port, "log": str(self.log_path), "devices": self.spec.devices,
-                "gpu_memory_utilization": self.spec.gpu_memory_utilization}
+                "gpu_memory_utilization": self.spec.gpu_memory_utilization, "restarts": self.restarts}
 
 
 class LaunchError(RuntimeError):
@@ -213,16 +220,18 @@ class Launcher:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg_path = self.run_dir / "cluster.yaml"
         cfg_path.write_text(yaml.safe_dump(self.cluster.to_dict(), sort_keys=False))
-        env = child_env(self.cluster)
         for spec in child_specs(self.cluster, cfg_path, self.placements):
             log_path = self.run_dir / f"{spec.svc.name}.log"
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(
-                    spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env={**env, **spec.env}, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-                )
-            self.children.append(Child(spec, proc, log_path))
+            self.children.append(Child(spec, self._spawn(spec, log_path, "wb"), log_path))
         print(f"starting {len(self.children)} processes (logs in {self.run_dir})", file=self.out, flush=True)
+
+    def _spawn(self, spec: ChildSpec, log_path: Path, mode: str) -> subprocess.Popen[bytes]:
+        with open(log_path, mode) as log:
+            return subprocess.Popen(
+                spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**child_env(self.cluster), **spec.env},
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
 
     def _wait_ready(self) -> bool:
         """True when every child is SERVING; False when a stop was requested first. Raises LaunchError."""
@@ -249,23 +258,27 @@ class Launcher:
                                   f"last lines of {c.log_path}:\n{tail(c.log_path)}")
 
     def _watch(self) -> None:
-        """After start-up a dead child is reported (role, exit code, last log lines) and the cluster goes on
-        while its pool has a live member: the router stops placing on the dead worker, streams it held end
-        UNAVAILABLE at the gateway. A pool left with no live member stops the cluster."""
-        reported: set[str] = set()
-        while not self.stop_requested.wait(0.5):
+        """After start-up a dead child is reported (role, exit code, last log lines) and started again after its
+        backoff, on the same ports: meanwhile the router stops placing on it and the gateway moves the streams it
+        held to the rest of its pool."""
+        while not self.stop_requested.wait(0.2):
             for c in self.children:
-                code = c.proc.poll()
-                if code is None or c.name in reported:
-                    continue
-                reported.add(c.name)
-                print(f"{c.name} (pid {c.proc.pid}) exited with code {code}; last lines of {c.log_path}:\n"
-                      f"{tail(c.log_path)}", file=sys.stderr, flush=True)
-                self._write_state(ready=True)
-                pool = [x for x in self.children if x.svc.role == c.svc.role]
-                if all(x.proc.poll() is not None for x in pool):
-                    raise LaunchError(f"no {c.svc.role} process is left (the last, {c.name}, exited with code "
-                                      f"{code}); stopping the cluster")
+                now = time.monotonic()
+                if c.restart_at is None:
+                    code = c.proc.poll()
+                    if code is None:
+                        continue
+                    c.deaths_in_a_row = 1 if now - c.started >= RESTART_RESET_S else c.deaths_in_a_row + 1
+                    backoff = min(self.cluster.restart_backoff_max_s, 2.0 ** (c.deaths_in_a_row - 1))
+                    c.restart_at = now + backoff
+                    print(f"{c.name} (pid {c.proc.pid}) exited with code {code}; restarting it in {backoff:.0f} s; "
+                          f"last lines of {c.log_path}:\n{tail(c.log_path)}", file=sys.stderr, flush=True)
+                elif now >= c.restart_at:
+                    c.proc = self._spawn(c.spec, c.log_path, "ab")
+                    c.restarts += 1
+                    c.started, c.restart_at = now, None
+                    print(f"{c.name} restarted (pid {c.proc.pid}, restart {c.restarts})", file=self.out, flush=True)
+                    self._write_state(ready=True)
 
     # -- report ------------------------------------------------------------------------------------------
     def _write_state(self, ready: bool) -> None:

@@ -316,16 +316,19 @@ class DecodeWorker(WorkerBase):
         return deadline if deadline > time.monotonic() else None
 
     async def ensure_peer(self, kv: common_pb2.KvHandle) -> None:
-        """Handshake with a prefill worker once; again after the agent dropped it (it restarted or died)."""
+        """Handshake with a prefill worker once; again when the handle names another agent at that address (the
+        worker restarted: an agent's name is unique to its process) or the agent dropped the peer (it died)."""
         assert self.agent is not None
         known = self._peers.get(kv.address)
-        if known is not None and self.agent.has_peer(known):
+        if known == kv.worker_id and self.agent.has_peer(known):
             return
         lock = self._peer_locks.setdefault(kv.address, asyncio.Lock())
         async with lock:
             known = self._peers.get(kv.address)
-            if known is not None and self.agent.has_peer(known):
+            if known == kv.worker_id and self.agent.has_peer(known):
                 return
+            if known is not None:
+                self.agent.remove_peer(known)  # a restarted worker's old agent: never READ through it again
             hs = self.agent.handshake_payload()
             async with grpc.aio.insecure_channel(kv.address, options=rpc.GRPC_OPTIONS) as ch:
                 resp = await prefill_pb2_grpc.PrefillStub(ch).KvHandshake(

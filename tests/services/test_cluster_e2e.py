@@ -4,8 +4,11 @@ the public ``Frontend.Generate`` API and checked against the single-process engi
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -187,7 +190,7 @@ def test_metrics_count_requests(cluster):
 def test_killed_decode_worker_mid_stream_moves_its_streams_and_loses_nothing(cluster, engine):
     """SIGKILL one of the two decode workers while eight greedy streams run: every stream completes, token for
     token and character for character the single-process engine's output (the moved ones included: no token
-    twice, none missing). Destructive: runs last in this module."""
+    twice, none missing). Destructive: the next test checks the victim's restart."""
     victim = procs(cluster, "decode")[0]
     [gw] = procs(cluster, "gateway")
     tk = engine.tokenizer
@@ -217,3 +220,27 @@ def test_killed_decode_worker_mid_stream_moves_its_streams_and_loses_nothing(clu
         assert text == ref.text, f"stream {i}"
         assert last.usage.completion_tokens == n and last.usage.prompt_tokens == len(ids[i])
     wait_for(lambda: all_blocks_free(cluster, "decode"), 10, "the survivor's blocks freed")
+
+
+def test_the_killed_worker_is_restarted_and_counted(cluster):
+    """After the test above: the launcher started the killed decode worker again (same name and ports, a new
+    pid), `tokenmill status` counts the restart, and the worker serves."""
+    victim = next(p for p in cluster["processes"] if p["role"] == "decode" and not p.get("alive", True))
+
+    def status():
+        out = subprocess.run([sys.executable, "-m", "services.cli", "status", "--json", "--state-file",
+                              cluster["state"]], capture_output=True, text=True, timeout=30)
+        return json.loads(out.stdout)
+
+    def back() -> bool:
+        p = next(p for p in status()["processes"] if p["name"] == victim["name"])
+        return p["restarts"] == 1 and p["pid"] != victim["pid"] and p["health"] == "SERVING"
+
+    wait_for(back, 120, f"{victim['name']} restarted and SERVING")
+
+    async def run():
+        async with grpc.aio.insecure_channel(cluster["gateway"]) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            return await asyncio.gather(*(generate(stub, chat_req(q, temperature=0, max_tokens=8)) for q in CHAT[:6]))
+
+    assert all(len(t) == 8 for _, t, _ in asyncio.run(run()))

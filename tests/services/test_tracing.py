@@ -191,7 +191,8 @@ def test_prefill_and_decode_workers_add_their_spans_to_the_trace(exporter):
             kv, dec = s["kv_transfer"], s["decode"]
             assert kv.parent.span_id == dec.context.span_id
             assert dict(kv.attributes) == {"bytes": kv.attributes["bytes"], "blocks": 4, "runs": kv.attributes["runs"],
-                                           "peer": "prefill-0"}
+                                           "peer": kv.attributes["peer"]}
+            assert kv.attributes["peer"].startswith("prefill-0.")  # the agent: the worker and its process
             assert 1 <= kv.attributes["runs"] <= 4  # contiguous runs of blocks, each one NIXL descriptor
             assert kv.attributes["bytes"] > 0 and kv.status.status_code is trace.StatusCode.UNSET
             assert dec.start_time <= kv.start_time <= kv.end_time <= dec.end_time <= gen.end_time
