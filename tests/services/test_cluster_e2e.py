@@ -140,6 +140,36 @@ def test_client_cancel_frees_blocks(cluster):
              "blocks freed after cancel between prefill and decode")
 
 
+def test_disconnect_at_every_phase_returns_every_block(cluster):
+    """Clients that go away after 0 ms to 1.5 s, so some leave during tokenization or placement, some while
+    their prompt waits for or runs on the prefill worker, some during the KV pull and some mid-decode: every
+    worker's free blocks return to the total."""
+    delays = [0.0, 0.001, 0.003, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.25, 0.4, 0.6, 0.9, 1.5]
+
+    async def one(stub, i: int, delay: float) -> None:
+        req = frontend_pb2.GenerateRequest(prompt=f"Request {i} asks about printing presses and rivers. " * 30,
+                                           params=common_pb2.SamplingParams(temperature=0, max_tokens=300,
+                                                                            ignore_eos=True))
+        call = stub.Generate(req)
+        drain = asyncio.ensure_future(_drain(call))
+        await asyncio.wait([drain], timeout=delay)
+        call.cancel()
+        await asyncio.gather(drain, return_exceptions=True)  # CANCELLED, or done if it finished first
+
+    async def _drain(call) -> None:
+        async for _ in call:
+            pass
+
+    async def run():
+        async with grpc.aio.insecure_channel(cluster["gateway"]) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            await asyncio.gather(*(one(stub, i, d) for i, d in enumerate(delays)))
+
+    asyncio.run(run())
+    wait_for(lambda: all_blocks_free(cluster, "decode") and all_blocks_free(cluster, "prefill"), 30,
+             "every block back after disconnects at every phase")
+
+
 def test_release_frees_a_lease_nobody_pulls(cluster, engine):
     [pre] = procs(cluster, "prefill")
     ids = engine.tokenizer.encode("An unpulled prompt. " * 30)
