@@ -6,6 +6,7 @@ import argparse
 
 from common.config import EngineConfig, parse_bytes
 from common.loader import DEFAULT_MODEL, ModelSource, load_model_source
+from common.machine import default_dtype
 
 TOKENIZER_HELP = ("the tokenizer to use instead of the model's own: a .gguf file, a Hugging Face directory "
                   f"(tokenizer.json) or '{DEFAULT_MODEL}'; gives a dummy:CONFIG model text in and out")
@@ -19,7 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="weights and KV dtype (default float32 on cpu, bfloat16 on cuda)")
+                   help="weights and KV dtype (default: bfloat16 on cuda and on CPUs with bf16 arithmetic, "
+                        "else float32)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--kv-cache-memory", default=None,
                    help="bytes for the KV pool, e.g. 2GiB (default: 1GiB on cpu; on cuda what "
@@ -40,7 +42,7 @@ def model_source_from_args(a: argparse.Namespace) -> ModelSource:
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    dtype = a.dtype or default_dtype(a.device)
     return EngineConfig(
         device=a.device,
         dtype=dtype,

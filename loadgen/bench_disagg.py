@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.machine import default_dtype
 from loadgen import bench_serve
 from loadgen.bench_gpu_serving import (
     REPO_ROOT,
@@ -429,7 +430,7 @@ def run(a: argparse.Namespace) -> int:
             return 2
     from common.loader import load_tokenizer
 
-    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    dtype = a.dtype or default_dtype(a.device)
     slo = Slo(ttft_ms=a.slo_ttft_ms, tpot_ms=a.slo_tpot_ms)
     path = Path(a.result_file) if a.result_file else None
     log_dir = make_log_dir(a.log_dir, path, "disagg")

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.machine import default_dtype
 from loadgen import bench_serve
 from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions
@@ -520,7 +521,7 @@ def run(a: argparse.Namespace) -> int:
     from common.loader import load_model_source, load_tokenizer
 
     models, backends = _parse(a)
-    dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    dtype = a.dtype or default_dtype(a.device)
     path = Path(a.result_file) if a.result_file else None
     log_dir = make_log_dir(a.log_dir, path, "gpu-serving")
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else _machine().get("cpu", "cpu")

@@ -41,7 +41,7 @@ def test_generate_writes_one_line_per_prompt_in_order(tmp_path, engine):
     src = tmp_path / "prompts.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     out = tmp_path / "out.jsonl"
-    r = tokenmill("generate", "--prompts", str(src), "--output", str(out))
+    r = tokenmill("generate", "--prompts", str(src), "--output", str(out), "--dtype", "float32")
     assert r.returncode == 0, r.stderr
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["index"] for x in recs] == [0, 1, 2, 3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import json
@@ -19,6 +20,7 @@ from common.cluster_config import (
     load_cluster_config_given,
     parse_set_option,
 )
+from common.machine import cpu_defaults
 
 # Entry points: ``serve(cfg: ServiceConfig) -> int | None`` (a coroutine function is run with asyncio.run).
 ENTRY_POINTS = {role: f"services.{role}.server" for role in ROLES}
@@ -38,13 +40,17 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "cuda"],
                    help="where the model workers run (engine.device, default cpu); on cuda the dtype defaults to "
                         "bfloat16")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="engine.dtype (default: from the machine: bfloat16 on cuda and on CPUs with bf16 "
+                        "arithmetic, else float32)")
     g.add_argument("--base-port", type=int, help="first internal port (default 20000; metrics from +1000)")
     g.add_argument("--grace", type=float, dest="grace_s", help="seconds to drain in-flight RPCs on SIGTERM (10)")
 
 
 def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     ov: dict[str, Any] = {"host": a.host, "model": a.model, "tokenizer_spec": a.tokenizer_spec,
-                          "base_port": a.base_port, "grace_s": a.grace_s, "engine.device": a.device}
+                          "base_port": a.base_port, "grace_s": a.grace_s, "engine.device": a.device,
+                          "engine.dtype": a.dtype}
     for role in ROLES:
         ov[f"{role}.count"] = getattr(a, f"{role}_count", None)
         ov[f"{role}.port"] = getattr(a, f"{role}_port", None)
@@ -133,11 +139,14 @@ def cmd_up(a: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     cluster, given = loaded
+    cluster, why = machine_defaults(cluster, given)
     try:
         plan = plan_gpus(cluster, visible_gpus() if cluster.engine.device == "cuda" else [], given)
     except GpuPlanError as e:
         print(f"tokenmill up: {e}", file=sys.stderr)
         return 2
+    if why:
+        print(f"tokenmill up: {_layout_line(plan.cluster)} ({'; '.join(why)})")
     launcher = Launcher(plan.cluster, a.state_file or default_state_file(), placements=plan.placements)
     if a.dry_run:
         return launcher.dry_run()
@@ -148,6 +157,35 @@ def cmd_up(a: argparse.Namespace) -> int:
     except LaunchError as e:
         print(f"tokenmill up: {e}", file=sys.stderr)
         return 1
+
+
+def machine_defaults(cluster: ClusterConfig, given: frozenset[str]) -> tuple[ClusterConfig, list[str]]:
+    """The dtype and layout ``tokenmill up`` takes from the machine where nothing set them
+    (``common/machine.py``), and why, one phrase each (empty: everything was asked for)."""
+    why = []
+    engine, counts = cluster.engine, {}
+    if cluster.engine.device == "cpu":
+        d = cpu_defaults()
+        if "engine.dtype" not in given:
+            engine = dataclasses.replace(engine, dtype=d.dtype)
+            why.append(f"{d.dtype}: {d.why_dtype}")
+        if "prefill.count" not in given and "prefill.gpus" not in given and d.aggregated:
+            counts["prefill"] = dataclasses.replace(cluster.prefill, count=0)
+            why.append(f"aggregated: {d.why_layout}")
+    else:
+        if "engine.dtype" not in given:
+            why.append("bfloat16 on cuda")
+        if "prefill.count" not in given and "prefill.gpus" not in given:
+            why.append("aggregated replicas: the most goodput measured on two GPUs")
+    if why:
+        why.append("--dtype and --prefills N override")
+    return dataclasses.replace(cluster, engine=engine, **counts), why
+
+
+def _layout_line(c: ClusterConfig) -> str:
+    layout = (f"{c.decode.count} aggregated decode worker{'s' if c.decode.count != 1 else ''}" if not c.prefill.count
+              else f"{c.prefill.count} prefill + {c.decode.count} decode workers")
+    return f"{layout}, {c.engine.dtype} on {c.engine.device}"
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -119,6 +119,16 @@ async def wait_for_workers(router_address: str, n: int, timeout: float = 5.0) ->
             await asyncio.sleep(0.02)
 
 
+def _pinned(args: tuple[str, ...]) -> list[str]:
+    """What the tests' clusters fix that ``tokenmill up`` would otherwise take from the machine (common/machine.py):
+    float32 (outputs are compared with the float32 engine) and, on the CPU, one prefill worker."""
+    joined = " ".join(args)
+    out = [] if "--dtype" in args or "engine.dtype=" in joined else ["--dtype", "float32"]
+    if "cuda" not in args and "--prefills" not in args and "prefill.count=" not in joined:
+        out += ["--prefills", "1"]
+    return out
+
+
 @contextlib.contextmanager
 def running_cluster(tmp: Path, *args: str, timeout: float = 240,
                     env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
@@ -128,7 +138,7 @@ def running_cluster(tmp: Path, *args: str, timeout: float = 240,
     base = free_base_port()
     state = tmp / "state.json"
     cmd = [sys.executable, "-m", "services.cli", "up", "--base-port", str(base), "--gateway-port", str(base + 450),
-           "--http-port", str(base + 451), "--state-file", str(state), *args]
+           "--http-port", str(base + 451), "--state-file", str(state), *_pinned(args), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     deadline = time.monotonic() + timeout

@@ -68,7 +68,7 @@ def test_greedy_outputs_equal_tokenmill_generate(cluster, tmp_path):
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--prompts", str(inp),
-                          "--max-model-len", str(MAX_LEN)], capture_output=True, text=True, timeout=300,
+                          "--max-model-len", str(MAX_LEN), "--dtype", "float32"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     ref = [json.loads(x) for x in out.stdout.splitlines()]

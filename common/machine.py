@@ -1,0 +1,64 @@
+"""Defaults that follow the machine: the dtype a CPU computes fastest in, and whether its cores can feed separate
+prefill and decode pools. ``tokenmill up`` (and so ``make up``), ``generate`` and the benchmarks take them when
+no flag, config file or environment variable says otherwise; deployments (compose, Helm, Ray) state theirs.
+
+- bfloat16 where the CPU has bf16 arithmetic (AMX or AVX512-BF16), as vLLM's CPU backend picks; float32 otherwise.
+  On CUDA: bfloat16.
+- On the CPU, separate pools only from ``MIN_CORES_FOR_POOLS`` usable cores: with fewer, a prefill worker and a
+  decode worker take cores from each other, so one decode worker prefills its own requests (docs/benchmarks.md
+  measures both layouts against vLLM's CPU server).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of bf16 arithmetic, the faster first
+MIN_CORES_FOR_POOLS = 8
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
+    """The first processor's flags (empty where the file is missing or has none: not Linux x86)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity, e.g. a container's cpuset), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True, slots=True)
+class CpuDefaults:
+    dtype: str
+    aggregated: bool  # no prefill pool: the decode workers prefill
+    why_dtype: str
+    why_layout: str
+
+
+def cpu_defaults(flags: frozenset[str] | None = None, cores: int | None = None) -> CpuDefaults:
+    """The CPU's dtype and layout, each with its reason in a few words. Arguments: for tests (default: read here)."""
+    flags = cpu_flags() if flags is None else flags
+    cores = usable_cores() if cores is None else cores
+    bf16 = next((f for f in BF16_FLAGS if f in flags), None)
+    why_dtype = (f"the CPU has {bf16.replace('_', ' ').upper().replace('AVX512 BF16', 'AVX512-BF16')}"
+                 if bf16 else "no bf16 arithmetic on this CPU")
+    aggregated = cores < MIN_CORES_FOR_POOLS
+    why_layout = (f"{cores} core{'s' if cores != 1 else ''}, too few for separate prefill and decode pools"
+                  if aggregated else f"{cores} cores")
+    return CpuDefaults("bfloat16" if bf16 else "float32", aggregated, why_dtype, why_layout)
+
+
+def default_dtype(device: str) -> str:
+    """The dtype a command uses on ``device`` when none is asked for."""
+    return "bfloat16" if device == "cuda" else cpu_defaults().dtype

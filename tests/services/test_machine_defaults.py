@@ -1,0 +1,80 @@
+"""The dtype and layout ``tokenmill up`` and ``generate`` take from the machine when nothing asks for them
+(common/machine.py), the one line that says so, and flags that override them."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import machine
+from common.cluster_config import load_cluster_config_given
+from common.machine import CpuDefaults, cpu_defaults, cpu_flags
+from services.cluster import cli as cluster_cli
+from tests.services.test_cluster import tokenmill
+
+
+@pytest.mark.parametrize(("flags", "cores", "dtype", "aggregated", "why"), [
+    ({"avx512f", "avx512_bf16", "amx_bf16"}, 2, "bfloat16", True, ("AMX BF16", "2 cores, too few")),
+    ({"avx512f", "avx512_bf16"}, 16, "bfloat16", False, ("AVX512-BF16", "16 cores")),
+    ({"avx2"}, 4, "float32", True, ("no bf16 arithmetic", "4 cores, too few")),
+    ({"avx2"}, machine.MIN_CORES_FOR_POOLS, "float32", False, ("no bf16", f"{machine.MIN_CORES_FOR_POOLS} cores")),
+])
+def test_cpu_defaults_follow_bf16_arithmetic_and_cores(flags, cores, dtype, aggregated, why):
+    d = cpu_defaults(frozenset(flags), cores)
+    assert (d.dtype, d.aggregated) == (dtype, aggregated)
+    assert why[0] in d.why_dtype and why[1] in d.why_layout
+
+
+def test_cpu_flags_read_the_first_processor(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx512_bf16 amx_tile\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(str(info)) == {"fpu", "avx512_bf16", "amx_tile"}
+    assert cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+def _given(**overrides):
+    return load_cluster_config_given(overrides=overrides, env={})
+
+
+def test_up_takes_what_nothing_asked_for_and_keeps_what_was(monkeypatch):
+    monkeypatch.setattr(cluster_cli, "cpu_defaults", lambda: CpuDefaults("bfloat16", True, "the CPU has AMX BF16",
+                                                                         "2 cores, too few for separate pools"))
+    c, why = cluster_cli.machine_defaults(*_given())
+    assert (c.engine.dtype, c.prefill.count, c.decode.count) == ("bfloat16", 0, 1)
+    assert why == ["bfloat16: the CPU has AMX BF16", "aggregated: 2 cores, too few for separate pools",
+                   "--dtype and --prefills N override"]
+    c, why = cluster_cli.machine_defaults(*_given(**{"engine.dtype": "float32", "prefill.count": 1}))
+    assert (c.engine.dtype, c.prefill.count) == ("float32", 1) and why == []
+    c, why = cluster_cli.machine_defaults(*_given(**{"engine.device": "cuda"}))
+    assert c.engine.dtype == "bfloat16"  # the config's own CUDA default; the GPU layout is placement_gpu's
+    assert why[:2] == ["bfloat16 on cuda", "aggregated replicas: the most goodput measured on two GPUs"]
+
+
+def test_up_prints_the_choice_in_one_line_and_flags_override(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cluster_cli, "cpu_defaults", lambda: CpuDefaults("bfloat16", True, "the CPU has AMX BF16",
+                                                                         "2 cores, too few for separate pools"))
+    state = str(tmp_path / "state.json")
+    code, out, err = tokenmill(capsys, "up", "--dry-run", "--state-file", state)
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert first == ("tokenmill up: 1 aggregated decode worker, bfloat16 on cpu (bfloat16: the CPU has AMX BF16; "
+                     "aggregated: 2 cores, too few for separate pools; --dtype and --prefills N override)")
+    assert "prefill-0" not in out and "decode-0" in out
+    code, out, err = tokenmill(capsys, "up", "--dry-run", "--state-file", state, "--dtype", "float32",
+                               "--prefills", "1")
+    assert code == 0, err
+    assert not out.startswith("tokenmill up:") and "prefill-0" in out and "float32" in out.splitlines()[0]
+
+
+def test_generate_takes_the_machines_dtype(monkeypatch):
+    import argparse
+
+    from common.cli_args import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    monkeypatch.setattr(machine, "cpu_defaults", lambda: CpuDefaults("bfloat16", True, "", ""))
+    assert engine_config_from_args(p.parse_args([])).dtype == "bfloat16"
+    assert engine_config_from_args(p.parse_args(["--dtype", "float32"])).dtype == "float32"
+    monkeypatch.setattr(machine, "cpu_defaults", lambda: CpuDefaults("float32", True, "", ""))
+    assert engine_config_from_args(p.parse_args([])).dtype == "float32"
+    assert engine_config_from_args(p.parse_args(["--device", "cuda"])).dtype == "bfloat16"
