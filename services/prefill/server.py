@@ -137,11 +137,9 @@ class PrefillWorker(WorkerBase):
         engine.add_request(rid, prompt, params, meta.priority, meta.cache_salt, prefill_only=True)
         self._unscheduled[rid] = queued
 
-    def _grant(self, engine: LLMEngine, o: RequestOutput) -> str:
-        lease_id = uuid.uuid4().hex
+    def _grant(self, engine: LLMEngine, o: RequestOutput, lease_id: str) -> None:
         now = time.monotonic()
         self._leases[lease_id] = _Lease(o.request_id, len(o.kv_block_ids or ()), now, now + self.lease_s)
-        return lease_id
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -186,7 +184,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if o.logprobs:
             result.first_logprob.CopyFrom(logprob_proto(o.logprobs[0]))
         if o.kv_block_ids is not None:
-            lease_id = await asyncio.wrap_future(w.loop.submit(lambda e: w._grant(e, o)))
+            lease_id = uuid.uuid4().hex
+            try:
+                await asyncio.wrap_future(w.loop.submit(lambda e: w._grant(e, o, lease_id)))
+            except asyncio.CancelledError:  # the caller left while the lease was made: nobody will ever claim it
+                w.loop.submit(lambda e: w._end_lease(e, lease_id))
+                raise
             result.kv.CopyFrom(common_pb2.KvHandle(
                 worker_id=w.agent.name, address=w.cfg.address, block_ids=o.kv_block_ids,
                 num_tokens=len(prompt), lease_id=lease_id, lease_ms=int(w.lease_s * 1000),

@@ -166,8 +166,16 @@ def test_disconnect_at_every_phase_returns_every_block(cluster):
             await asyncio.gather(*(one(stub, i, d) for i, d in enumerate(delays)))
 
     asyncio.run(run())
-    wait_for(lambda: all_blocks_free(cluster, "decode") and all_blocks_free(cluster, "prefill"), 30,
-             "every block back after disconnects at every phase")
+    def held():
+        return {p["name"]: (metric(p, "tokenmill:kv_blocks_free"), metric(p, "tokenmill:kv_blocks_total"),
+                            metric(p, "tokenmill:num_requests_running"))
+                for role in ("prefill", "decode") for p in procs(cluster, role)}
+
+    deadline = time.monotonic() + 30
+    while not (all_blocks_free(cluster, "decode") and all_blocks_free(cluster, "prefill")):
+        if time.monotonic() > deadline:
+            pytest.fail(f"blocks still held 30 s after disconnects at every phase; free/total/running: {held()}")
+        time.sleep(0.2)
 
 
 def test_release_frees_a_lease_nobody_pulls(cluster, engine):
