@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--no-chunked-prefill", action="store_true", help="never split a prompt across steps")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default 0)")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: split the model over N processes (on cuda, GPUs cuda:0..N-1; default 1)")
 
 
 def model_source_from_args(a: argparse.Namespace) -> ModelSource:
@@ -55,4 +57,5 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=not a.no_prefix_caching,
         enable_chunked_prefill=not a.no_chunked_prefill,
         seed=a.seed,
+        tensor_parallel_size=a.tp,
     )

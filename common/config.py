@@ -134,6 +134,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
+    # Ranks of Megatron-style tensor parallelism (common/tensor_parallel.py): one process each, rank r on cuda:r on
+    # CUDA. 1: one process, no torch.distributed. The KV pool's size (kv_cache_memory, the GPU share) is per rank.
+    tensor_parallel_size: int = 1
     # Benchmark-only: no model at all; every step samples from constant logits. Measures the control plane
     # (scheduler, detokenizer, gRPC) without the model's cost.
     noop_model: bool = False
@@ -149,6 +152,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.noop_model and self.tensor_parallel_size > 1:
+            raise ValueError(f"noop_model runs no model: tensor_parallel_size must be 1, got "
+                             f"{self.tensor_parallel_size}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -7,14 +7,18 @@ one pinned host buffer (:class:`DecodeStaging`, plain CPU code, tested on CPU) a
 graphs read with one asynchronous copy; the step's only host synchronization is the sampler reading the tokens.
 
 The graphs replay ``LlamaModel.forward`` on its CUDA fast path (``common/triton_ops.py``) plus the logits matmul.
+In a tensor-parallel group every rank captures the same sizes (their NCCL all-reduces inside the graphs); rank 0
+sends the others its staged rows (``DecodeStaging.rows``) and each replays the same graph (``follow``); only rank
+0's graphs compute logits.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from common.model import AttentionMetadata, LlamaModel
@@ -100,13 +104,29 @@ class DecodeStaging:
             row_lists[i] = None
         return 4 * self.max_batch + padded * self.width
 
+    def rows(self, b: int, padded: int) -> np.ndarray:
+        """The step ``fill`` staged, for another rank's staging: ``[padded, b, w]``, the head up to ``padded`` rows,
+        then the first ``w`` entries of each of the ``b`` block-table rows (``w``: the longest row's blocks)."""
+        w = max(self._row_lens[:b], default=0)
+        return np.concatenate([np.array([padded, b, w], dtype=np.int32), self.head[:, :padded].ravel(),
+                               self.tables[:b, :w].ravel()])
+
+    def load(self, rows: np.ndarray) -> tuple[int, int]:
+        """Stage what ``rows`` gave; returns the padded batch size and how many int32 to copy (as ``fill``)."""
+        padded, b, w = (int(x) for x in rows[:3])
+        self.head[:, :padded] = rows[3 : 3 + 4 * padded].reshape(4, padded)
+        self.tables[:b, :w] = rows[3 + 4 * padded :].reshape(b, w)
+        return padded, 4 * self.max_batch + padded * self.width
+
 
 class CudaGraphDecoder:
-    """Captures and replays decode steps; owns the persistent device inputs and the logits outputs."""
+    """Captures and replays decode steps; owns the persistent device inputs and the logits outputs (without
+    ``logits``, the graphs end at the hidden states: a tensor-parallel rank other than 0)."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, max_batch: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, logits: bool = True) -> None:
         self.model = model
+        self.with_logits = logits
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         width = -(-max_model_len // block_size)
@@ -133,7 +153,8 @@ class CudaGraphDecoder:
 
     def _run(self, b: int) -> torch.Tensor:
         ids, pos, meta = self._inputs(b)
-        return self.model.compute_logits(self.model(ids, pos, meta, self.kv_cache))
+        hidden = self.model(ids, pos, meta, self.kv_cache)
+        return self.model.compute_logits(hidden) if self.with_logits else hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -161,17 +182,27 @@ class CudaGraphDecoder:
     def can_run(self, decodes: Sequence[ScheduledSeq]) -> bool:
         return len(decodes) > 0 and self.staging.fits(decodes)
 
-    def run(self, decodes: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def run(self, decodes: Sequence[ScheduledSeq], send: Callable[[np.ndarray], None] | None = None) -> torch.Tensor:
         """Replay for these decodes; returns float32 logits ``[len(decodes), vocab]`` on the device (a view of the
-        graph's output, valid until the next replay)."""
+        graph's output, valid until the next replay). ``send``: hands the staged rows to the other ranks first."""
         b = len(decodes)
         padded = padded_size(self.sizes, b)
         assert padded is not None
         self._copied.synchronize()  # the previous step's copy has read the pinned buffer
         n = self.staging.fill(decodes, padded)
+        if send is not None:
+            send(self.staging.rows(b, padded))
+        return self._replay(padded, n)[:b]
+
+    def follow(self, rows: np.ndarray) -> None:
+        """A rank other than 0: replay the graph rank 0 replays, on the rows it sent (``DecodeStaging.rows``)."""
+        self._copied.synchronize()
+        padded, n = self.staging.load(rows)
+        self._replay(padded, n)
+
+    def _replay(self, padded: int, n: int) -> torch.Tensor:
         self.dev[:n].copy_(self.staging.host[:n], non_blocking=True)
         self._copied.record()
         self.graphs[padded].replay()
         self.replays += 1
-        return self.logits[padded][:b]
-
+        return self.logits[padded]

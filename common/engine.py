@@ -25,6 +25,7 @@ from common.sampler import Sampler, SampleRow
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import FinishReason, Sequence, SequenceStatus
+from common.tensor_parallel import SINGLE, TensorParallelWorkers
 from common.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -84,15 +85,28 @@ class CompletionResult:
 
 
 class LLMEngine:
-    """Paged-KV, continuously batched inference over one model. Token ids in, token ids out."""
+    """Paged-KV, continuously batched inference over one model. Token ids in, token ids out.
+
+    With ``tensor_parallel_size`` N > 1 this process is rank 0 and the engine spawns N - 1 processes for the other
+    ranks (``common/tensor_parallel.py``); ``close`` (or leaving a ``with`` block) stops them."""
 
     def __init__(self, source: ModelSource, cfg: EngineConfig | None = None, model: LlamaModel | None = None) -> None:
-        """``model``: reuse another engine's loaded weights (same source, dtype and device); it is read-only."""
+        """``model``: reuse another engine's loaded weights (same source, dtype and device); it is read-only.
+        Raises ValueError for a tensor-parallel size the model's heads or the machine's GPUs cannot take."""
         self.cfg = cfg or EngineConfig()
         self.source = source
         self.model_cfg = source.config
         self.tokenizer: TextTokenizer | None = source.tokenizer
-        self.runner = ModelRunner(source, self.cfg, model)
+        self.tp: TensorParallelWorkers | None = None
+        if self.cfg.tensor_parallel_size > 1:
+            if model is not None:
+                raise ValueError("a shared model cannot serve a tensor-parallel engine: each rank loads its own part")
+            self.tp = TensorParallelWorkers(source, self.cfg)
+        try:
+            self.runner = ModelRunner(source, self.cfg, model, self.tp.shard if self.tp else SINGLE)
+        except BaseException:
+            self.close()
+            raise
         self.max_model_len = min(self.cfg.max_model_len or self.model_cfg.max_position_embeddings,
                                  self.model_cfg.max_position_embeddings)
         self.block_manager = BlockManager(
@@ -120,6 +134,18 @@ class LLMEngine:
     @classmethod
     def from_spec(cls, model: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
         return cls(load_model_source(model), cfg)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks' processes (nothing to do with one rank). The engine cannot step
+        afterwards. Safe to call twice."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- intake ----------------------------------------------------------------------------------------
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> int:

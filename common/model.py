@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import cpu_kernels
 from common.config import ModelConfig
+from common.tensor_parallel import SINGLE, Shard, check_divisible
 
 
 @dataclass(slots=True)
@@ -94,14 +95,29 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LlamaModel(torch.nn.Module):
-    """The decoder. ``forward`` returns final hidden states; ``compute_logits`` projects the chosen rows."""
+    """The decoder. ``forward`` returns final hidden states; ``compute_logits`` projects the chosen rows.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    With a ``shard`` of a tensor-parallel group (``common/tensor_parallel.py``) it holds that rank's part of every
+    layer: its query and KV heads and its slice of the intermediate dimension (q/k/v and gate/up column-parallel,
+    o_proj and down row-parallel, each followed by an all-reduce). The embedding and the LM head are replicated
+    (vocab-parallel was not measured), so every rank's logits are the same. Raises ValueError when the group's size
+    does not divide the heads, the KV heads or the intermediate size."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 shard: Shard = SINGLE) -> None:
         super().__init__()
+        check_divisible(cfg, shard.size)
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        self.shard = shard
+        # this rank's sizes: all of them with one rank
+        self.num_heads = cfg.num_heads // shard.size
+        self.num_kv_heads = cfg.num_kv_heads // shard.size
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.intermediate_size = cfg.intermediate_size // shard.size
+        h, q, kv, i = cfg.hidden_size, self.q_size, self.kv_size, self.intermediate_size
 
         def empty(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=self.device), requires_grad=False)
@@ -138,53 +154,59 @@ class LlamaModel(torch.nn.Module):
 
     # ---- weights -------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the fused parameters. Raises on missing or unknown names."""
+        """Copy Hugging Face-named tensors into the fused parameters, each cut to this rank's part first (the
+        loaders always give full tensors). Raises on missing or unknown names and on a full shape that disagrees."""
         cfg = self.cfg
-        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        q, kv, i = self.q_size, self.kv_size, self.intermediate_size
         seen: set[str] = set()
         for name, w in weights:
             name = name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             seen.add(name)
-            w = w.to(dtype=self.dtype)
             if name == "embed_tokens.weight":
-                self.embed_tokens.data.copy_(w)
+                self.embed_tokens.data.copy_(w.to(dtype=self.dtype))
                 continue
             if name == "norm.weight":
-                self.norm.data.copy_(w)
+                self.norm.data.copy_(w.to(dtype=self.dtype))
                 continue
             if name == "lm_head.weight":
                 if not cfg.tie_word_embeddings:
-                    self.lm_head.data.copy_(w)
+                    self.lm_head.data.copy_(w.to(dtype=self.dtype))
                 continue
             parts = name.split(".")
             if parts[0] != "layers":
                 raise ValueError(f"unexpected weight {name!r}")
             layer = self.layers[int(parts[1])]
             rest = ".".join(parts[2:])
+            # (parameter, its rows that take the weight, the dimension the group splits: 0 columns, 1 rows)
             targets = {
-                "input_layernorm.weight": (layer.input_norm, None),
-                "post_attention_layernorm.weight": (layer.post_norm, None),
-                "self_attn.q_proj.weight": (layer.qkv, (0, q)),
-                "self_attn.k_proj.weight": (layer.qkv, (q, q + kv)),
-                "self_attn.v_proj.weight": (layer.qkv, (q + kv, q + 2 * kv)),
-                "self_attn.o_proj.weight": (layer.o_proj, None),
-                "mlp.gate_proj.weight": (layer.gate_up, (0, i)),
-                "mlp.up_proj.weight": (layer.gate_up, (i, 2 * i)),
-                "mlp.down_proj.weight": (layer.down, None),
+                "input_layernorm.weight": (layer.input_norm, None, None),
+                "post_attention_layernorm.weight": (layer.post_norm, None, None),
+                "self_attn.q_proj.weight": (layer.qkv, (0, q), 0),
+                "self_attn.k_proj.weight": (layer.qkv, (q, q + kv), 0),
+                "self_attn.v_proj.weight": (layer.qkv, (q + kv, q + 2 * kv), 0),
+                "self_attn.o_proj.weight": (layer.o_proj, None, 1),
+                "mlp.gate_proj.weight": (layer.gate_up, (0, i), 0),
+                "mlp.up_proj.weight": (layer.gate_up, (i, 2 * i), 0),
+                "mlp.down_proj.weight": (layer.down, None, 1),
             }
             if cfg.attention_bias:
-                targets["self_attn.q_proj.bias"] = (layer.qkv_bias, (0, q))
-                targets["self_attn.k_proj.bias"] = (layer.qkv_bias, (q, q + kv))
-                targets["self_attn.v_proj.bias"] = (layer.qkv_bias, (q + kv, q + 2 * kv))
+                targets["self_attn.q_proj.bias"] = (layer.qkv_bias, (0, q), 0)
+                targets["self_attn.k_proj.bias"] = (layer.qkv_bias, (q, q + kv), 0)
+                targets["self_attn.v_proj.bias"] = (layer.qkv_bias, (q + kv, q + 2 * kv), 0)
             if rest not in targets:
                 raise ValueError(f"unexpected weight {name!r}")
-            param, rows = targets[rest]
+            param, rows, split = targets[rest]
             dst = param.data if rows is None else param.data[rows[0] : rows[1]]
-            if dst.shape != w.shape:
-                raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(w)
+            full = list(dst.shape)
+            if split is not None:
+                full[split] *= self.shard.size
+            if list(w.shape) != full:
+                raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected {tuple(full)}")
+            if split is not None:
+                w = self.shard.part(w, split)
+            dst.copy_(w.to(dtype=self.dtype))
         missing = self.expected_weight_names() - seen
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
@@ -207,13 +229,28 @@ class LlamaModel(torch.nn.Module):
     def init_random(self, seed: int = 0) -> None:
         """Random weights at the real size (for benchmarks): N(0, 0.02) matrices, unit norms.
 
-        Drawn on the weights' own device, so an 8B model fills in seconds on a GPU."""
+        Drawn on the weights' own device, so an 8B model fills in seconds on a GPU. A tensor-parallel rank draws
+        every matrix at its full size, in the same order, and keeps its part, so the weights are the same at every
+        group size."""
         g = torch.Generator(device=self.device).manual_seed(seed)
+        size, rank = self.shard.size, self.shard.rank
+        q, kv, i = self.q_size, self.kv_size, self.intermediate_size
+        # fused matrices the group splits: (dimension, this rank's size of each fused part)
+        splits = {"qkv": (0, (q, kv, kv)), "gate_up": (0, (i, i)), "o_proj": (1, (q,)), "down": (1, (i,))}
         for name, p in self.named_parameters():
             if p.dim() == 1:
                 p.data.fill_(1.0) if "norm" in name else p.data.zero_()
-            else:
+                continue
+            split = splits.get(name.rsplit(".", 1)[-1])
+            if split is None or size == 1:
                 p.data.normal_(0.0, 0.02, generator=g)
+                continue
+            dim, sizes = split
+            shape = list(p.shape)
+            shape[dim] *= size
+            full = torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, 0.02, generator=g)
+            starts = [sum(sizes[:k]) * size + rank * n for k, n in enumerate(sizes)]
+            p.data.copy_(torch.cat([full.narrow(dim, s, n) for s, n in zip(starts, sizes)], dim))
 
     # ---- forward -------------------------------------------------------------------------------------
     def forward(
@@ -234,11 +271,12 @@ class LlamaModel(torch.nn.Module):
         # cos/sin in the activation dtype, as the reference applies them
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
-        q_sz, kv_sz = cfg.q_size, cfg.kv_size
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_sz, kv_sz = self.q_size, self.kv_size
+        nh, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
         t = x.shape[0]
         kv_rows = kv_cache.view(-1, nkv, d)
         eps = cfg.rms_norm_eps
+        reduce = self.shard.all_reduce
         for li, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)
             qkv = self._linear(h, layer.qkv, layer.qkv_bias)
@@ -246,10 +284,10 @@ class LlamaModel(torch.nn.Module):
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
             attn = paged_attention(q, k, v, kv_rows, li * meta.layer_stride, meta, kv_cache, li)
-            x = x + self._linear(attn.reshape(t, q_sz), layer.o_proj)
+            x = x + reduce(self._linear(attn.reshape(t, q_sz), layer.o_proj))
             h = rms_norm(x, layer.post_norm, eps)
             g, u = self._linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + self._linear(F.silu(g) * u, layer.down)
+            x = x + reduce(self._linear(F.silu(g) * u, layer.down))
         return rms_norm(x, self.norm, eps)
 
     def _forward_cpu_fused(
@@ -261,12 +299,13 @@ class LlamaModel(torch.nn.Module):
         pool in place. Nine calls a layer instead of about sixty."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_sz, kv_sz = cfg.q_size, cfg.kv_size
+        nh, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
+        q_sz, kv_sz = self.q_size, self.kv_size
         x = F.embedding(input_ids, self.embed_tokens)
         t = x.shape[0]
         kv_rows = kv_cache.view(-1, nkv, d)
         layers = self.layers
+        reduce = self.shard.all_reduce
         h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps)
         for li, layer in enumerate(layers):
             qkv = self._linear(h, layer.qkv, layer.qkv_bias)
@@ -278,8 +317,9 @@ class LlamaModel(torch.nn.Module):
             v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
             attn = paged_attention(q, k, v, kv_rows, k_off, meta, kv_cache, li, kv_written=True,
                                    prefill_kernel=self._prefill_kernel)
-            h = cpu_kernels.add_rms_norm(x, self._linear(attn.reshape(t, q_sz), layer.o_proj), layer.post_norm, eps)
-            down = self._linear(cpu_kernels.silu_mul(self._linear(h, layer.gate_up)), layer.down)
+            o = reduce(self._linear(attn.reshape(t, q_sz), layer.o_proj))
+            h = cpu_kernels.add_rms_norm(x, o, layer.post_norm, eps)
+            down = reduce(self._linear(cpu_kernels.silu_mul(self._linear(h, layer.gate_up)), layer.down))
             nxt = layers[li + 1].input_norm if li + 1 < len(layers) else self.norm
             h = cpu_kernels.add_rms_norm(x, down, nxt, eps)
         return h
@@ -289,23 +329,26 @@ class LlamaModel(torch.nn.Module):
     ) -> torch.Tensor:
         """The CUDA fast path: the portable forward's function with fused Triton stages (RMSNorm + residual,
         RoPE + KV write, SiLU·mul) and decode attention read in place from the pool. Free of host syncs and of
-        data-dependent shapes for a decode-only batch, so a CUDA graph can hold it (common/cuda_graphs.py)."""
+        data-dependent shapes for a decode-only batch, so a CUDA graph can hold it (common/cuda_graphs.py); with a
+        tensor-parallel shard the graph holds the two NCCL all-reduces of each layer too."""
         from common import triton_ops as tk
 
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_sz = cfg.q_size
+        nh, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
+        q_sz = self.q_size
         x = F.embedding(input_ids, self.embed_tokens)
         t = x.shape[0]
         layers = self.layers
+        reduce = self.shard.all_reduce
         h = tk.add_rms_norm(x, None, layers[0].input_norm, eps)
         for li, layer in enumerate(layers):
             qkv = tk.linear(h, layer.qkv, layer.qkv_bias)
             tk.rope_kv_write(qkv, positions, meta.slot_rows, self.rope_cos, self.rope_sin, kv_cache, li, nh, nkv, d)
             attn = _attention_cuda(qkv, kv_cache, li, meta, nh, nkv, d)
-            h = tk.add_rms_norm(x, tk.residual_linear(attn.view(t, q_sz), layer.o_proj), layer.post_norm, eps)
-            down = tk.down_proj(tk.linear(h, layer.gate_up), layer.down)
+            # an o_proj / down output may be split-K partials (fp32, summed by add_rms_norm): all-reduced all the same
+            h = tk.add_rms_norm(x, reduce(tk.residual_linear(attn.view(t, q_sz), layer.o_proj)), layer.post_norm, eps)
+            down = reduce(tk.down_proj(tk.linear(h, layer.gate_up), layer.down))
             nxt = layers[li + 1].input_norm if li + 1 < len(layers) else self.norm
             h = tk.add_rms_norm(x, down, nxt, eps)
         return h

@@ -3,6 +3,11 @@
 Owns the model weights and the KV pool: one preallocated tensor
 ``[num_blocks, num_layers, 2 (k/v), block_size, kv_heads, head_dim]``. The layout is block-major so one block of
 every layer is one contiguous region: a KV transfer moves a block with a single descriptor.
+
+A step goes scheduler output → ``StepPlan`` (host integers) → ``StepInputs`` (tensors) → forward. In a
+tensor-parallel group (``common/tensor_parallel.py``) each rank has a runner over its shard, whose pool holds its
+``kv_heads / N`` heads: rank 0's sends every plan (or its CUDA graph's staged rows) to the others before its own
+forward, and theirs run it in ``follow``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from common.cuda_graphs import CudaGraphDecoder
 from common.loader import ModelSource
 from common.model import AttentionMetadata, LlamaModel, cache_rows
 from common.scheduler import SchedulerOutput
+from common.tensor_parallel import SINGLE, Op, Shard, rank_device, send_step
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +35,53 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """A step's model inputs as host integers, before any tensor is made: what rank 0 of a tensor-parallel group
+    sends the other ranks (``pack`` / ``unpack``), so that every rank builds the same inputs."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]  # layer-0 K row of each token's KV
+    prefill_lens: list[int]
+    prefill_context_lens: list[int]  # tokens in the cache after this step (prefix + chunk)
+    prefill_tables: list[list[int] | None]  # the blocks of a context with a cached prefix; None: no prefix
+    decode_context_lens: list[int]
+    decode_tables: list[list[int]]  # block ids, padded with block 0 to the longest
+    sample_indices: list[int]  # row of each sampling sequence in the flat batch
+
+    def pack(self) -> list[int]:
+        """``[T, P, B, W, S]``, then ids, positions, slots, prefill lengths, context lengths, each prefill table's
+        length (-1: None), their blocks, decode context lengths, decode tables (B × W), sample rows."""
+        out = [len(self.ids), len(self.prefill_lens), len(self.decode_context_lens),
+               len(self.decode_tables[0]) if self.decode_tables else 0, len(self.sample_indices)]
+        out += self.ids + self.positions + self.slots + self.prefill_lens + self.prefill_context_lens
+        out += [-1 if t is None else len(t) for t in self.prefill_tables]
+        for t in self.prefill_tables:
+            out += t or []
+        out += self.decode_context_lens
+        for t in self.decode_tables:
+            out += t
+        return out + self.sample_indices
+
+    @classmethod
+    def unpack(cls, words: list[int]) -> StepPlan:
+        """The plan ``pack`` gave."""
+        t, p, b, w, s = words[:5]
+        at = 5
+
+        def take(n: int) -> list[int]:
+            nonlocal at
+            at += n
+            return words[at - n : at]
+
+        ids, positions, slots, q_lens, ctx_lens, table_lens = take(t), take(t), take(t), take(p), take(p), take(p)
+        tables = [None if n < 0 else take(n) for n in table_lens]
+        dec_ctx = take(b)
+        dec_tables = [take(w) for _ in range(b)]
+        return cls(ids, positions, slots, q_lens, ctx_lens, tables, dec_ctx, dec_tables, take(s))
 
 
 @dataclass(slots=True)
@@ -69,26 +122,33 @@ def kv_cache_budget(total: int, free: int, utilization: float, own: int, peak: i
 class ModelRunner:
     """Loads weights onto the device, sizes and allocates the KV pool, and executes steps."""
 
-    def __init__(self, source: ModelSource, cfg: EngineConfig, model: LlamaModel | None = None) -> None:
+    def __init__(self, source: ModelSource, cfg: EngineConfig, model: LlamaModel | None = None,
+                 shard: Shard = SINGLE) -> None:
+        """``shard``: this process's rank of a tensor-parallel group (every rank builds its runner at the same
+        time: loading, the KV pool's size and the CUDA graphs' capture are agreed or run in step)."""
         if cfg.device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device 'cuda' requested but torch sees no CUDA device; use --device cpu")
         self.cfg = cfg
         self.model_cfg: ModelConfig = source.config
-        self.device = torch.device(cfg.device)
+        self.shard = shard
+        self.device = torch.device(cfg.device) if shard.size == 1 else rank_device(cfg.device, shard.rank)
         self.dtype = torch_dtype(cfg.dtype)
         t0 = time.perf_counter()
         if model is not None:
             if model.dtype != self.dtype or model.device != self.device or model.cfg != self.model_cfg:
                 raise ValueError("a shared model must have this engine's config, dtype and device")
+            if model.shard.size != shard.size:
+                raise ValueError("a shared model must be of this engine's tensor-parallel size")
             self.model = model
         else:
-            self.model = LlamaModel(self.model_cfg, self.dtype, self.device if not cfg.noop_model else "meta")
+            self.model = LlamaModel(self.model_cfg, self.dtype, self.device if not cfg.noop_model else "meta", shard)
             if cfg.noop_model:
                 log.warning("noop_model: no weights loaded, outputs are meaningless (control-plane benchmarks only)")
             elif source.weights is None:
                 self.model.init_random(cfg.seed)
             else:
                 self.model.load_weights(source.weights())
+        shard.barrier()  # every rank has its weights
         # The C++ paged decode-attention kernel (common/csrc) reads K/V in place; vectorized (AVX-512) it beats
         # gather + SDPA: bfloat16 batch-32 step 61 -> 51 ms on a 2-core AVX-512 box; float32 batch-1 step 30.2 ->
         # 28.4 ms, and greedy output still equals transformers' (tests/test_reference.py). On by default where it
@@ -111,24 +171,27 @@ class ModelRunner:
             self.model.use_triton = True
         self.load_seconds = time.perf_counter() - t0
         self.block_size = cfg.block_size
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = shard.min_over_ranks(self._num_blocks())  # one block table serves every rank's pool
         m = self.model_cfg
         shape_layers = 1 if cfg.noop_model else m.num_layers
         self.kv_cache = torch.zeros(
-            (self.num_blocks, shape_layers, 2, cfg.block_size, m.num_kv_heads, 1 if cfg.noop_model else m.head_dim),
+            (self.num_blocks, shape_layers, 2, cfg.block_size, self.model.num_kv_heads,
+             1 if cfg.noop_model else m.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
         self.graphs: CudaGraphDecoder | None = None
         if self.fast_cuda and os.environ.get("TOKENMILL_CUDA_GRAPHS", "1") != "0":
+            # the other ranks' graphs stop at the hidden states: only rank 0 needs logits (the head is replicated)
             self.graphs = CudaGraphDecoder(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
-                                           cfg.max_model_len or m.max_position_embeddings)
+                                           cfg.max_model_len or m.max_position_embeddings, logits=shard.rank == 0)
             self.graphs.capture()
 
     @property
     def bytes_per_block(self) -> int:
+        """Bytes of one block of this rank's pool (its KV heads)."""
         m = self.model_cfg
-        return 2 * m.num_layers * self.block_size * m.num_kv_heads * m.head_dim * self.dtype.itemsize
+        return 2 * m.num_layers * self.block_size * self.model.num_kv_heads * m.head_dim * self.dtype.itemsize
 
     def _num_blocks(self) -> int:
         if self.cfg.num_gpu_blocks_override:
@@ -152,9 +215,8 @@ class ModelRunner:
         m = self.model_cfg
         n = min(self.cfg.max_num_batched_tokens, m.max_position_embeddings)
         blocks = -(-n // self.block_size)
-        scratch = torch.zeros(
-            (blocks, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device
-        )
+        scratch = torch.zeros((blocks, m.num_layers, 2, self.block_size, self.model.num_kv_heads, m.head_dim),
+                              dtype=self.dtype, device=self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -176,18 +238,17 @@ class ModelRunner:
         return peak
 
     # -- a step ----------------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def plan(self, out: SchedulerOutput) -> StepPlan:
+        """The step's inputs as host integers: prefill chunks first, then one token per decode."""
         bs = self.block_size
         per_block = self.model_cfg.num_layers * 2 * bs
-        dev = self.device
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
-        rows: list[torch.Tensor | None] = []
+        tables: list[list[int] | None] = []
         sample_idx: list[int] = []
-        layers = self.model_cfg.num_layers
         for item in out.prefills:
             s, n = item.seq, item.num_tokens
             c = s.num_computed_tokens
@@ -197,27 +258,36 @@ class ModelRunner:
             slots.extend(s.block_ids[p // bs] * per_block + p % bs for p in rng)
             q_lens.append(n)
             ctx_lens.append(c + n)
-            if c == 0:
-                rows.append(None)
-            else:
-                table = torch.tensor(s.block_ids[: -(-(c + n) // bs)], dtype=torch.long, device=dev)
-                rows.append(cache_rows(table, bs, layers)[: c + n])
+            tables.append(None if c == 0 else s.block_ids[: -(-(c + n) // bs)])
             if item.samples:
                 sample_idx.append(len(ids) - 1)
-        dec_rows = dec_mask = dec_tables = dec_ctx = None
+        dec_ctx: list[int] = []
+        dec_tables: list[list[int]] = []
         if out.decodes:
             width = max(len(d.seq.block_ids) for d in out.decodes)
-            tables = []
-            ctx = []
             for d in out.decodes:
                 s = d.seq
                 c = s.num_computed_tokens
                 ids.append(s.token_at(c))
                 pos.append(c)
                 slots.append(s.block_ids[c // bs] * per_block + c % bs)
-                tables.append(s.block_ids + [0] * (width - len(s.block_ids)))
-                ctx.append(c + 1)
+                dec_tables.append(s.block_ids + [0] * (width - len(s.block_ids)))
+                dec_ctx.append(c + 1)
                 sample_idx.append(len(ids) - 1)
+        return StepPlan(ids, pos, slots, q_lens, ctx_lens, tables, dec_ctx, dec_tables, sample_idx)
+
+    def inputs(self, plan: StepPlan) -> StepInputs:
+        """The plan's tensors on this runner's device, in the form its attention path reads."""
+        bs = self.block_size
+        dev = self.device
+        layers = self.model_cfg.num_layers
+        rows: list[torch.Tensor | None] = [
+            None if t is None else cache_rows(torch.tensor(t, dtype=torch.long, device=dev), bs, layers)[:ctx]
+            for t, ctx in zip(plan.prefill_tables, plan.prefill_context_lens)
+        ]
+        dec_rows = dec_mask = dec_tables = dec_ctx = None
+        if plan.decode_tables:
+            tables, ctx = plan.decode_tables, plan.decode_context_lens
             if self.fast_cuda:  # the Triton decode kernel reads the pool through the block tables
                 dec_tables = torch.tensor(tables, dtype=torch.int32).to(dev, non_blocking=True)
                 dec_ctx = torch.tensor(ctx, dtype=torch.int32).to(dev, non_blocking=True)
@@ -227,14 +297,15 @@ class ModelRunner:
                 if self.use_cpu_kernel:
                     dec_tables, dec_ctx = table_t, ctx_t
                 else:
+                    width = table_t.shape[1]
                     dec_rows = cache_rows(table_t, bs, layers)
                     dec_mask = (torch.arange(width * bs, device=dev).unsqueeze(0) < ctx_t.unsqueeze(1))[:, None, None, :]
         meta = AttentionMetadata(
-            slot_rows=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefill_query_lens=q_lens,
-            prefill_context_lens=ctx_lens,
+            slot_rows=torch.tensor(plan.slots, dtype=torch.long, device=dev),
+            prefill_query_lens=plan.prefill_lens,
+            prefill_context_lens=plan.prefill_context_lens,
             prefill_rows=rows,
-            num_decode_tokens=len(out.decodes),
+            num_decode_tokens=len(plan.decode_context_lens),
             decode_rows=dec_rows,
             decode_mask=dec_mask,
             layer_stride=2 * bs,
@@ -243,17 +314,26 @@ class ModelRunner:
             decode_context_lens=dec_ctx,
         )
         return StepInputs(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
+            torch.tensor(plan.ids, dtype=torch.long, device=dev),
+            torch.tensor(plan.positions, dtype=torch.long, device=dev),
             meta,
-            sample_idx,
+            plan.sample_indices,
         )
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        return self.inputs(self.plan(out))
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """Float32 logits at every position of each prompt (one flat prefill on a scratch cache).
 
         Leaves the KV pool untouched; for prompt scoring and for checks against a reference."""
+        if self.shard.size > 1:
+            send_step(self.shard, Op.SCORE, [len(prompts), *map(len, prompts), *(t for p in prompts for t in p)])
+        hidden = self._score_hidden(prompts)
+        return list(self.model.compute_logits(hidden).cpu().split([len(p) for p in prompts]))
+
+    def _score_hidden(self, prompts: list[list[int]]) -> torch.Tensor:
         m, bs = self.model_cfg, self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -265,9 +345,8 @@ class ModelRunner:
             next_block += nb
             ids += p
             pos += range(len(p))
-        cache = torch.zeros(
-            (next_block, m.num_layers, 2, bs, m.num_kv_heads, m.head_dim), dtype=self.dtype, device=self.device
-        )
+        cache = torch.zeros((next_block, m.num_layers, 2, bs, self.model.num_kv_heads, m.head_dim), dtype=self.dtype,
+                            device=self.device)
         meta = AttentionMetadata(
             slot_rows=torch.cat(slots).to(self.device),
             prefill_query_lens=[len(p) for p in prompts],
@@ -276,23 +355,23 @@ class ModelRunner:
             num_decode_tokens=0, decode_rows=None, decode_mask=None,
             layer_stride=2 * bs, kv_stride=bs,
         )
-        hidden = self.model(
-            torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta, cache
-        )
-        return list(self.model.compute_logits(hidden).cpu().split([len(p) for p in prompts]))
+        return self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta, cache)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run the step; return logits ``[num_sampling_rows, vocab]`` (or None): float32 on the device with the CUDA
         fast path (the sampler then runs there); on the CPU, in the model's dtype (the sampler converts as needed).
-        A decode-only step replays a CUDA graph."""
+        A decode-only step replays a CUDA graph. In a tensor-parallel group, rank 0 calls this; the others follow."""
         if self.cfg.noop_model:
             # a one-entry vocabulary: every sampled token is id 0, and sampling costs nothing per vocab entry
             n = sum(1 for it in (*out.prefills, *out.decodes) if it.samples)
             return torch.zeros(n, 1) if n else None
         if self.graphs is not None and not out.prefills and self.graphs.can_run(out.decodes):
-            return self.graphs.run(out.decodes)
-        inp = self.prepare(out)
+            return self.graphs.run(out.decodes, self._send_graph_rows if self.shard.size > 1 else None)
+        plan = self.plan(out)
+        if self.shard.size > 1:
+            send_step(self.shard, Op.STEP, plan.pack())
+        inp = self.inputs(plan)
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
         if not inp.sample_indices:
             return None
@@ -301,3 +380,27 @@ class ModelRunner:
         # torch's argmax were 2.5 ms of a 50 ms batch-32 step
         logits = self.model.compute_logits(hidden[idx], float32=self.device.type != "cpu")
         return logits if self.fast_cuda else logits.cpu()
+
+    def _send_graph_rows(self, rows: object) -> None:
+        send_step(self.shard, Op.GRAPH, rows)
+
+    @torch.inference_mode()
+    def follow(self, op: Op, payload: torch.Tensor) -> None:
+        """A rank other than 0: run the step rank 0 sent, on this rank's shard and pool. Computes no logits (rank
+        0's are the group's) and samples nothing."""
+        if op is Op.GRAPH:
+            assert self.graphs is not None, "rank 0 replays CUDA graphs but this rank captured none"
+            self.graphs.follow(payload.numpy())
+        elif op is Op.SCORE:
+            words = payload.tolist()
+            lens, at = words[1 : 1 + words[0]], 1 + words[0]
+            prompts = []
+            for n in lens:
+                prompts.append(words[at : at + n])
+                at += n
+            self._score_hidden(prompts)
+        elif op is Op.STEP:
+            inp = self.inputs(StepPlan.unpack(payload.tolist()))
+            self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
+        else:
+            raise ValueError(f"a rank cannot follow {op!r}")

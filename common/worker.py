@@ -102,7 +102,13 @@ class WorkerMetrics:
 
 
 def build_engine(cfg: ServiceConfig) -> LLMEngine:
-    """Load the model and warm it up (one short request) so the first real one pays no start-up cost."""
+    """Load the model and warm it up (one short request) so the first real one pays no start-up cost. Raises
+    ValueError for a tensor-parallel prefill worker: the KV transfer would carry rank 0's shard alone."""
+    tp = cfg.cluster.engine.tensor_parallel_size
+    if cfg.role == "prefill" and tp > 1:
+        raise ValueError(f"{cfg.name}: engine.tensor_parallel_size={tp} on a prefill worker: the KV transfer between "
+                         f"the pools does not carry a tensor-parallel worker's shards; serve the aggregated layout "
+                         f"(prefill.count=0)")
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
@@ -263,6 +269,8 @@ class WorkerBase:
                 task.cancel()
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
+        if self.engine is not None:
+            self.engine.close()  # the engine thread has ended: stop the other tensor-parallel ranks, if any
         if self.agent is not None:
             self.agent.close()
 

@@ -89,6 +89,11 @@ def run(a: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    with engine:  # stops the other tensor-parallel ranks, if any
+        return _generate(a, engine)
+
+
+def _generate(a: argparse.Namespace, engine: LLMEngine) -> int:
     try:
         src = sys.stdin if a.prompts == "-" else open(a.prompts, encoding="utf-8")  # noqa: SIM115
     except OSError as e:

@@ -40,6 +40,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "cuda"],
                    help="where the model workers run (engine.device, default cpu); on cuda the dtype defaults to "
                         "bfloat16")
+    g.add_argument("--tp", type=int, metavar="N",
+                   help="engine.tensor_parallel_size: each model worker splits the model over N processes and, on "
+                        "cuda, N GPUs (default 1; N > 1 runs the aggregated layout, no prefill pool)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="engine.dtype (default: from the machine: bfloat16 on cuda and on CPUs with bf16 "
                         "arithmetic, else float32)")
@@ -50,7 +53,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     ov: dict[str, Any] = {"host": a.host, "model": a.model, "tokenizer_spec": a.tokenizer_spec,
                           "base_port": a.base_port, "grace_s": a.grace_s, "engine.device": a.device,
-                          "engine.dtype": a.dtype}
+                          "engine.dtype": a.dtype,
+                          "engine.tensor_parallel_size": a.tp}
     for role in ROLES:
         ov[f"{role}.count"] = getattr(a, f"{role}_count", None)
         ov[f"{role}.port"] = getattr(a, f"{role}_port", None)

@@ -243,3 +243,20 @@ def test_values_yaml_is_documented_line_by_line():
             if not prev.startswith("#"):
                 undocumented.append(f"{i + 1}: {line.strip()}")
     assert not undocumented, f"values.yaml lines without a comment: {undocumented}"
+
+
+def test_tensor_parallel_workers_get_tp_and_a_gpu_per_rank():
+    tp = {"engine": {"tp": 2}, "prefill": {"replicas": 0}, "decode": {"gpus": 2}}
+    docs = render(tp)
+    c = container(docs, "decode")
+    assert c["args"] == ["decode", "--config", "/etc/tokenmill/cluster.yaml", "--tp", "2"]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container(docs, "router")["args"] == ["router", "--config", "/etc/tokenmill/cluster.yaml"]
+    for values, message in [
+        ({"engine": {"tp": 2}}, r"engine\.tp=2 with a prefill pool: .* set prefill\.replicas to 0"),
+        (deep_merge(tp, {"decode": {"gpus": 1}}), r"decode\.gpus=1 but engine\.tp=2: a tensor-parallel worker runs "
+                                                 r"one rank on each of its pod's GPUs; set decode\.gpus to 2"),
+        ({"engine": {"tp": 0}}, r"engine\.tp must be >= 1, got 0"),
+    ]:
+        with pytest.raises(helm.HelmError, match=message):
+            render(values)

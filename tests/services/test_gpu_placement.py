@@ -301,3 +301,77 @@ def test_ray_workers_on_a_fraction_of_a_gpu_budget_that_fraction():
 def test_a_placement_names_the_device_inside_and_on_the_machine():
     assert Placement(("2", "3"), 0.9).describe() == "cuda:0 (GPU 2), cuda:1 (GPU 3)"
     assert Placement(("2", "3"), 0.9).cuda_visible_devices == "2,3"
+
+
+# -- tensor parallelism: a worker on tensor_parallel_size GPUs ---------------------------------------------------
+def test_a_tensor_parallel_worker_gets_tp_gpus_and_the_layout_is_aggregated():
+    tp2 = {"engine.tensor_parallel_size": 2}
+    p = plan(["0", "1", "2", "3"], **tp2)
+    assert (p.cluster.prefill.count, p.cluster.decode.count) == (0, 2)
+    assert layout(p) == {"decode-0": (("0", "1"), 0.9), "decode-1": (("2", "3"), 0.9)}
+    assert layout(plan(["0", "1", "2", "3"], **tp2, **{"decode.gpus": "2"})) == layout(p)  # a count of tp GPUs
+    assert layout(plan(["0", "1", "2", "3"], **tp2, **{"decode.count": 1})) == {"decode-0": (("0", "1"), 0.9)}
+    assert layout(plan(["0", "1", "2"], **tp2)) == {"decode-0": (("0", "1"), 0.9)}  # a replica on every 2 GPUs
+    # a device list: tp GPUs a worker, in order; a GPU of two workers is shared and splits the utilization
+    p = plan(["0", "1", "2", "3"], **tp2, **{"decode.gpus": "3,2,0,1"})
+    assert layout(p) == {"decode-0": (("3", "2"), 0.9), "decode-1": (("0", "1"), 0.9)}
+    p = plan(["0", "1", "2"], **tp2, **{"decode.gpus": "0,1,1,2"})
+    assert layout(p) == {"decode-0": (("0", "1"), 0.45), "decode-1": (("1", "2"), 0.45)}
+    # the launcher's own CUDA_VISIBLE_DEVICES: the worker's cuda:0 and cuda:1 (its ranks) are GPUs 3 and 5
+    p = plan(["3", "5"], **tp2)
+    assert p.placements["decode-0"].cuda_visible_devices == "3,5"
+    assert p.placements["decode-0"].describe() == "cuda:0 (GPU 3), cuda:1 (GPU 5)"
+    # on the CPU: no placements, and no prefill pool either
+    cluster, given = load_cluster_config_given(overrides=tp2, env={})
+    p = plan_gpus(cluster, [], given)
+    assert not p.placements and (p.cluster.prefill.count, p.cluster.engine.tensor_parallel_size) == (0, 2)
+
+
+@pytest.mark.parametrize(
+    ("visible", "overrides", "message"),
+    [
+        (["0"], {}, "engine.tensor_parallel_size=2: a worker runs on 2 GPUs, but 1 GPU is visible (cuda:0); "
+                    "lower --tp to at most 1"),
+        (["0", "1"], {"decode.gpus": "1"}, "decode.gpus=1: a decode worker runs on engine.tensor_parallel_size=2 "
+                                           "GPUs; set decode.gpus to 2 or leave it out"),
+        (["0", "1", "2"], {"decode.gpus": "0,1,2"}, "decode.gpus=0,1,2 is 3 GPUs, not a multiple of "
+                                                    "engine.tensor_parallel_size=2"),
+        (["0", "1"], {"decode.gpus": "0,0"}, "decode.gpus=0,0: a tensor-parallel worker takes 2 different GPUs, "
+                                             "got 0,0"),
+        (["0", "1", "2", "3"], {"decode.gpus": "0,1", "decode.count": 2}, "decode.gpus=0,1 is 2 GPUs (the workers "
+                                                                          "take them in order, 2 each) but "
+                                                                          "decode.count is 2"),
+        (["0", "1", "2"], {"decode.count": 2}, "2 decode workers need 2 GPUs each (engine.tensor_parallel_size), "
+                                               "but 3 are visible"),
+        (["0", "1", "2", "3"], {"prefill.count": 1}, "prefill.count=1 with engine.tensor_parallel_size=2: the KV "
+                                                     "transfer between the prefill and decode pools does not carry "
+                                                     "a tensor-parallel worker's shards"),
+        (["0", "1", "2", "3"], {"prefill.gpus": "0,1"}, "prefill.gpus=0,1 with engine.tensor_parallel_size=2"),
+    ],
+)
+def test_a_tensor_parallel_size_that_cannot_be_placed_is_refused_in_one_line(visible, overrides, message):
+    with pytest.raises(GpuPlanError) as e:
+        plan(visible, **{"engine.tensor_parallel_size": 2, **overrides})
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_up_tp_flag_gives_each_worker_its_gpus_and_refuses_what_does_not_fit(capsys, monkeypatch, tmp_path):
+    from services.cluster import placement_gpu
+
+    monkeypatch.setattr(placement_gpu, "visible_gpus", lambda env=None: ["0", "1"])
+    state = str(tmp_path / "state" / "cluster.json")
+    code, out, err = tokenmill(capsys, "up", "--device", "cuda", "--tp", "2", "--dry-run", "--state-file", state)
+    assert code == 0, err
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert "prefill-0" not in rows and "CUDA_VISIBLE_DEVICES=0,1 " in rows["decode-0"]
+    assert "cuda:0 (GPU 0), cuda:1 (GPU 1)" in rows["decode-0"]
+    for args, message in [
+        (["--tp", "3"], "engine.tensor_parallel_size=3: a worker runs on 3 GPUs, but 2 GPUs are visible"),
+        (["--tp", "2", "--prefills", "1"], "prefill.count=1 with engine.tensor_parallel_size=2"),
+        (["--tp", "0"], "engine: tensor_parallel_size must be >= 1, got 0"),
+    ]:
+        code, out, err = tokenmill(capsys, "up", "--device", "cuda", "--state-file", state, *args)
+        assert code == 2 and message in err and err.count("\n") == 1 and not out, err
+    assert not (tmp_path / "state").exists()
+    cluster, _ = load_cluster_config_given(overrides={"engine.tensor_parallel_size": "2"}, env={})
+    assert cluster.engine.tensor_parallel_size == 2  # --tp on serve sets the same key (services/cluster/cli.py)

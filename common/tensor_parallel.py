@@ -1,0 +1,314 @@
+"""Tensor parallelism inside one engine (Megatron-style): ``engine.tensor_parallel_size`` processes, one a rank,
+each holding 1/N of every layer.
+
+- The model (``common/model.py``): q/k/v and gate/up column-parallel (a rank holds its query heads, its KV heads and
+  its slice of the intermediate dimension), o_proj and down row-parallel, each followed by one all-reduce; the
+  embedding and the LM head replicated. A rank's KV pool holds its KV heads:
+  ``[blocks, layers, 2, block_size, kv_heads / N, head_dim]``.
+- Execution: rank 0 is the engine (scheduler, block manager, sampler); ranks 1..N-1 are daemon processes it spawns
+  (``TensorParallelWorkers``) that run ``_rank_main``. Each step rank 0 broadcasts the model inputs as integers
+  (``send_step``: one broadcast, a second only when they overflow its buffer) over a gloo group in host memory, and
+  every rank runs the same forward on its shard, so the all-reduces line up. Those run on NCCL on CUDA (rank r on
+  ``cuda:r``; inside the captured decode graphs too) and on gloo on the CPU.
+- The group is torch.distributed's default group, so a process holds one tensor-parallel engine at a time; closing
+  the engine stops the other ranks and destroys the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.config import EngineConfig, ModelConfig
+
+if TYPE_CHECKING:
+    from common.loader import ModelSource
+
+log = logging.getLogger(__name__)
+
+# How long a rank waits for the others to join; model loading comes after, so this covers process start-up only.
+_JOIN_TIMEOUT = timedelta(minutes=5)
+# Ranks other than 0 wait in a broadcast while the engine is idle: an idle engine must not time them out.
+_IDLE_TIMEOUT = timedelta(days=365)
+# int64 words a step message carries in its first broadcast (64 KiB: a 2,048-token prefill, a batch of 64 decodes
+# of 1,000-token contexts); a longer message takes a second broadcast.
+_INLINE = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """This process's place in a tensor-parallel group: its rank, the group's size, and its two process groups
+    (None with one rank, where nothing touches torch.distributed)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # the forward's all-reduces: NCCL on CUDA, gloo on the CPU
+    meta_group: Any = None  # rank 0's step messages and start-up agreements: gloo, host memory
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group in place and return it; with one rank, ``x`` as it is."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def part(self, w: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's equal slice of ``w`` along ``dim`` (a view)."""
+        n = w.shape[dim] // self.size
+        return w.narrow(dim, self.rank * n, n)
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest ``value`` of all ranks (every rank must call it): the KV pool's block count, so that every
+        rank's pool has the same blocks."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.meta_group)
+        return int(t.item())
+
+    def barrier(self) -> None:
+        """Wait for every rank over gloo, which sees a rank that died (NCCL would wait for it until its timeout)."""
+        if self.size > 1:
+            dist.barrier(group=self.meta_group)
+
+
+SINGLE = Shard()
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Raise ValueError, naming the numbers, unless ``size`` ranks can each hold whole query and KV heads and an equal
+    slice of the MLP. Heads are never replicated to make a size fit."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    for what, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % size:
+            raise ValueError(
+                f"tensor_parallel_size {size} does not divide {what} {n} of model {cfg.name}: each rank holds an "
+                f"equal share; use a size that divides num_attention_heads {cfg.num_heads}, num_key_value_heads "
+                f"{cfg.num_kv_heads} and intermediate_size {cfg.intermediate_size}")
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Where rank ``rank`` runs: ``cuda:rank`` on CUDA (no CUDA_VISIBLE_DEVICES per rank), else the CPU."""
+    return torch.device("cuda", rank) if device == "cuda" else torch.device(device)
+
+
+# ---- step messages -------------------------------------------------------------------------------------------
+class Op(IntEnum):
+    """What rank 0 asks of the other ranks: the first word of every step message."""
+
+    STEP = 1  # an eager forward of a packed StepPlan (common/model_runner.py)
+    GRAPH = 2  # a decode step replayed from a CUDA graph: the staged rows (common/cuda_graphs.py)
+    SCORE = 3  # a scoring prefill on a scratch cache: the prompts
+    STOP = 4  # leave the loop and exit
+
+
+def send_step(shard: Shard, op: Op, payload: Any = ()) -> None:
+    """Rank 0: broadcast one message (integers: a list, array or tensor) to the other ranks; one collective, two when
+    it is longer than the inline buffer."""
+    data = torch.as_tensor(payload, dtype=torch.int64).reshape(-1)
+    n = data.numel()
+    buf = torch.empty(2 + _INLINE, dtype=torch.int64)
+    buf[0], buf[1] = int(op), n
+    k = min(n, _INLINE)
+    buf[2 : 2 + k] = data[:k]
+    dist.broadcast(buf, src=0, group=shard.meta_group)
+    if n > _INLINE:
+        dist.broadcast(data[_INLINE:].contiguous(), src=0, group=shard.meta_group)
+
+
+def recv_step(shard: Shard) -> tuple[Op, torch.Tensor]:
+    """A rank other than 0: wait for rank 0's next message; returns its op and its int64 payload."""
+    buf = torch.empty(2 + _INLINE, dtype=torch.int64)
+    dist.broadcast(buf, src=0, group=shard.meta_group)
+    op, n = Op(int(buf[0])), int(buf[1])
+    if n <= _INLINE:
+        return op, buf[2 : 2 + n]
+    rest = torch.empty(n - _INLINE, dtype=torch.int64)
+    dist.broadcast(rest, src=0, group=shard.meta_group)
+    return op, torch.cat([buf[2:], rest])
+
+
+# ---- the group -----------------------------------------------------------------------------------------------
+def _master_store(size: int) -> tuple[Any, int]:
+    """Rank 0's rendezvous store on a free loopback port below the kernel's ephemeral range (32768 and up)."""
+    last: Exception | None = None
+    for _ in range(50):
+        port = random.randrange(10000, 32768)
+        try:
+            store = dist.TCPStore("127.0.0.1", port, size, is_master=True, timeout=_JOIN_TIMEOUT,
+                                  wait_for_workers=False)
+            return store, port
+        except (RuntimeError, OSError) as e:  # taken: another port
+            last = e
+    raise RuntimeError(f"no free loopback port for the tensor-parallel rendezvous: {last}")
+
+
+def _join(rank: int, size: int, store: Any, device: str) -> Shard:
+    """Join the default process group and make the gloo group of the step messages; returns this rank's Shard."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialized in this process: it holds one "
+                           "tensor-parallel engine at a time (close the other first)")
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=size,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    meta = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return Shard(rank, size, dist.group.WORLD, meta)
+
+
+@dataclass(frozen=True, slots=True)
+class _RankArgs:
+    """What a spawned rank needs to build its runner (all picklable)."""
+
+    rank: int
+    size: int
+    port: int
+    spec: str  # re-resolved there unless the weights are random (then the config is enough)
+    model_cfg: ModelConfig
+    random_weights: bool
+    cfg: EngineConfig
+    parent_pid: int
+    threads: int
+
+
+class TensorParallelWorkers:
+    """Rank 0's handle on ranks 1..N-1: spawns them as daemon processes, joins the group with them (``shard`` is
+    rank 0's), and stops them in ``close``. Raises ValueError for a size the model or the machine cannot take."""
+
+    def __init__(self, source: ModelSource, cfg: EngineConfig) -> None:
+        size = cfg.tensor_parallel_size
+        check_divisible(source.config, size)
+        if cfg.device == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} CUDA devices (rank r runs on cuda:r); torch "
+                             f"sees {torch.cuda.device_count()}")
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialized in this process: it holds one "
+                               "tensor-parallel engine at a time (close the other first)")
+        # gloo carries data over its own sockets: keep them on loopback (the ranks are on this host)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        store, port = _master_store(size)
+        threads = max(1, torch.get_num_threads() // size) if cfg.device == "cpu" else torch.get_num_threads()
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(target=_rank_main, name=f"tokenmill-tp-rank-{r}", daemon=True,
+                        args=(_RankArgs(r, size, port, source.spec, source.config, source.weights is None, cfg,
+                                        os.getpid(), threads),))
+            for r in range(1, size)
+        ]
+        for p in self.procs:
+            p.start()
+        try:
+            self.shard = _join(0, size, store, cfg.device)
+        except BaseException:
+            self._end_processes(0.0)
+            raise
+        self._store = store  # the other ranks' rendezvous lives as long as the group
+        self._closed = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the other ranks (a STOP message; every rank then leaves the group at once) and wait for their exit;
+        one still alive after ``timeout`` s is killed. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        healthy = all(p.is_alive() for p in self.procs)
+        if healthy:
+            try:
+                send_step(self.shard, Op.STOP)
+            except RuntimeError as e:  # a rank is gone: the others are ended below
+                log.warning("tensor-parallel stop message failed: %s", e)
+                healthy = False
+        # NCCL's destroy waits for the other ranks' (seen on two GPUs: it never returned once they had exited), so
+        # rank 0 leaves together with them, not after their exit; with a rank gone it aborts, which waits for no one
+        if not _bounded(dist.destroy_process_group if healthy else _abort_group, timeout):
+            log.warning("tensor-parallel group teardown did not finish in %.0f s; left to the process's exit", timeout)
+        self._end_processes(timeout)
+
+    def _end_processes(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+
+
+def _abort_group() -> None:
+    """Leave the group without the other ranks: gloo groups are destroyed (local), NCCL communicators aborted."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() != "nccl":
+        dist.destroy_process_group()
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    (abort or dist.destroy_process_group)()
+
+
+def _bounded(fn: Any, timeout: float) -> bool:
+    """Run ``fn`` on a daemon thread; whether it returned within ``timeout`` s (a teardown must not hang ``close``)."""
+    if not dist.is_initialized():
+        return True
+    t = threading.Thread(target=fn, name="tp-teardown", daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A rank whose engine process died exits too (its broadcast would also fail, but only once it is sent one)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
+
+
+def _rank_main(a: _RankArgs) -> None:
+    """A spawned rank: join the group, load this rank's part of the model, then run what rank 0 sends until STOP."""
+    from common.loader import ModelSource, load_model_source
+    from common.model_runner import ModelRunner
+
+    _exit_with_parent(a.parent_pid)
+    torch.set_num_threads(a.threads)
+    store = dist.TCPStore("127.0.0.1", a.port, a.size, is_master=False, timeout=_JOIN_TIMEOUT)
+    shard = _join(a.rank, a.size, store, a.cfg.device)
+    try:
+        if a.random_weights:
+            source = ModelSource(a.spec, a.model_cfg.name, a.model_cfg, None, None)
+        else:
+            source = load_model_source(a.spec)
+            if source.config != a.model_cfg:
+                raise RuntimeError(f"rank {a.rank}: model {a.spec!r} resolved to another config than rank 0's")
+        runner = ModelRunner(source, a.cfg, shard=shard)
+        while True:
+            op, payload = recv_step(shard)
+            if op is Op.STOP:
+                break
+            runner.follow(op, payload)
+    except BaseException:
+        # no teardown: NCCL's would wait for rank 0, which learns of this exit from its gloo group (or, inside an
+        # NCCL collective, from the NCCL timeout)
+        log.exception("tensor-parallel rank %d failed", a.rank)
+        logging.shutdown()
+        os._exit(1)
+    dist.destroy_process_group()  # together with rank 0 (TensorParallelWorkers.close)
