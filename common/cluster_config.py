@@ -63,6 +63,10 @@ class GatewayConfig:
     # moves of a stream whose decode worker fails after tokens reached the client: placed again with the tokens
     # already sent as its prior outputs, the client's stream goes on (0: such a stream ends UNAVAILABLE)
     migration_limit: int = 3
+    # how long a stream whose client went away keeps generating for a Resume (Last-Event-ID over HTTP), and how
+    # long a finished one stays resumable; 0: such a stream is cancelled at once (services/gateway/resume.py)
+    resume_window_s: float = 0.0
+    heartbeat_s: float = 15.0  # an SSE stream with nothing to send this long gets a comment line
     # OpenAI HTTP API. Keys: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to); none: no auth.
     # From the environment as a comma-separated list: TOKENMILL_GATEWAY__API_KEYS=team-a:sk-1,team-b:sk-2
     api_keys: tuple[str, ...] = ()

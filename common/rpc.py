@@ -46,8 +46,11 @@ GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
 ]
-# gRPC enables SO_REUSEPORT by default: a second server on a taken port would silently share it.
-SERVER_OPTIONS: list[tuple[str, Any]] = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0)]
+# gRPC enables SO_REUSEPORT by default: a second server on a taken port would silently share it. Keepalive: every
+# connection gets an HTTP/2 ping after 20 s without traffic (the heartbeat of an idle stream: proxies keep it open,
+# and a client that vanished is found within 30 s and its streams cancelled).
+SERVER_OPTIONS: list[tuple[str, Any]] = [*GRPC_OPTIONS, ("grpc.so_reuseport", 0), ("grpc.keepalive_time_ms", 20_000),
+                                         ("grpc.keepalive_timeout_ms", 10_000)]
 
 
 # -- errors ------------------------------------------------------------------------------------------------

@@ -91,8 +91,26 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
                         content_type="application/json", headers=headers)
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _sse(obj: Any, event_id: int | None = None) -> bytes:
+    head = b"" if event_id is None else b"id: %d\n" % event_id
+    return head + b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+HEARTBEAT = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see a live connection
+
+
+def _last_event_id(request: web.Request) -> int | None:
+    """The ``Last-Event-ID`` header as a seq (None without one); a value that is not a count is a 400."""
+    raw = request.headers.get("Last-Event-ID")
+    if raw is None:
+        return None
+    try:
+        seq = int(raw)
+    except ValueError:
+        seq = -1
+    if seq < 0:
+        raise oa.OpenAIError(400, f"Last-Event-ID must be the id of the last event received (a count), got {raw!r}")
+    return seq
 
 
 def error_from(exc: BaseException) -> oa.OpenAIError:
@@ -331,7 +349,13 @@ class HttpFrontend:
         if not ok:
             raise oa.OpenAIError(503, f"the cluster is not ready: {why}; retry shortly",
                                  headers={"Retry-After": _RETRY_AFTER_S})
-        self._admit(tenant)
+        resume = _last_event_id(request)
+        if resume is not None and not (parsed.stream and len(parsed.requests) == 1 and request.headers.get(
+                "X-Request-Id")):
+            raise oa.OpenAIError(400, "Last-Event-ID resumes a streamed request of one choice: send the same body "
+                                      "with stream true and the X-Request-Id of the stream to resume")
+        if resume is None:
+            self._admit(tenant)
         rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         for i, r in enumerate(parsed.requests):
             r.request_id = rid if len(parsed.requests) == 1 else f"{rid}-{i}"
@@ -344,7 +368,7 @@ class HttpFrontend:
             with telemetry.stream_span(f"openai.{kind}", telemetry.SERVER, {"request_id": rid, "tenant": tenant},
                                        parent):
                 if parsed.stream:
-                    return await self._stream(request, parsed, builder, tenant)
+                    return await self._stream(request, parsed, builder, tenant, resume)
                 return await self._unary(parsed, builder, tenant)
         finally:
             self.inflight -= 1
@@ -352,9 +376,20 @@ class HttpFrontend:
             if not self.tenant_inflight[tenant]:
                 del self.tenant_inflight[tenant]
 
-    async def _choice(self, req: frontend_pb2.GenerateRequest, tenant: str
-                      ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
-        async for resp in self.gw.generate(req, _CallContext(tenant)):  # type: ignore[arg-type]
+    async def _choice(self, req: frontend_pb2.GenerateRequest, tenant: str, resumable: bool = False,
+                      after: int | None = None) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        """One choice's responses. ``resumable``: through the gateway's resumable streams (the generation outlives
+        this connection for ``gateway.resume_window_s``); ``after``: resume that stream after this seq."""
+        streams = self.gw.streams
+        if after is not None:
+            if streams is None:
+                raise oa.OpenAIError(404, "resume is off on this server (gateway.resume_window_s is 0)")
+            source = streams.follow(streams.get(req.request_id), after)
+        elif resumable and streams is not None:
+            source = streams.follow(streams.start(req.request_id, self.gw.generate(req, _CallContext(tenant))))
+        else:
+            source = self.gw.generate(req, _CallContext(tenant))  # type: ignore[arg-type]
+        async for resp in source:
             yield resp
 
     async def _unary(self, parsed: oa.Parsed, builder: oa.ResponseBuilder, tenant: str) -> web.Response:
@@ -376,13 +411,16 @@ class HttpFrontend:
         return _json(builder.full(choices))
 
     async def _stream(self, request: web.Request, parsed: oa.Parsed, builder: oa.ResponseBuilder,
-                      tenant: str) -> web.StreamResponse:
+                      tenant: str, resume: int | None = None) -> web.StreamResponse:
+        """SSE. A stream of one choice carries ``id:`` lines (the response's seq): with resume on, a client that lost
+        the connection sends the same request with ``Last-Event-ID`` (``resume``) and gets the rest."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         choices = [oa.Choice(i) for i in range(len(parsed.requests))]
+        single = len(choices) == 1
 
         async def run(i: int) -> None:
             try:
-                async for resp in self._choice(parsed.requests[i], tenant):
+                async for resp in self._choice(parsed.requests[i], tenant, resumable=single, after=resume):
                     queue.put_nowait((i, resp))
                 queue.put_nowait((i, None))
             except Exception as e:
@@ -396,7 +434,7 @@ class HttpFrontend:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Request-Id": builder.id})
             await resp.prepare(request)
-            started: set[int] = set()
+            started: set[int] = {0} if resume else set()  # a resumed stream's first chunk was sent before
             open_, failed = len(choices), None
             batch = [first]
             while True:
@@ -410,7 +448,7 @@ class HttpFrontend:
                         failed = item
                         break
                     else:
-                        data += _sse(builder.chunk(choices[i], item, i not in started))
+                        data += _sse(builder.chunk(choices[i], item, i not in started), item.seq if single else None)
                         started.add(i)
                         choices[i].add(item, keep=False)
                 if failed is not None:
@@ -423,7 +461,12 @@ class HttpFrontend:
                     await resp.write(data)
                 if failed is not None or open_ == 0:
                     break
-                batch = [await queue.get()]
+                batch = []
+                while not batch:
+                    try:
+                        batch = [await asyncio.wait_for(queue.get(), self.cfg.heartbeat_s)]
+                    except TimeoutError:
+                        await resp.write(HEARTBEAT)
             await resp.write_eof()
             return resp
         finally:

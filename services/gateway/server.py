@@ -45,6 +45,7 @@ from common.cluster_config import ServiceConfig
 from common.wire import sampling_params_from_proto
 from services.gateway.http import HttpFrontend
 from services.gateway.pools import ChannelPool, StubCache
+from services.gateway.resume import ResumableStreams, StreamGone
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,21 @@ class _Attempts:
         return True
 
 
+class _Detached:
+    """A call's metadata and deadline for a generation that may outlive the call (a resumable stream)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext) -> None:
+        self._md = tuple(context.invocation_metadata() or ())
+        left = context.time_remaining()
+        self._deadline = None if left is None else time.monotonic() + left
+
+    def invocation_metadata(self) -> tuple[Any, ...]:
+        return self._md
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def __init__(self, app: GatewayService) -> None:
         self.app = app
@@ -156,8 +172,26 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def Generate(self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         with telemetry.stream_span("generate"):  # the root of the request's trace (or a child of the client's)
-            async for resp in self.app.generate(request, context):
+            streams = self.app.streams
+            if streams is None:
+                async for resp in self.app.generate(request, context):
+                    yield resp
+                return
+            req = frontend_pb2.GenerateRequest()
+            req.CopyFrom(request)
+            req.request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+            sl = streams.start(req.request_id, self.app.generate(req, _Detached(context)))  # type: ignore[arg-type]
+            async for resp in streams.follow(sl):
                 yield resp
+
+    @rpc.translate_errors
+    async def Resume(self, request: frontend_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        streams = self.app.streams
+        if streams is None:
+            raise StreamGone("resume is off on this gateway (gateway.resume_window_s is 0)")
+        async for resp in streams.follow(streams.get(request.request_id), request.after_seq):
+            yield resp
 
 
 class GatewayService:
@@ -175,6 +209,8 @@ class GatewayService:
         self.routers = ChannelPool(c.addresses("router"), router_pb2_grpc.RouterStub, limit)
         self.workers = StubCache()
         self._background: set[asyncio.Task[Any]] = set()
+        window = c.gateway.resume_window_s
+        self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
         self.http = HttpFrontend(self)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
@@ -192,6 +228,8 @@ class GatewayService:
 
     async def stop(self) -> None:
         await self.http.stop()
+        if self.streams is not None:
+            await self.streams.close()
         if self._background:
             await asyncio.wait(self._background, timeout=2)
         await self.tokenizers.close()
@@ -215,10 +253,13 @@ class GatewayService:
             ids = await self.tokenize(req, meta, context.time_remaining())
             span.set_attribute("prompt_tokens", len(ids))
             self.metrics.prompt_tokens.inc(len(ids))
+            seq = 0
             async for resp in self._place_and_run(req, meta, ids, context, timing):
                 if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     outcome = _FINISH.get(resp.finish_reason, "stop")
                     self.metrics.success.labels(outcome).inc()
+                seq += 1
+                resp.seq = seq
                 yield resp
         except Exception as e:
             outcome = rpc.status_for(e)[0].name

@@ -50,7 +50,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is 9000 tokens; this model accepts 8192")
         try:
-            for i in range(10**6 if self.mode == "slow" else self.tokens):
+            for i in range(10**6 if self.mode == "slow" else self.tokens):  # "pause": tokens 0.3 s apart
                 fails = self.mode == "fail_after" or (self.mode == "fail_fresh" and not request.prior_output_ids)
                 if fails and i == 2:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost its GPU")
@@ -59,7 +59,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                     text=f"<{i}>", token_ids=[100 + i], finish_reason=STOP if last else 0,
                     usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1)
                     if last else None)
-                await asyncio.sleep(0.02 if self.mode == "slow" else 0)
+                await asyncio.sleep({"slow": 0.02, "pause": 0.3}.get(self.mode, 0))
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
@@ -334,5 +334,120 @@ def test_no_decode_worker_is_unavailable(tok):
                 await generate(st.gateway, prompt="hi")
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "no decode worker has registered with the router" in e.value.details()
+
+    asyncio.run(body())
+
+
+# -- resumable streams ----------------------------------------------------------------------------------------
+RESUME = {"gateway.resume_window_s": 1.0}
+
+
+def test_a_lost_grpc_stream_resumes_after_its_last_seq_and_expires_unfollowed(tok):
+    async def body():
+        d = FakeDecode("slow")
+        async with stack(tok, {"decode-a": d}, **RESUME) as st, grpc.aio.insecure_channel(st.gateway) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            call = stub.Generate(frontend_pb2.GenerateRequest(prompt="hi", request_id="r-1"))
+            got = [await call.read() for _ in range(3)]
+            assert [r.seq for r in got] == [1, 2, 3] and [r.text for r in got] == ["<0>", "<1>", "<2>"]
+            call.cancel()  # the connection is lost; the generation goes on
+            await asyncio.sleep(0.2)
+            assert not d.cancelled.is_set()
+            again = stub.Resume(frontend_pb2.ResumeRequest(request_id="r-1", after_seq=3))
+            more = [await again.read() for _ in range(6)]
+            assert [r.seq for r in more] == [4, 5, 6, 7, 8, 9]
+            assert [r.text for r in more] == [f"<{i}>" for i in range(3, 9)]  # none twice, none missing
+            again.cancel()
+            await asyncio.wait_for(d.cancelled.wait(), 5)  # nobody followed for the window: cancelled, KV freed
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Resume(frontend_pb2.ResumeRequest(request_id="r-1", after_seq=9)).read()
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "resume_window_s" in e.value.details()
+
+    asyncio.run(body())
+
+
+def test_a_finished_stream_gives_its_tail_and_bad_resumes_are_refused(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode("ok", tokens=4)}, **RESUME) as st, \
+                grpc.aio.insecure_channel(st.gateway) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            full = [r async for r in stub.Generate(frontend_pb2.GenerateRequest(prompt="hi", request_id="r-2"))]
+            assert [r.seq for r in full] == [1, 2, 3, 4] and full[-1].finish_reason == STOP
+            tail = [r async for r in stub.Resume(frontend_pb2.ResumeRequest(request_id="r-2", after_seq=2))]
+            assert tail == full[2:]
+            for rid, after, code in [("r-2", 9, grpc.StatusCode.INVALID_ARGUMENT),
+                                     ("nope", 0, grpc.StatusCode.NOT_FOUND)]:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    [r async for r in stub.Resume(frontend_pb2.ResumeRequest(request_id=rid, after_seq=after))]
+                assert e.value.code() == code, e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:  # its id is taken while its log is kept
+                [r async for r in stub.Generate(frontend_pb2.GenerateRequest(prompt="hi", request_id="r-2"))]
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already streaming" in e.value.details()
+
+    asyncio.run(body())
+
+
+def test_resume_is_off_by_default(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode("ok", tokens=2)}) as st, \
+                grpc.aio.insecure_channel(st.gateway) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            full = [r async for r in stub.Generate(frontend_pb2.GenerateRequest(prompt="hi", request_id="r-3"))]
+            assert [r.seq for r in full] == [1, 2]  # seq numbers always
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Resume(frontend_pb2.ResumeRequest(request_id="r-3")).read()
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND and "resume is off" in e.value.details()
+
+    asyncio.run(body())
+
+
+async def _sse_events(resp) -> list[tuple[str | None, str]]:
+    """(id, data) of each SSE event in a streamed aiohttp response, and the comments as (None, ': ...')."""
+    events, cur_id = [], None
+    async for raw in resp.content:
+        line = raw.decode().rstrip("\n")
+        if line.startswith("id: "):
+            cur_id = line[4:]
+        elif line.startswith("data: "):
+            events.append((cur_id, line[6:]))
+            cur_id = None
+        elif line.startswith(":"):
+            events.append((None, line))
+    return events
+
+
+def test_an_sse_stream_resumes_with_last_event_id_and_idle_streams_get_heartbeats(tok):
+    import json
+
+    import aiohttp
+
+    async def body():
+        port = free_port()
+        config = {**RESUME, "gateway.http_port": port, "gateway.heartbeat_s": 0.1}
+        async with stack(tok, {"decode-a": FakeDecode("pause", tokens=5)}, **config) as st, \
+                aiohttp.ClientSession() as http:
+            url = f"http://{HOST}:{port}/v1/completions"
+            req = {"model": st.gw.http.names[0], "prompt": "hi", "stream": True, "max_tokens": 5}
+            async with http.post(url, json=req, headers={"X-Request-Id": "cmpl-r4"}) as r:
+                assert r.status == 200
+                first, seen = [], 0
+                async for raw in r.content:  # read up to the second event, then drop the connection
+                    line = raw.decode()
+                    if line.startswith("id: "):
+                        seen = int(line[4:])
+                    first.append(line)
+                    if seen == 2 and line.startswith("data: "):
+                        break
+            async with http.post(url, json=req, headers={"X-Request-Id": "cmpl-r4", "Last-Event-ID": "2"}) as r:
+                assert r.status == 200, await r.text()
+                rest = await _sse_events(r)
+            ids = [i for i, _ in rest if i is not None]
+            assert ids == ["3", "4", "5"]
+            texts = [json.loads(d)["choices"][0]["text"] for i, d in rest if i is not None]
+            assert texts == ["<2>", "<3>", "<4>"]
+            assert rest[-1] == (None, "[DONE]")
+            assert (None, ": keep-alive") in rest  # 0.3 s between tokens, a heartbeat every 0.1 s
+            async with http.post(url, json=req, headers={"X-Request-Id": "cmpl-r4", "Last-Event-ID": "x"}) as r:
+                assert r.status == 400 and "Last-Event-ID" in (await r.json())["error"]["message"]
 
     asyncio.run(body())

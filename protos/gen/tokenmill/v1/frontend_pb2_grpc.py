@@ -40,6 +40,11 @@ class FrontendStub:
                 request_serializer=tokenmill_dot_v1_dot_frontend__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tokenmill_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/tokenmill.v1.Frontend/Resume',
+                request_serializer=tokenmill_dot_v1_dot_frontend__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=tokenmill_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendServicer:
@@ -47,7 +52,15 @@ class FrontendServicer:
     """
 
     def Generate(self, request, context):
-        """Cancel by closing the stream.
+        """Cancel by closing the stream (with gateway.resume_window_s > 0 the generation goes on for that long, for Resume).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """A stream whose connection was lost: every response after after_seq, then the live ones. NOT_FOUND when the
+        request id never streamed on this gateway, its window passed, or resume is off (gateway.resume_window_s 0).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -59,6 +72,11 @@ def add_FrontendServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=tokenmill_dot_v1_dot_frontend__pb2.GenerateRequest.FromString,
+                    response_serializer=tokenmill_dot_v1_dot_frontend__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=tokenmill_dot_v1_dot_frontend__pb2.ResumeRequest.FromString,
                     response_serializer=tokenmill_dot_v1_dot_frontend__pb2.GenerateResponse.SerializeToString,
             ),
     }
@@ -89,6 +107,33 @@ class Frontend:
             target,
             '/tokenmill.v1.Frontend/Generate',
             tokenmill_dot_v1_dot_frontend__pb2.GenerateRequest.SerializeToString,
+            tokenmill_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenmill.v1.Frontend/Resume',
+            tokenmill_dot_v1_dot_frontend__pb2.ResumeRequest.SerializeToString,
             tokenmill_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
