@@ -258,3 +258,33 @@ def check_killed_prefill_recomputes(info: dict[str, Any], prompt_ids: list[int],
     else:
         assert (recomputed, read) == (1, 0), f"recomputed {recomputed}, READs completed {read}"
     wait_all_blocks_free(info)
+
+
+class KvPullTests:
+    """The checks above as tests, for a module that provides the fixtures ``late`` and ``held`` (running clusters
+    of those layouts) and ``ids_and_refs`` (``prompts`` and one engine's greedy outputs of them)."""
+
+    read_may_complete = False  # see check_killed_prefill_recomputes
+
+    def test_claim_after_expiry_is_refused_and_recomputed(self, late, ids_and_refs):
+        ids, refs = ids_and_refs
+        check_claim_refused_recomputes(late, ids[0], refs[0])
+
+    def test_pull_outliving_its_hold_is_given_up_and_recomputed(self, late, ids_and_refs):
+        ids, refs = ids_and_refs
+        check_pull_outliving_its_hold_recomputes(late, ids[1], refs[1])
+
+    def test_disaggregated_equals_one_engine_and_counts_transfers(self, held, ids_and_refs):
+        check_pd_equals_engine(held, *ids_and_refs)
+
+    def test_a_handle_naming_missing_blocks_is_recomputed(self, held, ids_and_refs):
+        ids, refs = ids_and_refs
+        check_bad_block_ids_recompute(held, ids[FORGED], refs[FORGED])
+
+    def test_cancel_during_the_pull_frees_both_sides(self, held, ids_and_refs):
+        check_cancel_during_pull(held, ids_and_refs[0][CANCEL])
+
+    def test_killed_prefill_worker_during_the_pull_is_recomputed(self, held, ids_and_refs):
+        """Destructive: the last test of the class."""
+        ids, refs = ids_and_refs
+        check_killed_prefill_recomputes(held, ids[KILL], refs[KILL], read_may_complete=self.read_may_complete)

@@ -30,29 +30,5 @@ def held(late, tmp_path_factory):  # after ``late``: one cluster at a time on tw
         yield c
 
 
-def test_claim_after_expiry_is_refused_and_recomputed(late, ids_and_refs):
-    ids, refs = ids_and_refs
-    kv_pulls.check_claim_refused_recomputes(late, ids[0], refs[0])
-
-
-def test_pull_outliving_its_hold_is_given_up_and_recomputed(late, ids_and_refs):
-    ids, refs = ids_and_refs
-    kv_pulls.check_pull_outliving_its_hold_recomputes(late, ids[1], refs[1])
-
-
-def test_disaggregated_equals_one_engine_and_counts_transfers(held, ids_and_refs):
-    kv_pulls.check_pd_equals_engine(held, *ids_and_refs)
-
-
-def test_a_handle_naming_missing_blocks_is_recomputed(held, ids_and_refs):
-    ids, refs = ids_and_refs
-    kv_pulls.check_bad_block_ids_recompute(held, ids[kv_pulls.FORGED], refs[kv_pulls.FORGED])
-
-
-def test_cancel_during_the_pull_frees_both_sides(held, ids_and_refs):
-    kv_pulls.check_cancel_during_pull(held, ids_and_refs[0][kv_pulls.CANCEL])
-
-
-def test_killed_prefill_worker_during_the_pull_is_recomputed(held, ids_and_refs):
-    ids, refs = ids_and_refs
-    kv_pulls.check_killed_prefill_recomputes(held, ids[kv_pulls.KILL], refs[kv_pulls.KILL])
+class TestKvPullsInHostMemory(kv_pulls.KvPullTests):
+    read_may_complete = False
