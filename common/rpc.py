@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
@@ -87,11 +90,23 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the service log"
 
 
+# The status message travels as the grpc-message trailer, percent-encoded: one past the receiver's metadata limit
+# (8 KiB soft, 16 KiB hard) arrives as RESOURCE_EXHAUSTED "Stream removed" instead of the status that was sent.
+MAX_MESSAGE_CHARS = 500
+
+
+def clip_message(message: str) -> str:
+    """``message`` cut to ``MAX_MESSAGE_CHARS`` (it may echo a client's value of any length)."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}… ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     code, message = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("unexpected error serving a request", exc_info=exc)
-    await context.abort(code, message)
+    await context.abort(code, clip_message(message))
     raise AssertionError("unreachable")  # context.abort raises
 
 
@@ -122,6 +137,53 @@ def translate_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             raise
         except Exception as e:
             await abort(context, e)
+
+    return unary
+
+
+def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: Any) -> None:
+    """Register ``servicer``'s methods of ``service``, as the generated ``add_*Servicer_to_server`` does, except that
+    a request whose bytes do not parse ends INVALID_ARGUMENT (gRPC's own deserializer ends it UNKNOWN). For services
+    that take bytes from outside; unary requests only."""
+    handlers = {}
+    for m in service.methods:
+        if m.client_streaming:
+            raise TypeError(f"{m.full_name}: add_servicer takes unary requests only")
+        parse = _parser(message_factory.GetMessageClass(m.input_type))
+        behavior = getattr(servicer, m.name)
+        out = message_factory.GetMessageClass(m.output_type).SerializeToString
+        if m.server_streaming:
+            handlers[m.name] = grpc.unary_stream_rpc_method_handler(_parsed_stream(parse, behavior),
+                                                                    response_serializer=out)
+        else:
+            handlers[m.name] = grpc.unary_unary_rpc_method_handler(_parsed_unary(parse, behavior),
+                                                                   response_serializer=out)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _parser(cls: Any) -> Callable[[bytes, grpc.aio.ServicerContext], Any]:
+    async def parse(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return cls.FromString(raw)
+        except DecodeError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid {cls.DESCRIPTOR.full_name} message ({e})")
+
+    return parse
+
+
+def _parsed_stream(parse: Callable[..., Any], behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async for item in behavior(await parse(raw, context), context):
+            yield item
+
+    return stream
+
+
+def _parsed_unary(parse: Callable[..., Any], behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(await parse(raw, context), context)
 
     return unary
 

@@ -11,6 +11,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from loadgen import (
         bench_control_plane,
         bench_disagg,
+        bench_fuzz,
         bench_gpu_serving,
         bench_offline,
         bench_serve,
@@ -24,4 +25,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_serving_peer.add_parser(bsub)
     bench_gpu_serving.add_parser(bsub)
     bench_disagg.add_parser(bsub)
+    bench_fuzz.add_parser(bsub)
     report.add_compare_parser(bsub)

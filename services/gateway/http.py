@@ -219,8 +219,10 @@ class HttpFrontend:
         raw = await request.read()  # over client_max_size: HTTPRequestEntityTooLarge → 413
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
             raise oa.bad(f"the request body is not valid JSON ({e})") from e
+        except RecursionError:
+            raise oa.bad("the request body is nested too deeply to parse; send a flatter JSON object") from None
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize``: ``{prompt}`` or ``{messages}`` → ``{count, max_model_len, tokens}`` (the pool's

@@ -103,7 +103,10 @@ def _int(body: dict[str, Any], name: str, default: int | None = None, lo: int | 
 
 def _float(body: dict[str, Any], name: str) -> float | None:
     v = _field(body, name, (int, float), "a number")
-    return None if v is None else float(v)
+    try:
+        return None if v is None else float(v)
+    except OverflowError:  # an integer literal past a float's range
+        raise bad(f"{name} must be a finite number, got an integer of {len(str(v))} digits", name) from None
 
 
 def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:

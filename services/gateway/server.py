@@ -214,8 +214,9 @@ class GatewayService:
         self.http = HttpFrontend(self)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
-        frontend_pb2_grpc.add_FrontendServicer_to_server(FrontendServicer(self), server)
-        return [frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name]
+        service = frontend_pb2.DESCRIPTOR.services_by_name["Frontend"]
+        rpc.add_servicer(server, service, FrontendServicer(self))  # bytes that do not parse: INVALID_ARGUMENT
+        return [service.full_name]
 
     async def start(self) -> None:
         if not self.tokenizers.addresses or not self.routers.addresses:

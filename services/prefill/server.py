@@ -154,6 +154,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise rpc.Unavailable(f"{w.cfg.name} is draining")
         assert w.engine is not None and w.loop is not None and w.agent is not None
         rid = request.meta.request_id or uuid.uuid4().hex
+        if rid in w._waiters:  # a second waiter under its id would orphan the first one's, which then waits forever
+            raise ValueError(f"request id {rid!r} is already prefilling on {w.cfg.name}")
         params = sampling_params_from_proto(request.params)
         prompt = list(request.prompt_token_ids)
         w.engine.validate(prompt, params)

@@ -143,6 +143,22 @@ def test_protocol_errors_malformed_json_oversized_body_unknown_path(tok):
     asyncio.run(body())
 
 
+def test_bodies_too_deep_or_with_huge_numbers_are_400s(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode()}) as st, aiohttp.ClientSession() as s:
+            for raw, message in ((b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+                                 (b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}",
+                                  "temperature must be a finite number, got an integer of 401 digits"),
+                                 (b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", "not valid JSON")):
+                async with s.post(f"{base_url(st)}/completions", data=raw,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    err = await r.json()
+                    assert r.status == 400 and message in err["error"]["message"], err
+            assert st.decodes["decode-a"].requests == []
+
+    asyncio.run(body())
+
+
 async def _get(url: str) -> str:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
         return await r.text()

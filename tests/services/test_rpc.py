@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from prometheus_client import CollectorRegistry, Counter
-from tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenmill.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 
 from common import rpc
 from common.engine import RequestError
@@ -138,6 +138,71 @@ def test_grace_period_bounds_the_drain_and_errors_are_translated():
             assert asyncio.get_running_loop().time() - t0 < 3
             with pytest.raises(grpc.aio.AioRpcError):
                 await stuck
+
+    asyncio.run(body())
+
+
+def test_add_servicer_answers_bytes_that_do_not_parse_with_invalid_argument():
+    class Frontend(frontend_pb2_grpc.FrontendServicer):
+        async def Generate(self, request, context):
+            yield frontend_pb2.GenerateResponse(text=request.prompt)
+
+    class Tokenizer(tokenizer_pb2_grpc.TokenizerServicer):
+        async def Tokenize(self, request, context):
+            return tokenizer_pb2.TokenizeResponse(token_ids=[len(request.text)])
+
+    async def body():
+        server = grpc.aio.server()
+        rpc.add_servicer(server, frontend_pb2.DESCRIPTOR.services_by_name["Frontend"], Frontend())
+        rpc.add_servicer(server, tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"], Tokenizer())
+        port = server.add_insecure_port(f"{HOST}:{free_port()}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"{HOST}:{port}") as ch:
+                generate = ch.unary_stream("/tokenmill.v1.Frontend/Generate", request_serializer=bytes,
+                                           response_deserializer=frontend_pb2.GenerateResponse.FromString)
+                tokenize = ch.unary_unary("/tokenmill.v1.Tokenizer/Tokenize", request_serializer=bytes,
+                                          response_deserializer=tokenizer_pb2.TokenizeResponse.FromString)
+                ok = frontend_pb2.GenerateRequest(prompt="hi").SerializeToString()
+                assert [r.text async for r in generate(ok, timeout=5)] == ["hi"]
+                ok = tokenizer_pb2.TokenizeRequest(text="abc").SerializeToString()
+                assert list((await tokenize(ok, timeout=5)).token_ids) == [3]
+                for bad in (b"\xff\xff\xff", b"\x1a\x02\xff\xfe"):  # a corrupt wire format; a string not UTF-8
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        async for _ in generate(bad, timeout=5):
+                            pass
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+                    assert "not a valid tokenmill.v1.GenerateRequest" in e.value.details()
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await tokenize(bad, timeout=5)
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        finally:
+            await server.stop(0)
+
+    asyncio.run(body())
+
+
+def test_a_status_message_that_echoes_a_huge_value_is_clipped_and_keeps_its_code():
+    class Tokenizer(tokenizer_pb2_grpc.TokenizerServicer):
+        @rpc.translate_errors
+        async def Tokenize(self, request, context):
+            raise ValueError(f"request id {request.meta.request_id!r} is already running")
+
+    async def body():
+        server = grpc.aio.server()
+        tokenizer_pb2_grpc.add_TokenizerServicer_to_server(Tokenizer(), server)
+        port = server.add_insecure_port(f"{HOST}:{free_port()}")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"{HOST}:{port}") as ch:
+                rid = "é" * 100_000  # 600 kB percent-encoded: far past any metadata limit
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await tokenizer_pb2_grpc.TokenizerStub(ch).Tokenize(tokenizer_pb2.TokenizeRequest(
+                        meta=common_pb2.RequestMeta(request_id=rid)), timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value  # not RESOURCE_EXHAUSTED
+                assert e.value.details().startswith("request id 'éé") and "more characters)" in e.value.details()
+        finally:
+            await server.stop(0)
 
     asyncio.run(body())
 
