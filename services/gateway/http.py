@@ -414,11 +414,14 @@ class HttpFrontend:
 
     async def _stream(self, request: web.Request, parsed: oa.Parsed, builder: oa.ResponseBuilder,
                       tenant: str, resume: int | None = None) -> web.StreamResponse:
-        """SSE. A stream of one choice carries ``id:`` lines (the response's seq): with resume on, a client that lost
-        the connection sends the same request with ``Last-Event-ID`` (``resume``) and gets the rest."""
+        """SSE. With resume on, a stream of one choice carries ``id:`` lines (the response's seq), and a client that
+        lost the connection sends the same request with ``Last-Event-ID`` (``resume``) and gets the rest."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
         choices = [oa.Choice(i) for i in range(len(parsed.requests))]
         single = len(choices) == 1
+        # id: lines only where a client can resume by them: OpenAI's stream has none, and clients that read every
+        # line as `data:` (vLLM's bench client among them) fail on them
+        ids = single and self.gw.streams is not None
 
         async def run(i: int) -> None:
             try:
@@ -450,7 +453,7 @@ class HttpFrontend:
                         failed = item
                         break
                     else:
-                        data += _sse(builder.chunk(choices[i], item, i not in started), item.seq if single else None)
+                        data += _sse(builder.chunk(choices[i], item, i not in started), item.seq if ids else None)
                         started.add(i)
                         choices[i].add(item, keep=False)
                 if failed is not None:

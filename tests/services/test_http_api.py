@@ -246,7 +246,6 @@ def test_client_disconnect_mid_stream_cancels_the_decode_call(tok):
                 r = await s.post(f"{base_url(st)}/completions", json={
                     "model": "smollm2", "prompt": "Tell me", "max_tokens": 1000, "stream": True})
                 assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-                assert await r.content.readline() == b"id: 1\n"  # every event carries its seq
                 line = await r.content.readline()
                 assert json.loads(line.removeprefix(b"data: "))["choices"][0]["text"] == "<0>"
                 r.close()  # the client goes away mid-stream

@@ -167,8 +167,7 @@ def test_context_limit_and_disconnect_free_the_kv(cluster):
                 "model": "smollm2", "prompt": "The history of the printing press begins " * 30,
                 "max_tokens": 500, "ignore_eos": True, "stream": True})
             assert r.status == 200
-            for i in range(3):
-                assert await r.content.readline() == f"id: {i + 1}\n".encode()
+            for _ in range(3):  # as OpenAI's stream: data lines only (id: lines come with resume on)
                 assert (await r.content.readline()).startswith(b"data: ")
                 await r.content.readline()
             r.close()
