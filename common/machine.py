@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of bf16 arithmetic, the faster first
+BF16_FLAGS = {"amx_bf16": "AMX BF16", "avx512_bf16": "AVX512-BF16"}  # /proc/cpuinfo flags, the faster first
 MIN_CORES_FOR_POOLS = 8
 
 
@@ -51,8 +51,7 @@ def cpu_defaults(flags: frozenset[str] | None = None, cores: int | None = None) 
     flags = cpu_flags() if flags is None else flags
     cores = usable_cores() if cores is None else cores
     bf16 = next((f for f in BF16_FLAGS if f in flags), None)
-    why_dtype = (f"the CPU has {bf16.replace('_', ' ').upper().replace('AVX512 BF16', 'AVX512-BF16')}"
-                 if bf16 else "no bf16 arithmetic on this CPU")
+    why_dtype = f"the CPU has {BF16_FLAGS[bf16]}" if bf16 else "no bf16 arithmetic on this CPU"
     aggregated = cores < MIN_CORES_FOR_POOLS
     why_layout = (f"{cores} core{'s' if cores != 1 else ''}, too few for separate prefill and decode pools"
                   if aggregated else f"{cores} cores")

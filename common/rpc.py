@@ -188,6 +188,31 @@ def _parsed_unary(parse: Callable[..., Any], behavior: Callable[..., Any]) -> Ca
     return unary
 
 
+# -- clients --------------------------------------------------------------------------------------------
+class StubCache:
+    """Channels to workers, opened on first use by address and kept (workers come and go; addresses repeat)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[tuple[str, type], Any] = {}
+
+    def get(self, address: str, stub_cls: type) -> Any:
+        key = (address, stub_cls)
+        stub = self._stubs.get(key)
+        if stub is None:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            stub = self._stubs[key] = stub_cls(ch)
+        return stub
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+        self._stubs.clear()
+
+
 # -- the server --------------------------------------------------------------------------------------------
 class ServiceApp(Protocol):
     """What ``run`` needs from a service."""

@@ -45,6 +45,7 @@ from loadgen.bench_gpu_serving import (
     BenchResult,
     make_log_dir,
     parse_serve_args,
+    report_end,
     spec_arg,
     start_cluster,
 )
@@ -483,14 +484,7 @@ def run(a: argparse.Namespace) -> int:
     print(f"\nDisaggregation benchmark: {a.model} ({dtype}) on {a.device}; SLO TTFT ≤ {a.slo_ttft_ms:g} ms and TPOT ≤ "
           f"{a.slo_tpot_ms:g} ms per request; goodput = requests meeting both ÷ the run's duration; temperature "
           f"{a.temperature:g}, EOS ignored")
-    print(table)
-    for msg in res.doc["errors"]:
-        print(f"FAILED: {msg}")
-    print(f"\nwall {res.doc['wall_s']:.0f} s; phases: "
-          + ", ".join(f"{k} {v:.0f} s" for k, v in res.doc["phases_s"].items()))
-    if path is not None:
-        print(f"results written to {path}")
-    return 1 if res.doc["errors"] or any(r["failed"] or not r["completed"] for r in res.doc["runs"]) else 0
+    return report_end(res, table, path, res.doc["runs"])
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -572,6 +572,12 @@ def run(a: argparse.Namespace) -> int:
     print(f"\nGPU serving benchmark on {device_name} ({a.device}, {dtype}): {a.num_prompts} prompts of "
           f"{a.input_len} random tokens, {a.output_len} out (EOS ignored), {a.max_concurrency} in flight; sampled = "
           f"{SAMPLINGS[1].fields()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    return report_end(res, table, path, res.doc["rows"])
+
+
+def report_end(res: BenchResult, table: str, path: Path | None, runs: list[dict[str, Any]]) -> int:
+    """Print the table, the errors, the wall time by phase and where the JSON went; the exit code: 1 when anything
+    failed or a run completed no request."""
     print(table)
     for msg in res.doc["errors"]:
         print(f"FAILED: {msg}")
@@ -579,7 +585,7 @@ def run(a: argparse.Namespace) -> int:
           + ", ".join(f"{k} {v:.0f} s" for k, v in res.doc["phases_s"].items()))
     if path is not None:
         print(f"results written to {path}")
-    return 1 if res.doc["errors"] or any(r["failed"] or not r["completed"] for r in res.doc["rows"]) else 0
+    return 1 if res.doc["errors"] or any(r["failed"] or not r["completed"] for r in runs) else 0
 
 
 def served_phase(a: argparse.Namespace, model: str, dtype: str, builder: PromptBuilder, backends: list[str],

@@ -93,8 +93,7 @@ class DecodeWorker(WorkerBase):
         self._pulls: dict[str, _Pull] = {}  # engine thread only
         self._peers: dict[str, str] = {}  # prefill address → its agent name (handshake done)
         self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._prefill_stubs: dict[str, prefill_pb2_grpc.PrefillStub] = {}  # for Claim, one channel per worker
-        self._channels: list[grpc.aio.Channel] = []
+        self._prefills = rpc.StubCache()  # Claim and KvHandshake, one channel per prefill worker
         self._delay_before, self._delay_after = _fault_delays(os.environ.get("KV_PULL_FAULT"))
 
     def register(self, server: grpc.aio.Server) -> list[str]:
@@ -112,8 +111,7 @@ class DecodeWorker(WorkerBase):
     async def stop(self) -> None:
         await super().stop()
         self._detok_q.put(("stop",))
-        for ch in self._channels:
-            await ch.close()
+        await self._prefills.close()
 
     def fail_requests(self, exc: Exception) -> None:
         for q in self.streams.values():
@@ -299,11 +297,7 @@ class DecodeWorker(WorkerBase):
     async def claim(self, kv: common_pb2.KvHandle) -> float | None:
         """Claim the lease: the monotonic time by which our READ must be over (LEASE_SAFETY_S inside the hold,
         counted from before the Claim left), or None when the lease is gone or its holder unreachable."""
-        stub = self._prefill_stubs.get(kv.address)
-        if stub is None:
-            ch = grpc.aio.insecure_channel(kv.address, options=rpc.GRPC_OPTIONS)
-            self._channels.append(ch)
-            stub = self._prefill_stubs[kv.address] = prefill_pb2_grpc.PrefillStub(ch)
+        stub = self._prefills.get(kv.address, prefill_pb2_grpc.PrefillStub)
         sent = time.monotonic()
         try:
             resp = await stub.Claim(prefill_pb2.ClaimRequest(lease_id=kv.lease_id), timeout=CLAIM_TIMEOUT_S)
@@ -330,13 +324,12 @@ class DecodeWorker(WorkerBase):
             if known is not None:
                 self.agent.remove_peer(known)  # a restarted worker's old agent: never READ through it again
             hs = self.agent.handshake_payload()
-            async with grpc.aio.insecure_channel(kv.address, options=rpc.GRPC_OPTIONS) as ch:
-                resp = await prefill_pb2_grpc.PrefillStub(ch).KvHandshake(
-                    prefill_pb2.KvHandshakeRequest(
-                        peer_agent=hs.agent_name, peer_metadata=hs.agent_metadata, compat=compat_proto(hs.compat)
-                    ),
-                    timeout=10,
-                )
+            resp = await self._prefills.get(kv.address, prefill_pb2_grpc.PrefillStub).KvHandshake(
+                prefill_pb2.KvHandshakeRequest(
+                    peer_agent=hs.agent_name, peer_metadata=hs.agent_metadata, compat=compat_proto(hs.compat)
+                ),
+                timeout=10,
+            )
             try:
                 self.agent.add_peer(resp.agent_name, resp.agent_metadata, resp.kv_descriptors,
                                     KvCompat.from_message(resp.compat))

@@ -44,7 +44,7 @@ from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.wire import sampling_params_from_proto
 from services.gateway.http import HttpFrontend
-from services.gateway.pools import ChannelPool, StubCache
+from services.gateway.pools import ChannelPool
 from services.gateway.resume import ResumableStreams, StreamGone
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,7 @@ class GatewayService:
         limit = c.gateway.max_inflight_per_channel
         self.tokenizers = ChannelPool(c.addresses("tokenizer"), tokenizer_pb2_grpc.TokenizerStub, limit)
         self.routers = ChannelPool(c.addresses("router"), router_pb2_grpc.RouterStub, limit)
-        self.workers = StubCache()
+        self.workers = rpc.StubCache()
         self._background: set[asyncio.Task[Any]] = set()
         window = c.gateway.resume_window_s
         self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
