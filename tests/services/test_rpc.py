@@ -247,7 +247,10 @@ def test_serve_until_signalled_runs_the_lifecycle_in_order(caplog):
 
     async def body():
         port, mport = free_port(), free_port()
-        svc = cluster(**{"tokenizer.port": port, "tokenizer.metrics_port": mport, "grace_s": 1}).service("tokenizer")
+        # one tokenizer: a second one's ports (port + 1, mport + 1) can land on the first's when the two free ports
+        # are neighbours, a collision no base port can avoid
+        svc = cluster(**{"tokenizer.count": 1, "tokenizer.port": port, "tokenizer.metrics_port": mport,
+                         "grace_s": 1}).service("tokenizer")
         app, stop = App(), asyncio.Event()
         task = asyncio.ensure_future(rpc.serve_until_signalled(app, svc, stop))
         async with grpc.aio.insecure_channel(f"{HOST}:{port}") as ch:
