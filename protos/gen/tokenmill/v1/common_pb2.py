@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmill/v1/common.proto\x12\x0ctokenmill.v1\"Z\n\x0bRequestMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\xbd\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.tokenmill.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.tokenmill.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x95\x01\n\x08KvHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x10\n\x08lease_ms\x18\x08 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x04J\x04\x08\x06\x10\x07*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmill/v1/common.proto\x12\x0ctokenmill.v1\"\xc2\x01\n\x0bRequestMeta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttenant_id\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x33\n\x0epriority_class\x18\x05 \x01(\x0e\x32\x1b.tokenmill.v1.PriorityClass\x12\x15\n\rtenant_weight\x18\x06 \x01(\x02\x12\x1a\n\x12tenant_max_running\x18\x07 \x01(\x05\"\x98\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.tokenmill.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x85\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\n\x88\x01\x01\x12?\n\nlogit_bias\x18\x11 \x03(\x0b\x32+.tokenmill.v1.SamplingParams.LogitBiasEntry\x12\x37\n\nstructured\x18\x12 \x01(\x0b\x32\x1e.tokenmill.v1.StructuredOutputH\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_structured\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.tokenmill.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\x95\x01\n\x08KvHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\x10\n\x08lease_id\x18\x05 \x01(\t\x12\x10\n\x08lease_ms\x18\x08 \x01(\x03\x12\x14\n\x0c\x62lock_hashes\x18\x07 \x03(\x04J\x04\x08\x06\x10\x07*\x86\x01\n\rPriorityClass\x12\x1e\n\x1aPRIORITY_CLASS_UNSPECIFIED\x10\x00\x12\x1e\n\x1aPRIORITY_CLASS_INTERACTIVE\x10\x01\x12\x1b\n\x17PRIORITY_CLASS_STANDARD\x10\x02\x12\x18\n\x14PRIORITY_CLASS_BATCH\x10\x03*\x9a\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12 \n\x1c\x46INISH_REASON_CONTENT_FILTER\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1212
-  _globals['_FINISHREASON']._serialized_end=1332
-  _globals['_REQUESTMETA']._serialized_start=43
-  _globals['_REQUESTMETA']._serialized_end=133
-  _globals['_SAMPLINGPARAMS']._serialized_start=136
-  _globals['_SAMPLINGPARAMS']._serialized_end=837
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=616
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=664
-  _globals['_TOPLOGPROB']._serialized_start=839
-  _globals['_TOPLOGPROB']._serialized_end=886
-  _globals['_TOKENLOGPROB']._serialized_start=888
-  _globals['_TOKENLOGPROB']._serialized_end=976
-  _globals['_USAGE']._serialized_start=978
-  _globals['_USAGE']._serialized_end=1058
-  _globals['_KVHANDLE']._serialized_start=1061
-  _globals['_KVHANDLE']._serialized_end=1210
+  _globals['_PRIORITYCLASS']._serialized_start=1576
+  _globals['_PRIORITYCLASS']._serialized_end=1710
+  _globals['_FINISHREASON']._serialized_start=1713
+  _globals['_FINISHREASON']._serialized_end=1867
+  _globals['_REQUESTMETA']._serialized_start=44
+  _globals['_REQUESTMETA']._serialized_end=238
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=241
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=393
+  _globals['_CHOICELIST']._serialized_start=395
+  _globals['_CHOICELIST']._serialized_end=424
+  _globals['_SAMPLINGPARAMS']._serialized_start=427
+  _globals['_SAMPLINGPARAMS']._serialized_end=1200
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=964
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1012
+  _globals['_TOPLOGPROB']._serialized_start=1202
+  _globals['_TOPLOGPROB']._serialized_end=1249
+  _globals['_TOKENLOGPROB']._serialized_start=1251
+  _globals['_TOKENLOGPROB']._serialized_end=1339
+  _globals['_USAGE']._serialized_start=1341
+  _globals['_USAGE']._serialized_end=1421
+  _globals['_KVHANDLE']._serialized_start=1424
+  _globals['_KVHANDLE']._serialized_end=1573
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenmill.v1 import common_pb2 as tokenmill_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmill/v1/decode.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"\xc4\x02\n\rDecodeRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x36\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1a.tokenmill.v1.TokenLogprobH\x01\x88\x01\x01\x12\'\n\x02kv\x18\x06 \x01(\x0b\x32\x16.tokenmill.v1.KvHandleH\x02\x88\x01\x01\x12\x18\n\x10prior_output_ids\x18\x07 \x03(\x05\x42\x11\n\x0f_first_token_idB\x10\n\x0e_first_logprobB\x05\n\x03_kv\"\xb2\x01\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.tokenmill.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenmill.v1.Usage2K\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x1b.tokenmill.v1.DecodeRequest\x1a\x18.tokenmill.v1.TokenDelta0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmill/v1/decode.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"\xc4\x02\n\rDecodeRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x36\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1a.tokenmill.v1.TokenLogprobH\x01\x88\x01\x01\x12\'\n\x02kv\x18\x06 \x01(\x0b\x32\x16.tokenmill.v1.KvHandleH\x02\x88\x01\x01\x12\x18\n\x10prior_output_ids\x18\x07 \x03(\x05\x42\x11\n\x0f_first_token_idB\x10\n\x0e_first_logprobB\x05\n\x03_kv\"\xc9\x01\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.tokenmill.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12\x15\n\rfilter_reason\x18\x06 \x01(\t2K\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x1b.tokenmill.v1.DecodeRequest\x1a\x18.tokenmill.v1.TokenDelta0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_start=71
   _globals['_DECODEREQUEST']._serialized_end=395
   _globals['_TOKENDELTA']._serialized_start=398
-  _globals['_TOKENDELTA']._serialized_end=576
-  _globals['_DECODE']._serialized_start=578
-  _globals['_DECODE']._serialized_end=653
+  _globals['_TOKENDELTA']._serialized_end=599
+  _globals['_DECODE']._serialized_start=601
+  _globals['_DECODE']._serialized_end=676
 # @@protoc_insertion_point(module_scope)

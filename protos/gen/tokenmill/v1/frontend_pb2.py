@@ -26,7 +26,7 @@ from tokenmill.v1 import common_pb2 as tokenmill_dot_v1_dot_common__pb2
 from tokenmill.v1 import tokenizer_pb2 as tokenmill_dot_v1_dot_tokenizer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokenmill/v1/frontend.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\x1a\x1ctokenmill/v1/tokenizer.proto\"6\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"\x83\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.tokenmill.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x16.tokenmill.v1.TokenIdsH\x00\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd9\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.tokenmill.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12\x0b\n\x03seq\x18\x07 \x01(\x04\x32\xa0\x01\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1e.tokenmill.v1.GenerateResponse0\x01\x12G\n\x06Resume\x12\x1b.tokenmill.v1.ResumeRequest\x1a\x1e.tokenmill.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btokenmill/v1/frontend.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\x1a\x1ctokenmill/v1/tokenizer.proto\"6\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\"\xd5\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1a.tokenmill.v1.ChatMessagesH\x00\x12\x32\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x16.tokenmill.v1.TokenIdsH\x00\x12,\n\x06params\x18\x06 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x33\n\x0epriority_class\x18\t \x01(\x0e\x32\x1b.tokenmill.v1.PriorityClass\x12\x1b\n\x13skip_response_cache\x18\n \x01(\x08\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12,\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1a.tokenmill.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12\x0b\n\x03seq\x18\x07 \x01(\x04\x12\x15\n\rfilter_reason\x18\x08 \x01(\t2\xa0\x01\n\x08\x46rontend\x12K\n\x08Generate\x12\x1d.tokenmill.v1.GenerateRequest\x1a\x1e.tokenmill.v1.GenerateResponse0\x01\x12G\n\x06Resume\x12\x1b.tokenmill.v1.ResumeRequest\x1a\x1e.tokenmill.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,11 +36,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESUMEREQUEST']._serialized_start=102
   _globals['_RESUMEREQUEST']._serialized_end=156
   _globals['_GENERATEREQUEST']._serialized_start=159
-  _globals['_GENERATEREQUEST']._serialized_end=418
-  _globals['_TOKENIDS']._serialized_start=420
-  _globals['_TOKENIDS']._serialized_end=443
-  _globals['_GENERATERESPONSE']._serialized_start=446
-  _globals['_GENERATERESPONSE']._serialized_end=663
-  _globals['_FRONTEND']._serialized_start=666
-  _globals['_FRONTEND']._serialized_end=826
+  _globals['_GENERATEREQUEST']._serialized_end=500
+  _globals['_TOKENIDS']._serialized_start=502
+  _globals['_TOKENIDS']._serialized_end=525
+  _globals['_GENERATERESPONSE']._serialized_start=528
+  _globals['_GENERATERESPONSE']._serialized_end=768
+  _globals['_FRONTEND']._serialized_start=771
+  _globals['_FRONTEND']._serialized_end=931
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenmill.v1 import common_pb2 as tokenmill_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenmill/v1/tokenizer.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\":\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"Z\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.tokenmill.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\"\x9b\x01\n\x0fTokenizeRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.tokenmill.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xa7\x01\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.tokenmill.v1.TokenizeRequest\x1a\x1e.tokenmill.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tokenmill.v1.DetokenizeRequest\x1a .tokenmill.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctokenmill/v1/tokenizer.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x04 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"n\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.tokenmill.v1.ChatMessage\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08\x12\x12\n\ntools_json\x18\x03 \x01(\t\"\x9b\x01\n\x0fTokenizeRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1a.tokenmill.v1.ChatMessagesH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t2\xa7\x01\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.tokenmill.v1.TokenizeRequest\x1a\x1e.tokenmill.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.tokenmill.v1.DetokenizeRequest\x1a .tokenmill.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmill.v1.tokenizer_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=73
-  _globals['_CHATMESSAGE']._serialized_end=131
-  _globals['_CHATMESSAGES']._serialized_start=133
-  _globals['_CHATMESSAGES']._serialized_end=223
-  _globals['_TOKENIZEREQUEST']._serialized_start=226
-  _globals['_TOKENIZEREQUEST']._serialized_end=381
-  _globals['_TOKENIZERESPONSE']._serialized_start=383
-  _globals['_TOKENIZERESPONSE']._serialized_end=420
-  _globals['_DETOKENIZEREQUEST']._serialized_start=422
-  _globals['_DETOKENIZEREQUEST']._serialized_end=489
-  _globals['_DETOKENIZERESPONSE']._serialized_start=491
-  _globals['_DETOKENIZERESPONSE']._serialized_end=525
-  _globals['_TOKENIZER']._serialized_start=528
-  _globals['_TOKENIZER']._serialized_end=695
+  _globals['_CHATMESSAGE']._serialized_end=178
+  _globals['_CHATMESSAGES']._serialized_start=180
+  _globals['_CHATMESSAGES']._serialized_end=290
+  _globals['_TOKENIZEREQUEST']._serialized_start=293
+  _globals['_TOKENIZEREQUEST']._serialized_end=448
+  _globals['_TOKENIZERESPONSE']._serialized_start=450
+  _globals['_TOKENIZERESPONSE']._serialized_end=487
+  _globals['_DETOKENIZEREQUEST']._serialized_start=489
+  _globals['_DETOKENIZEREQUEST']._serialized_end=556
+  _globals['_DETOKENIZERESPONSE']._serialized_start=558
+  _globals['_DETOKENIZERESPONSE']._serialized_end=592
+  _globals['_TOKENIZER']._serialized_start=595
+  _globals['_TOKENIZER']._serialized_end=762
 # @@protoc_insertion_point(module_scope)
