@@ -51,7 +51,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
-    """The public edge: gRPC ``Frontend`` (and, later, the OpenAI HTTP API)."""
+    """The public edge: the gRPC ``Frontend`` and the OpenAI HTTP API."""
 
     count: int = 1
     port: int = 50051

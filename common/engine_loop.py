@@ -5,10 +5,8 @@ they ``submit`` a function that runs on the engine thread between two steps, and
 So the engine, its scheduler and its block manager stay single-threaded, and a step never waits on the network.
 
 The loop's thread is also the only one that runs torch in the process: given a factory, it builds (loads and warms
-up) the engine itself. Each host thread that runs a parallel torch op gets an OpenMP team of its own, and once a
-process has more OpenMP threads than cores, libgomp cuts its spin-wait to 1,000 spins, so the team's threads sleep
-and wake around every op: a model loaded on a helper thread and run on this one took a batch-8 bf16 decode step
-from 31 to 54 ms on a 2-core machine.
+up) the engine itself, since every thread that runs torch gets an OpenMP team of its own and more teams than cores
+slow every op (docs/performance-notes.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ finished, so the leased blocks can be freed.
 
 No gRPC here, and no call waits for a peer except :meth:`KvTransferAgent.read_blocks` (tests, tools). But with a
 pool in host memory the copy itself runs inside ``start_read`` (UCX's cma transport is a synchronous
-process_vm_readv): measured 5 ms for a 512-token SmolLM2 prompt, 40-60 ms for 4,096 tokens on 2 cores. On GPUs the
+process_vm_readv; docs/performance-notes.md has its cost). On GPUs the
 copy is asynchronous (cuda_ipc: copies on UCX's own CUDA streams) and ``start_read`` only posts it: its cost is per
 descriptor, so the block pairs are sorted by remote id and NIXL merges every run that is contiguous on both sides
 into one descriptor. A VRAM pool's agent polls its READs in flight from a thread of its own every
@@ -44,35 +44,14 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 
-# UCX settings for a KV pool in host memory (local mode). Measured with loadgen/bench_kv_transfer.py: decode READs
-# the KV of a 512- / 4,096-token SmolLM2-135M float32 prompt (22.5 / 180 MiB in 32 / 256 scattered blocks) from
-# prefill, median of 15 READs, GB/s. "2 cores": this dev box, shared with other jobs (range over 2-4 runs; a
-# one-thread memcpy does 4.1 GB/s); "16 cores": a quiet 16-core host.
-#                                          2 cores                 16 cores
-#   tcp,cma; error handling "peer"         3.8-4.4 / 3.3-4.7       5.4 / 5.8    <- chosen
-#   UCX default ("all"); peer              2.6 / 4.6               5.5 / 5.6    UCX picks cma for the RMA too
-#   tcp; peer                              0.9 / 0.9               1.6 / 1.6    every byte through loopback TCP
-#   tcp,cma; "none"                        2.5 / 3.1               4.5 / 4.5
-#   sm; none                               3.5-4.2 / 4.0-4.7       5.5 / 5.7    sm's RMA lane is cma as well
-#   posix,sysv; none                       0.3-6.7 / 0.2-7.3       7.5 / 8.1    see below
-#   sm; peer                               fails: UCX's shared-memory transports lack peer error handling
-# cma is one copy by the reader's kernel (process_vm_readv), so it needs only the reader's CPU. posix/sysv copy
-# twice through a shared segment, with BOTH processes' CPUs: fastest when each has an idle core, 20× slower when
-# other work holds the cores, which is what serving does on 2 cores. Shared memory also needs error handling
-# "none", where a prefill that dies mid-READ hangs the decode instead of failing it; with "peer" a SIGKILLed
-# prefill gives NIXL_ERR_REMOTE_DISCONNECT at once (tests/test_kv_transfer.py). tcp,cma over "all": the same
-# speed, chosen lanes, no shared-memory segments (/dev/shm is 64 MiB in a default container).
-# Set UCX_TLS in the environment to override.
+# A KV pool in host memory: cma (one copy by the reader's kernel) with peer error handling, so a prefill that dies
+# mid-READ fails the READ at once; measured against the other transports in docs/performance-notes.md. UCX_TLS in
+# the environment overrides it.
 CPU_UCX_TLS = "tcp,cma"
 UCX_ERROR_HANDLING_MODE = "peer"
-# NIXL's progress thread. The Python API starts it with no pause between rounds: an idle process then burns 100%
-# of a core (16 cores; 34-65% on the loaded 2), and READs were 2-4× slower on 2 cores. Per role:
-#   - the reader (decode) runs NO thread: the cma copy runs inline in start_read() (process_vm_readv is
-#     synchronous); a thread spins beside it (decode CPU per 180 MiB READ 72 ms instead of 36) and on 2 cores
-#     halves the bandwidth (2.4 instead of 4.6 GB/s). The reader's poll() drives UCX's progress.
-#   - the target (prefill) runs one that pauses 100 µs between rounds (~2-4% of a core idle): it answers
-#     connection set-up and, where cma can't reach (tcp), serves the READ between engine steps (tcp on 2 cores:
-#     0.9-1.4 GB/s with it, 0.5-0.7 without). A worker that does both ("both") keeps it.
+# NIXL's progress thread per role (docs/performance-notes.md): the reader (decode) runs none, since its cma copy
+# runs inline in start_read() and its poll() drives UCX; the target (prefill) pauses 100 µs between rounds, enough to
+# answer set-up and serve tcp READs between steps without spinning a core.
 ProgressThread = int | Literal["off"]  # the pause between progress rounds in µs, or no thread
 PROGRESS_THREAD_BY_ROLE: dict[str, ProgressThread] = {"prefill": 100, "decode": "off", "both": 100}
 # A VRAM pool's READs complete on the GPU while the engine steps; a step can take tens of ms, so the agent's own

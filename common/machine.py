@@ -14,6 +14,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
+_huge_pages_set_here = False
+
 BF16_FLAGS = {"amx_bf16": "AMX BF16", "avx512_bf16": "AVX512-BF16"}  # /proc/cpuinfo flags, the faster first
 MIN_CORES_FOR_POOLS = 8
 
@@ -61,3 +64,18 @@ def cpu_defaults(flags: frozenset[str] | None = None, cores: int | None = None) 
 def default_dtype(device: str) -> str:
     """The dtype a command uses on ``device`` when none is asked for."""
     return "bfloat16" if device == "cuda" else cpu_defaults().dtype
+
+
+def use_huge_pages() -> None:
+    """Back torch's CPU buffers of 2 MiB and more with transparent huge pages, unless the environment already says
+    (decoding reads every weight each step; docs/performance-notes.md). c10 reads the variable once, at its first
+    allocation: entry points call this before torch allocates, and child processes inherit it."""
+    global _huge_pages_set_here
+    if HUGE_PAGES_ENV not in os.environ:
+        os.environ[HUGE_PAGES_ENV] = "1"
+        _huge_pages_set_here = True
+
+
+def huge_pages_set_here() -> bool:
+    """Whether :func:`use_huge_pages` set the variable (so a peer's environment can leave it out, as it ships)."""
+    return _huge_pages_set_here and os.environ.get(HUGE_PAGES_ENV) == "1"

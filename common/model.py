@@ -375,20 +375,17 @@ class LlamaModel(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
     def prepack(self, small_batch: bool = False) -> bool:
-        """On CPU, reorder every matrix once into oneDNN's blocked layout. Measured on a 2-core AVX-512 VM:
-        bfloat16, 24% less time per layer at batch 16, same results bit for bit; float32, a batch-16 decode step
-        88 -> 76 ms, but MKL's plain matmul is faster below 4 rows (at 1 row: 30 vs 40 ms a step), so those keep it.
-        float32 results differ from the plain matmul's in the last bits (summation order); greedy output still equals
-        transformers' (tests/test_reference.py). In bfloat16 the plain matrices are freed (nothing reads them again;
-        a tied head's stays, as the embedding table); float32 keeps them for its small batches.
+        """On CPU, reorder every matrix once into oneDNN's blocked layout (faster from 4 rows; smaller batches keep
+        MKL's plain matmul in float32; docs/performance-notes.md). float32 results differ from the plain matmul's in
+        the last bits (summation order); greedy output still equals transformers' (tests/test_reference.py). In
+        bfloat16 the plain matrices are freed (nothing reads them again; a tied head's stays, as the embedding
+        table); float32 keeps them for its small batches.
 
         With ``small_batch`` (the runner's choice: the C++ kernels are on) and AMX, bfloat16 layer matrices are also
         packed for ``cpu_kernels.linear_small_batch``, which takes batches of up to 32 rows: oneDNN's result bit for
-        bit without its ~17 us a call. Measured on a 2-core AMX VM, 120 SmolLM2 layer matmuls: 1 row 10.7 -> 7.9 ms,
-        16 rows 12.1 -> 8.6 ms, 32 rows 13.6 -> 10.8 ms (they tie at 64 rows). The cost is a second packed copy of
-        the layer matrices (212 MB for SmolLM2); ``TOKENMILL_CPU_KERNELS=0`` turns it off with the kernels. With
-        them, prompts of up to 1,024 tokens without a cached prefix take ``cpu_kernels.prefill_attention``.
-        Returns whether it packed."""
+        bit without its per-call overhead, at the cost of a second packed copy of the layer matrices;
+        ``TOKENMILL_CPU_KERNELS=0`` turns it off with the kernels. With them, prompts of up to 1,024 tokens without
+        a cached prefix take ``cpu_kernels.prefill_attention``. Returns whether it packed."""
         if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
             return False
         if not torch.backends.mkldnn.is_available():
@@ -417,7 +414,7 @@ _SMALL_BATCH_ROWS = 32
 _PREFILL_KERNEL_MAX = 1024
 
 # Prefill SDPA backends of the CUDA path: not cuDNN, which builds a new execution plan for every new sequence length
-# (measured on an H200 in a W1 run: ~5 ms of CPU per call, 0.4-1 s per mixed prefill step of 4,096 tokens).
+# (its CPU cost per step: docs/performance-notes.md).
 _PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

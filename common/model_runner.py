@@ -149,11 +149,9 @@ class ModelRunner:
             else:
                 self.model.load_weights(source.weights())
         shard.barrier()  # every rank has its weights
-        # The C++ paged decode-attention kernel (common/csrc) reads K/V in place; vectorized (AVX-512) it beats
-        # gather + SDPA: bfloat16 batch-32 step 61 -> 51 ms on a 2-core AVX-512 box; float32 batch-1 step 30.2 ->
-        # 28.4 ms, and greedy output still equals transformers' (tests/test_reference.py). On by default where it
-        # compiled with AVX-512; TOKENMILL_CPU_KERNELS=1 forces it on (the scalar build too), =0 off. Without
-        # AVX-512 only the scalar version compiles, and it is slower than the portable path.
+        # The C++ paged decode-attention kernel (common/csrc) reads K/V in place, faster than gather + SDPA where it
+        # compiled with AVX-512 (docs/performance-notes.md); the scalar build is slower, so it is on by default only
+        # there. TOKENMILL_CPU_KERNELS=1 forces it on (the scalar build too), =0 off.
         on_cpu = self.device.type == "cpu" and not cfg.noop_model and self.dtype != torch.float16
         choice = os.environ.get("TOKENMILL_CPU_KERNELS")
         self.use_cpu_kernel = on_cpu and (

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import common
+from common import machine
 
 log = logging.getLogger(__name__)
 
@@ -409,8 +409,8 @@ def vllm_env(threads: int | None = None, kv_space_gib: int = 4) -> dict[str, str
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     for k in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):  # ours would shadow the vLLM venv's packages
         env.pop(k, None)
-    if not common.THP_SET_BY_USER:  # vLLM as it ships: without the huge pages that importing `common` turns on
-        env.pop("THP_MEM_ALLOC_ENABLE", None)
+    if machine.huge_pages_set_here():  # vLLM as it ships: without the huge pages our entry points turn on
+        env.pop(machine.HUGE_PAGES_ENV, None)
     return env
 
 

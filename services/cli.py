@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from common import machine
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -27,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    machine.use_huge_pages()  # before torch allocates anything, here or in the processes started from here
     if argv[:1] in (["health"], ["ray"]):  # health: every few seconds in a container; neither needs the engine
         from services.cluster.__main__ import main as cluster_main
 

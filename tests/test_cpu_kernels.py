@@ -195,29 +195,43 @@ def test_bfloat16_fast_path_is_on_and_no_further_from_float32_than_the_portable_
     assert agreeing(got, ref) >= agreeing(want, ref), (agreeing(got, ref), agreeing(want, ref))
 
 
-def test_torch_buffers_get_huge_pages_once_common_is_imported():
-    """Importing ``common`` turns on torch's transparent-huge-page allocation (where the kernel's THP mode allows
-    it), and the vLLM peer's environment leaves it out unless the user set it."""
+def test_the_tokenmill_entry_point_gives_torch_buffers_huge_pages(monkeypatch):
+    """The ``tokenmill`` entry point turns on torch's transparent-huge-page allocation (where the kernel's THP mode
+    allows it) before torch allocates; importing ``common`` changes no environment; the vLLM peer's environment
+    leaves it out unless the user set it."""
     import subprocess
     import sys
     from pathlib import Path
 
+    from common import machine
     from loadgen.peers import vllm_env
 
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     code = (
-        "import common, torch\n"
+        "import os, common\n"
+        "assert 'THP_MEM_ALLOC_ENABLE' not in os.environ\n"
+        "from services.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "import torch\n"
         "x = torch.ones(64 << 20, dtype=torch.uint8)\n"
         "print([int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')][0])\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    huge_kib = int(out.stdout.strip())
+    huge_kib = int(out.stdout.strip().splitlines()[-1])
     if "[never]" in mode:
         assert huge_kib == 0
     else:
         assert huge_kib >= 32 << 10, (mode, huge_kib)  # most of the 64 MiB buffer
-    assert os.environ.get("THP_MEM_ALLOC_ENABLE") and "THP_MEM_ALLOC_ENABLE" not in vllm_env()
+
+    monkeypatch.delenv(machine.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setattr(machine, "_huge_pages_set_here", False)
+    machine.use_huge_pages()
+    assert os.environ[machine.HUGE_PAGES_ENV] == "1" and machine.HUGE_PAGES_ENV not in vllm_env()
+    monkeypatch.setenv(machine.HUGE_PAGES_ENV, "1")  # as a user sets it: the peer keeps it
+    monkeypatch.setattr(machine, "_huge_pages_set_here", False)
+    machine.use_huge_pages()
+    assert vllm_env()[machine.HUGE_PAGES_ENV] == "1"
 
 
 def test_the_small_batch_matmul_runs_where_amx_is():

@@ -7,10 +7,12 @@ import argparse
 import logging
 import sys
 
+from common import machine
 from services.cluster.cli import add_parsers
 
 
 def main(argv: list[str] | None = None) -> int:
+    machine.use_huge_pages()  # a worker started alone (Ray, a container) sets it before its engine allocates
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="tokenmill", description="Tokenmill cluster commands.")
     add_parsers(p.add_subparsers(dest="command", metavar="COMMAND", required=True))
