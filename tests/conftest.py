@@ -1,14 +1,37 @@
-"""Shared fixtures: the real default model is loaded once per session, as is the transformers reference."""
+"""Shared fixtures: the real default model is loaded once per session, as is the transformers reference.
+
+Marker ``e2e``: every test of a module that starts processes (a cluster through ``tokenmill up`` or the harness, a
+subprocess, Ray) gets it at collection, so ``pytest -m "not e2e"`` is the quick inner loop; ``make test`` runs all.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# what a module's source calls when it starts processes
+_STARTS_PROCESSES = ("running_cluster(", "start_cluster(", "Popen(", "subprocess.run(", ".Process(", "GpuCluster(",
+                     "ray.init(")
+_module_starts: dict[Path, bool] = {}
+
+
+def _starts_processes(path: Path) -> bool:
+    if path not in _module_starts:
+        _module_starts[path] = any(call in path.read_text() for call in _STARTS_PROCESSES)
+    return _module_starts[path]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_processes(Path(item.path)):
+            item.add_marker(pytest.mark.e2e)
 
 
 @pytest.fixture(scope="session")
