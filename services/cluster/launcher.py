@@ -87,7 +87,9 @@ class Child:
         return {"role": self.svc.role, "index": self.svc.index, "name": self.name, "pid": self.proc.pid,
                 "address": self.svc.address, "grpc_port": self.svc.grpc_port,
                 "metrics_port": self.svc.metrics_port, "log": str(self.log_path), "devices": self.spec.devices,
-                "gpu_memory_utilization": self.spec.gpu_memory_utilization, "restarts": self.restarts}
+                "gpu_memory_utilization": self.spec.gpu_memory_utilization, "restarts": self.restarts,
+                **({"http_port": self.svc.cluster.gateway.http_port + self.svc.index} if self.svc.role == "gateway"
+                   else {})}
 
 
 class LaunchError(RuntimeError):
