@@ -206,8 +206,7 @@ class HttpFrontend:
         """OpenAI's ``x-ratelimit-*`` headers on every response to a tenant with quotas (a stream has them)."""
         tenant = request.get(_TENANT)
         if tenant is not None and tenant.has_quotas and not resp.prepared:
-            for k, v in tenant.ratelimit_headers().items():
-                resp.headers.setdefault(k, v)  # a refusal's own headers were taken at the refusal
+            resp.headers.update(tenant.ratelimit_headers())  # as of now: after a refusal's refund, a settled bill
         return resp
 
     # -- small endpoints -------------------------------------------------------------------------------------

@@ -202,7 +202,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             except (QuotaExceeded, RequestTooLarge) as e:
                 self.app.tenancy.refund_request(tenant)  # refused after the door: nothing is half-admitted
                 if isinstance(e, QuotaExceeded):
-                    context.set_trailing_metadata(_grpc_headers(e.headers))
+                    context.set_trailing_metadata(_grpc_headers({**e.headers, **tenant.ratelimit_headers()}))
                 raise
 
     @rpc.translate_errors
