@@ -18,7 +18,7 @@ from tests.services.test_gateway import FakeDecode, stack
 from tests.services.test_http_api import client
 
 TENANTS = {"tenants.acme.keys_sha256": hash_key("sk-acme"), "tenants.acme.weight": 2.5,
-           "tenants.acme.max_running": 3, "tenants.acme.max_class": "standard",
+           "tenants.acme.max_running": 3, "tenants.acme.max_class": "standard", "tenants.acme.rpm": 100,
            "tenants.beta.keys_sha256": hash_key("sk-beta"), "tenants.beta.share_prefix_cache": True}
 
 
@@ -45,6 +45,12 @@ def test_request_meta_carries_the_tenant_to_the_workers(tok):
                 m = d.requests[-1].meta
                 assert (m.tenant_id, m.priority_class, m.tenant_weight, m.cache_salt) == (
                     "beta", common_pb2.PRIORITY_CLASS_BATCH, 1.0, "")  # beta shares its prefix cache
+                call = stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"),
+                                     metadata=[("authorization", "Bearer sk-acme")])
+                md = dict(await call.initial_metadata())  # OpenAI's x-ratelimit-* headers, as metadata
+                assert md["x-ratelimit-limit-requests"] == "100" and md["x-ratelimit-remaining-requests"] == "98"
+                assert "x-ratelimit-limit-tokens" not in md  # acme has no token quota
+                [r async for r in call]
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     bad = frontend_pb2.GenerateRequest(prompt="Hi", priority_class=7)
                     [r async for r in stub.Generate(bad, metadata=[("authorization", "Bearer sk-beta")])]
