@@ -8,6 +8,10 @@
   before Decode was called, the gateway releases the prefill lease.
 - A worker that fails with UNAVAILABLE before any token reached the client is excluded and the request re-placed
   (``gateway.placement_retries`` times, a prefill result is kept).
+- Tenants (``services/gateway/tenancy.py``): the door names the request's tenant by its API key and takes its
+  request token; after tokenization its tokens are charged, and the RequestMeta of every worker call carries the
+  tenant, its priority class, weight, running cap and cache scope; when it ends the bill is settled, counted and
+  audited (``services/gateway/accounting.py``).
 - A decode worker that fails with UNAVAILABLE (died, unreachable, its engine failed) after tokens reached the
   client: the stream moves (``gateway.migration_limit`` times). The request is placed again, that worker
   excluded, with the tokens already sent as its prior outputs; the new decode worker recomputes prompt + those
@@ -47,7 +51,7 @@ from services.gateway.accounting import Accounting, AuditRecord
 from services.gateway.http import HttpFrontend
 from services.gateway.pools import ChannelPool
 from services.gateway.resume import ResumableStreams, StreamGone
-from services.gateway.tenancy import CLASS_NAME, QuotaExceeded, RequestTooLarge, Tenancy, Tenant
+from services.gateway.tenancy import CLASS_NAME, Charge, QuotaExceeded, RequestTooLarge, Tenancy, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +199,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 req = frontend_pb2.GenerateRequest()
                 req.CopyFrom(request)
                 req.request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-                sl = streams.start(req.request_id, self.app.generate(req, _Detached(context), tenant),  # type: ignore[arg-type]
-                                   owner=tenant.name)
+                gen = self.app.generate(req, _Detached(context), tenant)  # type: ignore[arg-type]
+                sl = streams.start(req.request_id, gen, owner=tenant.name)
                 async for resp in streams.follow(sl):
                     yield resp
             except (QuotaExceeded, RequestTooLarge) as e:
@@ -286,13 +290,13 @@ class GatewayService:
 
     async def generate(self, req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, tenant: Tenant
                        ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
-        """One generation of ``tenant`` (admitted at the door by ``admit_request``): its tokens are charged to the tenant's
-        token quota after tokenization and settled with the real output when it ends."""
+        """One generation of ``tenant`` (admitted at the door by ``admit_request``): its tokens are charged to the
+        tenant's token quota after tokenization (QuotaExceeded, RequestTooLarge) and settled when it ends."""
         gw = self.cfg.cluster.gateway
         timing = _Timing(self.metrics)
         st = _Attempts(gw.placement_retries, gw.migration_limit)
         rec = AuditRecord(tenant.name, req.request_id, req.model or self.cfg.cluster.model, "CANCELLED")
-        charge = None
+        charge: Charge | None = None
         output: list[str] = []
         self.metrics.running.inc()
         outcome = "CANCELLED"
@@ -345,16 +349,20 @@ class GatewayService:
                 self.metrics.success.labels("abort").inc()
             else:
                 self.metrics.e2e.observe(time.perf_counter() - timing.t0)
-            if charge is not None:  # admitted: billed, counted and audited
-                self.tenancy.settle(charge, rec.prompt_tokens + timing.tokens)
-                rec.status, rec.completion_tokens, rec.migrations = outcome, timing.tokens, st.migrations
-                rec.latency_s = time.perf_counter() - timing.t0
-                if gw.log_prompts:
-                    rec.output = "".join(output)
-                self.accounting.served(tenant, rec)
-            elif rec.reason is None:  # failed before admission (invalid, or the tokenizer failed)
-                rec.status, rec.latency_s = outcome, time.perf_counter() - timing.t0
-                self.accounting.write(rec)
+            rec.status, rec.latency_s = outcome, time.perf_counter() - timing.t0
+            rec.completion_tokens, rec.migrations = timing.tokens, st.migrations
+            if gw.log_prompts:
+                rec.output = "".join(output)
+            self._close_books(tenant, charge, rec)
+
+    def _close_books(self, tenant: Tenant, charge: Charge | None, rec: AuditRecord) -> None:
+        """A generation ended, however it ended: an admitted one is billed its input and real output (the unused
+        part of its charge goes back), counted and audited; one refused by its token quota is audited already."""
+        if charge is not None:
+            self.tenancy.settle(charge, rec.prompt_tokens + rec.completion_tokens)
+            self.accounting.served(tenant, rec)
+        elif rec.reason is None:  # failed before admission: invalid, or the tokenizer failed
+            self.accounting.write(rec)
 
     async def tokenize(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta,
                        timeout: float | None) -> list[int]:

@@ -28,7 +28,8 @@ def test_tenants_from_file_env_and_flags_round_trip(tmp_path):
     again = tmp_path / "again.yaml"  # what `tokenmill up` hands its children
     again.write_text(yaml.safe_dump(c.to_dict()))
     assert load_cluster_config(again, env={}).tenants == c.tenants
-    from_env = load_cluster_config(env={"TOKENMILL_TENANTS": "{acme: {rpm: 60, max_class: batch, default_class: batch}}"})
+    from_env = load_cluster_config(env={"TOKENMILL_TENANTS": "{acme: {rpm: 60, max_class: batch, "
+                                                             "default_class: batch}}"})
     assert from_env.tenants["acme"].rpm == 60 and from_env.tenants["acme"].max_class == "batch"
     assert load_cluster_config(env={}).tenants == {}
 
