@@ -70,8 +70,9 @@ class GatewayConfig:
     # long a finished one stays resumable; 0: such a stream is cancelled at once (services/gateway/resume.py)
     resume_window_s: float = 0.0
     heartbeat_s: float = 15.0  # an SSE stream with nothing to send this long gets a comment line
-    # OpenAI HTTP API. Keys: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to); none: no auth.
-    # From the environment as a comma-separated list: TOKENMILL_GATEWAY__API_KEYS=team-a:sk-1,team-b:sk-2
+    # API keys in plain text, for both front doors: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to;
+    # a tenant the tenants: section names gets its settings). Hashed at start-up, as tenants.NAME.keys_sha256 are
+    # stored; no key here nor there: no auth. From the environment: TOKENMILL_GATEWAY__API_KEYS=team-a:sk-1,sk-2
     api_keys: tuple[str, ...] = ()
     served_model_names: tuple[str, ...] = ()  # empty: the model spec (e.g. smollm2) and its HF repo name if known
     max_body_bytes: int = 4 << 20  # a larger request body is refused with 413
