@@ -59,6 +59,19 @@ def test_request_meta_carries_the_tenant_to_the_workers(tok):
     asyncio.run(body())
 
 
+def test_prefill_and_decode_get_the_same_tenant_meta(tok):
+    async def body():
+        d = FakeDecode(tokens=2)
+        async with stack(tok, {"decode-a": d}, prefill_finish=0, threshold=1, **TENANTS) as st:
+            await client(st, "sk-acme").completions.create(model="smollm2", prompt="A prompt long enough",
+                                                           max_tokens=2)
+            pre, dec = st.prefill.requests[-1].meta, d.requests[-1].meta
+            assert pre == dec and pre.tenant_id == "acme" and pre.tenant_weight == 2.5
+            assert pre.priority_class == common_pb2.PRIORITY_CLASS_STANDARD and pre.cache_salt.startswith("tenant")
+
+    asyncio.run(body())
+
+
 def test_audit_log_holds_prompts_and_outputs_only_when_asked(tok, tmp_path):
     async def body(log_prompts: bool):
         path = tmp_path / f"audit-{log_prompts}.jsonl"
