@@ -6,11 +6,11 @@
 Every choice of a request runs through ``GatewayService.generate``: the same path, metrics and errors as gRPC.
 
 Status codes: 400 invalid values, malformed JSON and prompts over the context (the message names both numbers),
-401 missing/invalid API key (when ``gateway.api_keys`` is set), 404 unknown model or path, 413 body over
-``gateway.max_body_bytes``, 429 over ``gateway.max_inflight_requests`` or a tenant's ``tenant_max_inflight``
-(``Retry-After``), 503 while the cluster is not ready or draining (``Retry-After``). A streamed response has
-sent its 200 only after the first token came back, so errors before that keep their status; an error after
-it ends the stream with an ``error`` event.
+401 missing/invalid API key (once any key is configured: ``services/gateway/tenancy.py``), 404 unknown model or
+path, 413 body over ``gateway.max_body_bytes``, 429 over a tenant's quota (``Retry-After`` from its bucket), over
+``gateway.max_inflight_requests`` or ``gateway.tenant_max_inflight`` (``Retry-After``), 503 while the cluster is
+not ready or draining (``Retry-After``). A streamed response has sent its 200 only after the first token came back,
+so errors before that keep their status; an error after it ends the stream with an ``error`` event.
 
 A client that disconnects cancels its choices: the handler task is cancelled (``handler_cancellation``), the
 ``Decode`` calls with it, and the decode worker frees the blocks.
@@ -301,7 +301,8 @@ class HttpFrontend:
     def _auth(self, request: web.Request) -> Tenant:
         """The request's tenant (remembered on the request for its x-ratelimit-* headers); raises Unauthenticated
         (401) when keys are configured and the request has no valid one."""
-        tenant = self.gw.tenancy.identify(request.headers.get("Authorization"), request.headers.get("x-tenant-id", ""))
+        h = request.headers
+        tenant = self.gw.tenancy.identify(h.get("Authorization"), h.get("x-tenant-id", ""))
         request[_TENANT] = tenant
         return tenant
 
