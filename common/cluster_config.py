@@ -25,6 +25,7 @@ On CUDA (``engine.device: cuda``) ``engine.dtype`` defaults to bfloat16 unless t
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import re
 import types
@@ -226,6 +227,12 @@ class ClusterConfig:
                     raise ConfigError(f"tenants.{name}.keys_sha256: the key hash {k[:12]}… is also "
                                       f"tenants.{owner[k]}'s; a key belongs to one tenant")
                 owner[k] = name
+        for i, entry in enumerate(self.gateway.api_keys):
+            name, _, key = entry.rpartition(":")
+            other = owner.get(hashlib.sha256(key.encode()).hexdigest())
+            if other is not None and other != name:
+                raise ConfigError(f"gateway.api_keys[{i}] is also a key of tenants.{other}; a key belongs to one "
+                                  "tenant")
         for role in ROLES:
             if self.pool(role).count < 0:
                 raise ConfigError(f"{role}.count must be >= 0, got {self.pool(role).count}")

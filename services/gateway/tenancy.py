@@ -156,6 +156,7 @@ class Tenancy:
 
     @classmethod
     def from_config(cls, cluster: ClusterConfig, clock: Clock = time.monotonic) -> Tenancy:
+        """Every configured tenant, its buckets full."""
         tenants = {name: _tenant(name, t, clock) for name, t in cluster.tenants.items()}
         keys = [(bytes.fromhex(h), name) for name, t in cluster.tenants.items() for h in t.keys_sha256]
         for i, entry in enumerate(cluster.gateway.api_keys):

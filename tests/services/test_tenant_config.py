@@ -43,6 +43,7 @@ def test_tenants_from_file_env_and_flags_round_trip(tmp_path):
     ({"tenants.a.weight": 0}, "weight must be > 0"),
     ({"tenants.a.tpm": -1}, "tpm must be >= 0"),
     ({"tenants.a.keys_sha256": KEY_HASH, "tenants.b.keys_sha256": KEY_HASH}, "a key belongs to one tenant"),
+    ({"tenants.a.keys_sha256": KEY_HASH, "gateway.api_keys": "b:sk-acme"}, r"api_keys\[0\] is also a key of tenants.a"),
 ])
 def test_tenant_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
