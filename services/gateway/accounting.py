@@ -16,11 +16,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import IO, Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from common.cluster_config import OTHER_TENANT
 from services.gateway.tenancy import Tenant
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ class Accounting:
     """The tenant counters (in the gateway's registry) and the audit log file (open between ``open`` and
     ``close``). Not thread-safe: the gateway's event loop calls it."""
 
-    def __init__(self, registry: CollectorRegistry, audit_path: str | None, log_prompts: bool) -> None:
+    def __init__(self, registry: CollectorRegistry, audit_path: str | None, log_prompts: bool,
+                 tenants: Iterable[str] = ()) -> None:
         r = registry
         self.requests = Counter("tokenmill:tenant_requests", "Requests admitted, by tenant", ["tenant"], registry=r)
         self.input_tokens = Counter("tokenmill:tenant_input_tokens", "Prompt tokens served, by tenant", ["tenant"],
@@ -61,6 +64,9 @@ class Accounting:
                                 registry=r)
         self.cost = Counter("tokenmill:tenant_cost", "Cost of the tokens served at the tenant's configured prices",
                             ["tenant"], registry=r)
+        for label in (*tenants, OTHER_TENANT):  # every configured tenant's series from the start, at 0
+            for c in (self.requests, self.input_tokens, self.output_tokens, self.cost):
+                c.labels(label)
         self.audit_path, self.log_prompts = audit_path, log_prompts
         self._audit: IO[str] | None = None
 
@@ -77,7 +83,7 @@ class Accounting:
         self.requests.labels(t.label).inc()
 
     def refused(self, t: Tenant | None, reason: str, rec: AuditRecord) -> None:
-        self.rejected.labels(t.label if t is not None else "other", reason).inc()
+        self.rejected.labels(t.label if t is not None else OTHER_TENANT, reason).inc()
         rec.reason = reason
         self.write(rec)
 

@@ -238,7 +238,8 @@ class GatewayService:
         window = c.gateway.resume_window_s
         self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
         self.tenancy = Tenancy.from_config(c)
-        self.accounting = Accounting(self.registry, c.gateway.audit_log, c.gateway.log_prompts)
+        self.accounting = Accounting(self.registry, c.gateway.audit_log, c.gateway.log_prompts,
+                                     self.tenancy.tenants)
         self.http = HttpFrontend(self)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
