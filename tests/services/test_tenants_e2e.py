@@ -100,6 +100,10 @@ def test_unknown_keys_are_refused_on_both_doors_and_x_tenant_id_is_not_trusted(c
 
 
 def test_token_quota_refuses_with_retry_after_refunds_and_settles(cluster):
+    def rejected(reason):
+        return tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="tight", reason=reason)
+
+    before = rejected("tokens"), rejected("too_large")
     c = client(cluster, "tight")
     prompt = "Count: one two three four five six seven eight nine ten eleven twelve"
     raw = c.completions.with_raw_response.create(model="smollm2", prompt=prompt, max_tokens=300, stop=[" "])
@@ -139,12 +143,11 @@ def test_token_quota_refuses_with_retry_after_refunds_and_settles(cluster):
         c.completions.create(model="smollm2", prompt=prompt, max_tokens=450)
     raw = c.completions.with_raw_response.create(model="smollm2", prompt=prompt, max_tokens=3)
     assert raw.headers["x-ratelimit-remaining-requests"] == "8"
-    assert tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="tight", reason="tokens") == 2
-    assert tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="tight",
-                         reason="too_large") == 1
+    assert (rejected("tokens") - before[0], rejected("too_large") - before[1]) == (2, 1)
 
 
 def test_request_quota_refuses_on_both_doors(cluster):
+    before = tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="few", reason="requests")
     c = client(cluster, "few")
     remaining = [c.completions.with_raw_response.create(model="smollm2", prompt="Hi", max_tokens=2).headers[
         "x-ratelimit-remaining-requests"] for _ in range(2)]
@@ -157,7 +160,8 @@ def test_request_quota_refuses_on_both_doors(cluster):
         grpc_generate(cluster, req("Hi"), "sk-few")
     assert g.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "(rpm" in g.value.details()
     assert 1 <= int(dict(g.value.trailing_metadata())["retry-after"]) <= 60
-    assert tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="few", reason="requests") == 2
+    assert tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="few",
+                         reason="requests") - before == 2
 
 
 def test_priority_class_defaults_and_is_capped_at_the_tenant_maximum(cluster):
@@ -216,5 +220,9 @@ def test_per_tenant_metrics_cost_and_audit_log(cluster):
         assert r["status"] in ("stop", "length") and r["latency_s"] > 0
         assert "prompt" not in r and "output" not in r  # no text without gateway.log_prompts
         assert dt.datetime.fromisoformat(r["time"]).tzinfo is not None
-    refusals = [r for r in audit(cluster) if r.get("reason") == "tokens"]
-    assert refusals and all(r["tenant"] == "tight" and r["status"] == "RESOURCE_EXHAUSTED" for r in refusals)
+    with pytest.raises(openai.BadRequestError):  # more than tight's token bucket holds
+        client(cluster, "tight").completions.create(model="smollm2", prompt="Hi", max_tokens=450,
+                                                    extra_headers={"X-Request-Id": "audit-refused"})
+    r = {r["request_id"]: r for r in audit(cluster)}["audit-refused"]
+    assert (r["tenant"], r["status"], r["reason"], r["completion_tokens"]) == ("tight", "INVALID_ARGUMENT",
+                                                                             "too_large", 0)
