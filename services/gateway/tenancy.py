@@ -167,10 +167,6 @@ class Tenancy:
                 tenants[name] = _tenant(name, TenantConfig(), clock)
         return cls(tenants, keys)
 
-    @property
-    def keys_configured(self) -> bool:
-        return bool(self.keys)
-
     def identify(self, authorization: str | None, claimed: str = "") -> Tenant:
         """The tenant of a request from its ``Authorization`` value (``Bearer KEY``); ``claimed`` (the client's
         ``x-tenant-id``) counts only while no key is configured. Raises Unauthenticated."""
