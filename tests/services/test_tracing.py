@@ -109,6 +109,7 @@ def test_one_generate_is_one_trace_across_the_grpc_hops(tok, exporter):
 
             n_prompt = len(tok.encode("Hello there"))
             assert dict(gen.attributes) == {"request_id": "trace-1", "tenant": "acme", "priority": 3,
+                                            "priority_class": "standard",
                                             "prompt_tokens": n_prompt}
             assert tk_tok.attributes["tokens"] == n_prompt
             assert route.attributes["decode_worker"] == "decode-a" and route.attributes["request_id"] == "trace-1"
