@@ -1,7 +1,9 @@
 """Workers stream their load to the router: one ``Router.Report`` stream per worker, a report per interval.
 
 Reconnects with backoff when the router is away; never blocks the engine (the snapshot runs on the engine
-thread between steps, via ``EngineLoop.submit``).
+thread between steps, via ``EngineLoop.submit``). A step can outlast the router's ``worker_timeout_s`` (a long
+prefill, a starved CPU): while a snapshot waits for one, a heartbeat goes each interval (the last report, marked
+``heartbeat``), so the router keeps a busy worker instead of forgetting it.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ def engine_load(
     )
 
 
+def still_alive(last: router_pb2.WorkerLoad) -> router_pb2.WorkerLoad:
+    """The last report again, without its KV events (the router has them), marked a heartbeat."""
+    out = router_pb2.WorkerLoad()
+    out.CopyFrom(last)
+    out.ClearField("kv_events")
+    out.heartbeat = True
+    return out
+
+
 async def report_forever(
     router_address: str,
     snapshot: Callable[[bool], Awaitable[router_pb2.WorkerLoad]],
@@ -66,14 +77,27 @@ async def report_forever(
                 stub = router_pb2_grpc.RouterStub(ch)
 
                 async def reports() -> AsyncIterator[router_pb2.WorkerLoad]:
-                    first = True
-                    while not stop.is_set():
-                        load = await snapshot(first)
-                        first = False
-                        yield load
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(stop.wait(), interval_s)
-                    yield await snapshot(False)  # the last one says draining
+                    last: router_pb2.WorkerLoad | None = None
+                    pending: asyncio.Future[router_pb2.WorkerLoad] | None = None
+                    try:
+                        while not stop.is_set():
+                            if pending is None:
+                                pending = asyncio.ensure_future(snapshot(last is None))
+                            # the first report of a stream must be a full one: wait for it
+                            done, _ = await asyncio.wait({pending}, timeout=None if last is None else interval_s)
+                            if not done:
+                                yield still_alive(last)  # type: ignore[arg-type]  (last is set once waited on)
+                                continue
+                            last, pending = pending.result(), None
+                            yield last
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(stop.wait(), interval_s)
+                        if pending is not None:
+                            await pending
+                        yield await snapshot(False)  # the last one says draining
+                    finally:
+                        if pending is not None and not pending.done():
+                            pending.cancel()
 
                 await stub.Report(reports())
                 backoff = 0.2

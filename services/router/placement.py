@@ -171,6 +171,15 @@ class WorkerTable:
         w.cached.difference_update(r.removed)
         w.cached.update(r.stored)
 
+    def touch(self, worker_id: str, now: float, stream: object) -> bool:
+        """A heartbeat: the worker lives, its load and in-flight counts stay. False when this stream does not own
+        the worker's entry (then the heartbeat is applied as a report)."""
+        w = self.workers.get(worker_id)
+        if w is None or w.stream is not stream:
+            return False
+        w.last_seen = now
+        return True
+
     def forget_stream(self, worker_id: str, stream: object) -> bool:
         """The worker's stream ended: forget it, unless a newer stream already took its place."""
         w = self.workers.get(worker_id)

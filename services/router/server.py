@@ -83,6 +83,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         worker_id = ""
         try:
             async for load in request_iterator:
+                if load.heartbeat and worker_id == load.worker_id and self.app.table.touch(worker_id, time.monotonic(),
+                                                                                             stream):
+                    continue
                 r = report_from_proto(load)
                 if worker_id and r.worker_id != worker_id:
                     raise ValueError(f"one Report stream carries one worker: {worker_id}, then {r.worker_id}")

@@ -158,3 +158,48 @@ def test_router_over_grpc():
                 await bad.channel.close()
 
     asyncio.run(body())
+
+
+def test_a_worker_in_a_long_step_sends_heartbeats_and_is_not_forgotten():
+    """The engine thread takes the snapshots; while one waits on a step longer than the router's timeout, the
+    worker's stream sends heartbeats: the router keeps the worker, and its placements since the last real report
+    stay counted."""
+    from common.load_report import report_forever
+
+    async def body():
+        port = free_port()
+        cfg = cluster(**{"router.port": port, "router.worker_timeout_s": 0.5})
+        app = RouterService(cfg.service("router", 0))
+        async with serving(app, cfg, "router", port):
+            addr = f"{HOST}:{port}"
+            step = asyncio.Event()  # set: the "engine" finishes its long step
+            calls = 0
+
+            async def snapshot(first: bool) -> router_pb2.WorkerLoad:
+                nonlocal calls
+                calls += 1
+                if calls == 3:
+                    await step.wait()
+                return router_pb2.WorkerLoad(worker_id="decode-a", address="127.0.0.1:1", model_id=MODEL,
+                                             role=router_pb2.WORKER_ROLE_DECODE, block_size=BS, free_blocks=100,
+                                             total_blocks=100, kv_events=router_pb2.KvEvents(reset=first))
+
+            stop = asyncio.Event()
+            task = asyncio.create_task(report_forever(addr, snapshot, 0.05, stop))
+            await wait_for_workers(addr, 1)
+            while calls < 3:  # the third snapshot is the long step
+                await asyncio.sleep(0.01)
+            async with grpc.aio.insecure_channel(addr) as ch:
+                await router_pb2_grpc.RouterStub(ch).Place(router_pb2.PlaceRequest(
+                    meta=common_pb2.RequestMeta(request_id="r"), prompt_token_ids=PROMPT, max_tokens=16))
+            await asyncio.sleep(1.5)  # three timeouts long
+            w = app.table.workers["decode-a"]
+            assert w.inflight_requests == 1  # heartbeats kept the placement counted
+            await wait_for_workers(addr, 1)
+            step.set()
+            while w.inflight_requests:  # the next real report clears it
+                await asyncio.sleep(0.01)
+            stop.set()
+            await task
+
+    asyncio.run(body())

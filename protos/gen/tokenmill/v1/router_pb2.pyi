@@ -60,7 +60,7 @@ class KvEvents(_message.Message):
     def __init__(self, stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "model_id", "block_size", "free_blocks", "total_blocks", "running", "waiting", "queued_prefill_tokens", "kv_events", "draining")
+    __slots__ = ("worker_id", "address", "role", "model_id", "block_size", "free_blocks", "total_blocks", "running", "waiting", "queued_prefill_tokens", "kv_events", "draining", "heartbeat")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class WorkerLoad(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: WorkerRole
@@ -85,7 +86,8 @@ class WorkerLoad(_message.Message):
     queued_prefill_tokens: int
     kv_events: KvEvents
     draining: bool
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    heartbeat: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_events: _Optional[_Union[KvEvents, _Mapping]] = ..., draining: _Optional[bool] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ()
