@@ -197,6 +197,10 @@ def cluster(a: argparse.Namespace) -> Any:
 
     from loadgen.bench_gpu_serving import start_cluster
 
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM (or SIGINT, which a background job ignores) still stops the cluster
+
+    signal.signal(signal.SIGTERM, interrupted)
     with tempfile.TemporaryDirectory(prefix="tokenmill-resilience-") as d, \
             start_cluster("resilience", shlex.split(a.up), Path(d), a.startup_timeout) as c:
         yield c["state"]
