@@ -35,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from common.cluster_config import RouterConfig
 from common.hashing import HashKeys, prefix_block_hashes
 
 
@@ -125,14 +126,6 @@ class Decision:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class PlacementPolicy:
-    prefill_threshold_tokens: int = 256
-    prefill_weight: float = 1.0
-    prefill_saturated_tokens: int = 16384
-    worker_timeout_s: float = 5.0
-
-
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -154,7 +147,7 @@ def price(w: WorkerState, n_tokens: int, max_tokens: int, hashes: Sequence[int],
 class WorkerTable:
     """Every live worker's state, and the placement policy over it. Not thread-safe: one event loop owns it."""
 
-    def __init__(self, policy: PlacementPolicy) -> None:
+    def __init__(self, policy: RouterConfig) -> None:
         self.policy = policy
         self.workers: dict[str, WorkerState] = {}
 

@@ -16,7 +16,7 @@ from tokenmill.v1 import router_pb2, router_pb2_grpc
 
 from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
-from services.router.placement import LoadReport, NoWorkers, PlacementPolicy, Role, WorkerState, WorkerTable
+from services.router.placement import LoadReport, NoWorkers, Role, WorkerState, WorkerTable
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +111,8 @@ class RouterService:
     role = "router"
 
     def __init__(self, cfg: ServiceConfig) -> None:
-        rc = cfg.cluster.router
         self.cfg = cfg
-        self.table = WorkerTable(PlacementPolicy(rc.prefill_threshold_tokens, rc.prefill_weight,
-                                                 rc.prefill_saturated_tokens, rc.worker_timeout_s))
+        self.table = WorkerTable(cfg.cluster.router)
         self.registry = CollectorRegistry(auto_describe=True)
         self.metrics = RouterMetrics(self.registry)
         self._sweeper: asyncio.Task[None] | None = None

@@ -9,8 +9,9 @@ import grpc
 import pytest
 from tokenmill.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from common.cluster_config import RouterConfig
 from common.hashing import HashKeys, prefix_block_hashes
-from services.router.placement import LoadReport, NoWorkers, PlacementPolicy, Role, WorkerTable, price
+from services.router.placement import LoadReport, NoWorkers, Role, WorkerTable, price
 from services.router.server import RouterService
 from tests.services.harness import HOST, Reporter, cluster, free_port, serving, wait_for_workers
 
@@ -27,7 +28,7 @@ def load(wid: str, role: Role = Role.DECODE, free: int = 1000, total: int = 1000
 
 
 def table(*reports: LoadReport, **policy) -> WorkerTable:
-    t = WorkerTable(PlacementPolicy(**{"prefill_threshold_tokens": 256, **policy}))
+    t = WorkerTable(RouterConfig(**{"prefill_threshold_tokens": 256, **policy}))
     for r in reports:
         t.report(r, now=0.0, stream=r.worker_id)
     return t
