@@ -215,12 +215,12 @@ def _port_free(port: int) -> bool:
 
 def free_base_port() -> int:
     """A base port below 32768 whose derived cluster ports (roles at +0..+400, metrics at +1000..+1400) and the
-    gateway's gRPC (+450) and HTTP (+451) ports all bind now."""
+    gateways' gRPC (+450...) and HTTP (+460...) ports all bind now."""
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(10000, 30000, 100)
         ports = [base + off + i for off in (0, 100, 200, 300, 400, 1000, 1100, 1200, 1300, 1400) for i in range(4)]
-        if all(_port_free(p) for p in [*ports, base + 450, base + 451]):
+        if all(_port_free(p) for p in [*ports, *range(base + 450, base + 470)]):
             return base
     raise RuntimeError("no free port range below 32768")
 
@@ -242,9 +242,9 @@ def start_cluster(name: str, up_args: list[str], log_dir: Path, startup_timeout:
     slug = name.replace(":", "-").replace("/", "-")
     state, log = log_dir / f"cluster-{slug}.json", log_dir / f"cluster-{slug}.log"
     cmd = [sys.executable, "-m", "services.cli", "up", *up_args, "--base-port", str(base),
-           "--gateway-port", str(base + 450), "--http-port", str(base + 451), "--state-file", str(state)]
+           "--gateway-port", str(base + 450), "--http-port", str(base + 460), "--state-file", str(state)]
     _say(f"{name}: starting the cluster: {' '.join(cmd[1:])} (log {log})")
-    http = f"http://127.0.0.1:{base + 451}"
+    http = f"http://127.0.0.1:{base + 460}"
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
     t0 = time.perf_counter()
     with open(log, "wb") as logf:
