@@ -13,6 +13,8 @@ turns them off, ``=1`` on even without AVX-512; see common/model_runner.py). If 
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import logging
 import os
 import threading
@@ -21,6 +23,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+# no implicit fused multiply-adds: the fused stages round as torch's separate ops do
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 _lock = threading.Lock()
 _module: Any = None
 _failed = False
@@ -37,21 +41,39 @@ def _load() -> Any:
             _failed = True
             return None
         try:
-            from torch.utils.cpp_extension import load
-
-            log.info("compiling the CPU paged-attention kernel (first use only; cached after)")
-            _module = load(
-                name="tokenmill_cpu_kernels",
-                sources=[str(_SRC)],
-                # no implicit fused multiply-adds: the fused stages round as torch's separate ops do
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            _module = _build()
         except Exception as e:  # no compiler, no headers: the portable path still works
             log.warning("CPU kernels unavailable (%s); using the portable attention path", e)
             _failed = True
         return _module
+
+
+def build_dir() -> Path:
+    """The build directory of this source with these flags: another version of the source (another checkout, an
+    upgrade) builds in its own and never waits on or overwrites this one."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    return root / f"tokenmill_cpu_kernels-{digest}"
+
+
+def _build() -> Any:
+    """Compile (or load the cached build). torch's own build lock is a file that a process killed mid-build leaves
+    behind, and every later load waits on it forever; so builds are serialized here by an flock, which the kernel
+    releases when its holder dies, and a torch lock found while holding it is stale and removed."""
+    from torch.utils.cpp_extension import load
+
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / "tokenmill.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        stale = d / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink()
+        if not any(d.glob("*.so")):
+            log.info("compiling the CPU kernels (first use of this version only; cached in %s)", d)
+        return load(name="tokenmill_cpu_kernels", sources=[str(_SRC)], extra_cflags=_CFLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=str(d), verbose=False)
 
 
 def available() -> bool:

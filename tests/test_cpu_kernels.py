@@ -298,3 +298,18 @@ def test_prefill_attention_is_as_close_to_float32_as_sdpa(s, heads, kv_heads, d)
     assert err <= 2 * ref + 1e-3, (err, ref)
     if s == 1:  # one token attends to itself: its V, rounded
         assert torch.equal(got, v.repeat_interleave(heads // kv_heads, dim=1))
+
+
+def test_a_build_lock_left_by_a_killed_compile_does_not_hang_the_next_load():
+    """torch's build lock is a file; a compile killed mid-way (Ctrl-C during the first `make up`) leaves it, and
+    torch then waits on it forever, even for a cached build. Loading removes such a lock."""
+    import subprocess
+    import sys
+
+    d = cpu_kernels.build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "lock").touch()  # as a killed build leaves it
+    code = "from common import cpu_kernels; print(cpu_kernels.available())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    assert not (d / "lock").exists()
