@@ -71,6 +71,9 @@ class GatewayConfig:
     # long a finished one stays resumable; 0: such a stream is cancelled at once (services/gateway/resume.py)
     resume_window_s: float = 0.0
     heartbeat_s: float = 15.0  # an SSE stream with nothing to send this long gets a comment line
+    # how long a request waits for the cluster to be ready (no router reachable, no decode worker registered: a
+    # router restarting, workers registering) before it is refused with 503 / UNAVAILABLE; 0: refused at once
+    ready_wait_s: float = 10.0
     # API keys in plain text, for both front doors: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to;
     # a tenant the tenants: section names gets its settings). Hashed at start-up, as tenants.NAME.keys_sha256 are
     # stored; no key here nor there: no auth. From the environment: TOKENMILL_GATEWAY__API_KEYS=team-a:sk-1,sk-2

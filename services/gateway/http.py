@@ -284,6 +284,16 @@ class HttpFrontend:
             self._ready_why = why
             return False, why
 
+    async def ready_within(self, wait_s: float) -> tuple[bool, str]:
+        """:meth:`ready`, waiting up to ``wait_s`` for it while the gateway is not draining (a router restarting,
+        workers registering: the request is late instead of refused)."""
+        deadline = time.monotonic() + wait_s
+        ok, why = await self.ready()
+        while not ok and not self.draining and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+            ok, why = await self.ready()
+        return ok, why
+
     async def _check_pools(self) -> str | None:
         """None when ready, else what is missing."""
         if not await self.gw.tokenizers.any_serving(timeout=1.0):
@@ -352,7 +362,7 @@ class HttpFrontend:
         tenant = t.name
         body = await self._body(request)
         parsed = oa.parse(body, kind, self._resolve_model)
-        ok, why = await self.ready()
+        ok, why = await self.ready_within(self.cfg.ready_wait_s)
         if not ok:
             raise oa.OpenAIError(503, f"the cluster is not ready: {why}; retry shortly",
                                  headers={"Retry-After": _RETRY_AFTER_S})

@@ -411,11 +411,25 @@ class GatewayService:
 
     async def _place(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta, ids: list[int],
                      exclude: list[str], context: grpc.aio.ServicerContext) -> router_pb2.Placement:
+        """The router's placement. While no router answers or none has a decode worker, a first placement waits up
+        to ``gateway.ready_wait_s`` (a router restarting, workers registering); a re-placement that excluded
+        workers does not wait, since the same workers come back under the same ids."""
         p = req.params
         place = router_pb2.PlaceRequest(meta=meta, prompt_token_ids=ids, exclude_workers=exclude,
                                         max_tokens=p.max_tokens if p.HasField("max_tokens") else 0)
-        return await self.routers.call(lambda stub: stub.Place(place, timeout=context.time_remaining(),
-                                                               metadata=telemetry.outgoing_metadata()), "router")
+        deadline = time.monotonic() + (0.0 if exclude else self.cfg.cluster.gateway.ready_wait_s)
+        pause = 0.05
+        while True:
+            try:
+                return await self.routers.call(lambda stub: stub.Place(place, timeout=context.time_remaining(),
+                                                                       metadata=telemetry.outgoing_metadata()),
+                                               "router")
+            except grpc.aio.AioRpcError as e:
+                left = deadline - time.monotonic()
+                if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                    raise
+                await asyncio.sleep(min(pause, left))
+                pause = min(pause * 2, 1.0)
 
     async def _prefill(self, ref: router_pb2.WorkerRef, meta: common_pb2.RequestMeta, ids: list[int],
                        req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, st: _Attempts) -> bool:

@@ -329,11 +329,35 @@ def test_bad_requests_get_actionable_errors(tok, req, code, message):
 
 def test_no_decode_worker_is_unavailable(tok):
     async def body():
-        async with stack(tok, {}) as st:
+        async with stack(tok, {}, **{"gateway.ready_wait_s": 0.3}) as st:
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await generate(st.gateway, prompt="hi")
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "no decode worker has registered with the router" in e.value.details()
+
+    asyncio.run(body())
+
+
+def test_a_request_waits_for_a_decode_worker_that_registers_within_ready_wait(tok):
+    """A router that restarted has no worker until they report again: a request waits for one (up to
+    gateway.ready_wait_s) instead of failing."""
+    async def body():
+        async with stack(tok, {}, **{"gateway.ready_wait_s": 10.0}) as st:
+            late = asyncio.create_task(generate(st.gateway, prompt="hi"))
+            await asyncio.sleep(0.5)
+            assert not late.done()
+            port = free_port()
+            srv = await start_server(_WorkerApp(FakeDecode(tokens=2)), HOST, port, None)
+            await srv.set_serving(True)
+            rep = Reporter(f"{HOST}:{st.gw.cfg.cluster.router.port}")
+            await rep.send(worker_id="decode-late", address=f"{HOST}:{port}", role=router_pb2.WORKER_ROLE_DECODE,
+                           model_id="m", block_size=16, free_blocks=1000, total_blocks=1000)
+            try:
+                out = await late
+                assert "".join(r.text for r in out) == "<0><1>" and out[-1].finish_reason == STOP
+            finally:
+                await rep.close()
+                await srv.drain(0.2)
 
     asyncio.run(body())
 

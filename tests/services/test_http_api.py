@@ -221,7 +221,7 @@ def test_worker_errors_keep_their_status(tok):
 
 def test_not_ready_is_503_and_health_says_why(tok):
     async def body():
-        async with stack(tok, {}) as st:  # no decode worker registered
+        async with stack(tok, {}, **{"gateway.ready_wait_s": 0.3}) as st:  # no decode worker registers
             c = client(st)
             with pytest.raises(openai.InternalServerError) as e:
                 await c.chat.completions.create(model="smollm2", messages=CHAT)
