@@ -120,9 +120,10 @@ class Load:
     async def _send(self, session: Any, body: dict[str, Any], out: Outcome) -> None:
         import aiohttp
 
-        for attempt in range(len(self.urls)):
-            url = self.urls[self._next % len(self.urls)]
-            self._next += 1
+        start, n = self._next, len(self.urls)
+        self._next += 1
+        for attempt in range(n):  # each replica once, from this request's turn on
+            url = self.urls[(start + attempt) % n]
             try:
                 async with session.post(url + "/v1/completions", json=body,
                                         timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as r:
@@ -151,7 +152,7 @@ class Load:
                     return
             except aiohttp.ClientConnectorError as e:  # refused before anything was sent: the next replica
                 out.failovers += 1
-                if attempt == len(self.urls) - 1:
+                if attempt == n - 1:
                     out.error = f"no gateway replica accepted the connection: {e}"
             except (TimeoutError, aiohttp.ClientError) as e:
                 out.error = f"{type(e).__name__}: {e}"[:200]
