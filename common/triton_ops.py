@@ -296,7 +296,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, k, stride_w, HAS_BIAS: tl.conste
 
 def gemv_config(n: int) -> tuple[int, int, int, int]:
     """BLOCK_N, BLOCK_K, num_warps, num_stages by output size, from the sweep in ``bench_gpu --sections tune`` on an
-    H200 (Llama-3.1-8B matrices, 2026-11-26): lm_head-sized, gate_up-sized, and the rest."""
+    H200 with the Llama-3.1-8B matrices (docs/performance-notes.md): lm_head-sized, gate_up-sized, and the rest."""
     if n >= 65536:
         return (16, 256, 4, 3)
     if n >= 16384:

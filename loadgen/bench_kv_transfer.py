@@ -15,7 +15,7 @@ once) of the largest size is timed in the same run, as the ceiling.
     python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1    # GPU pools (prefill's, decode's)
     UCX_PROTO_INFO=y python -m loadgen.bench_kv_transfer ...      # UCX prints the transport of each protocol
 
-The numbers behind the defaults are in the comments of common/kv_transfer.py.
+The numbers behind the defaults are in docs/performance-notes.md.
 """
 
 from __future__ import annotations

@@ -62,6 +62,6 @@ def test_transformers_loads_it_like_the_gguf(exported):
         got = model(ids).logits
         want = ref(ids).logits
     assert (got - want).abs().max().item() < 1e-4
-    # and the model behaves: greedy answer as FIELD-NOTES measured it
+    # and the model behaves: its known greedy answer
     gen = model.generate(ids, max_new_tokens=9, do_sample=False)
     assert tok.decode(gen[0, ids.shape[1] :]).startswith("The capital of France is Paris.")

@@ -31,7 +31,7 @@ from tests.prompts import CHAT, PLAIN
 
 pytestmark = pytest.mark.gpu
 
-N = 32  # greedy tokens compared per prompt (the session reference has 64; EOS masked for all of them)
+N = 32  # greedy tokens compared per prompt (hf_reference holds 64; EOS masked for all of them)
 PICK = [0, 2, 5, 9, 12, 14, 17, 19]  # of the twenty reference prompts: chat and plain, short and long
 STORY = "Once upon a time, in a small village by the sea,"
 
