@@ -359,7 +359,7 @@ async def _migrations(session: Any, state: str) -> float:
     for p in processes(state):
         if p["role"] == "gateway":
             with contextlib.suppress(Exception):
-                total += metric_total(await scrape(session, p["metrics_port"]), "tokenmill:request_migrations")
+                total += metric_total(await scrape(session, p["metrics_port"]), "tokenmill:request_migrations_total")
     return total
 
 
