@@ -269,7 +269,8 @@ def _gib(v: int | None) -> str:
 def soak_table(r: dict[str, Any]) -> str:
     lines = [f"capacity {r['capacity_rps']:.2f} req/s; soak at {r['rate_rps']:.2f} req/s for {r['duration_s']:.0f} s: "
              f"{r['requests']} requests, {r['failed']} failed", "",
-             "| process | RSS at start GiB | at end GiB | peak GiB | growth | target < 5% |", "|---|---:|---:|---:|---:|:-:|"]
+             "| process | RSS at start GiB | at end GiB | peak GiB | growth | target < 5% |",
+             "|---|---:|---:|---:|---:|:-:|"]
     for p in r["processes"]:
         g = p["growth"]
         ok = "-" if g is None else ("yes" if g < RSS_GROWTH_TARGET else "NO")
