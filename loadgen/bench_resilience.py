@@ -349,19 +349,26 @@ async def _chaos(a: argparse.Namespace, state: str) -> dict[str, Any]:
             rows.append({"role": role, "killed": victim["name"], "requests": len(window),
                          "failed": sum(o.error is not None and not o.lost for o in window),
                          "lost": sum(o.lost for o in window), "failovers": sum(o.failovers for o in window),
-                         "migrated": await _migrations(s, state) - migrations_before,
+                         "migrated": _moved(migrations_before, await _migrations(s, state)),
                          "recover_s": took, "errors": sorted(set(errors))[:5]})
     blocks, leaks = await block_report(state)
     return {"rate_rps": a.rate, "roles": rows, "blocks": blocks, "leaks": leaks}
 
 
-async def _migrations(session: Any, state: str) -> float:
-    total = 0.0
+async def _migrations(session: Any, state: str) -> dict[tuple[str, int], float]:
+    """Each gateway's stream moves so far, by (name, pid): a restarted gateway starts its counter again."""
+    out = {}
     for p in processes(state):
         if p["role"] == "gateway":
             with contextlib.suppress(Exception):
-                total += metric_total(await scrape(session, p["metrics_port"]), "tokenmill:request_migrations_total")
-    return total
+                out[(p["name"], int(p["pid"]))] = metric_total(await scrape(session, p["metrics_port"]),
+                                                               "tokenmill:request_migrations_total")
+    return out
+
+
+def _moved(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float]) -> float:
+    """Stream moves between two scrapes, over the gateway processes alive at both (a killed one's are lost)."""
+    return sum(v - before[k] for k, v in after.items() if k in before)
 
 
 def chaos_table(r: dict[str, Any]) -> str:
