@@ -74,6 +74,10 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20  # a larger request body is refused with 413
     max_inflight_requests: int = 4096  # requests in flight at this gateway; above: 429 with Retry-After
     tenant_max_inflight: int = 0  # per-tenant in-flight quota (0: none); above: 429 with Retry-After
+    # the response cache (services/gateway/response_cache.py): deterministic requests (temperature 0 or a seed)
+    # answered again within the TTL without a worker; bounded by bytes (LRU), per tenant; 0 bytes: off
+    response_cache_bytes: int = 0
+    response_cache_ttl_s: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +130,36 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FilterPolicyConfig:
+    """One output filter policy (``common/output_filter.py``): a word list and regexes, or a custom class."""
+
+    words: tuple[str, ...] = ()  # blocked whole words, case-insensitive
+    regexes: tuple[str, ...] = ()  # blocked patterns (Python ``regex`` syntax)
+    reason: str = ""  # the reason a blocked client sees (empty: which rule matched)
+    class_path: str | None = None  # ``module:Class``: a custom policy instead of words/regexes, built with kwargs
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.class_path is None:
+            from common.output_filter import PatternPolicy
+
+            PatternPolicy(self.words, self.regexes)  # raises ValueError naming a bad regex
+        elif self.words or self.regexes:
+            raise ValueError("class_path and words/regexes cannot be combined: a custom class is the whole policy")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFilterConfig:
+    """The streaming output filter, run by the decode workers: ``default``, replaced for the served model by
+    ``models[<model>]`` and for a tenant (``RequestMeta.tenant_id``) by ``tenants[<tenant>]``; an empty policy
+    filters nothing."""
+
+    default: FilterPolicyConfig = field(default_factory=FilterPolicyConfig)
+    models: dict[str, FilterPolicyConfig] = field(default_factory=dict)
+    tenants: dict[str, FilterPolicyConfig] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """The whole cluster. Immutable; derive per-process views with ``service(role, index)``."""
 
@@ -152,6 +186,7 @@ class ClusterConfig:
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    output_filter: OutputFilterConfig = field(default_factory=OutputFilterConfig)
 
     def __post_init__(self) -> None:
         for role in ROLES:
@@ -159,6 +194,9 @@ class ClusterConfig:
                 raise ConfigError(f"{role}.count must be >= 0, got {self.pool(role).count}")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.gateway.response_cache_bytes < 0 or not self.gateway.response_cache_ttl_s > 0:
+            raise ConfigError("gateway.response_cache_bytes must be >= 0 (0: off) and gateway.response_cache_ttl_s "
+                              f"> 0, got {self.gateway.response_cache_bytes} and {self.gateway.response_cache_ttl_s}")
         seen: dict[int, str] = {}
         for role, i, grpc_port, metrics_port, http_port in self._endpoints():
             for kind, port in (("port", grpc_port), ("metrics port", metrics_port), ("http port", http_port)):
@@ -391,13 +429,29 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     for name, value in data.items():
         t = hints[name]
         key = prefix + name
-        kw[name] = _build(t, value, key + ".") if dataclasses.is_dataclass(t) else _coerce(t, value, key)
+        if dataclasses.is_dataclass(t):
+            kw[name] = _build(t, value, key + ".")
+        elif get_origin(t) is dict:
+            kw[name] = _build_dict(get_args(t)[1], value, key)
+        else:
+            kw[name] = _coerce(t, value, key)
     try:
         return cls(**kw)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+
+
+def _build_dict(inner: Any, value: Any, key: str) -> dict[str, Any]:
+    """A mapping field: names → ``inner`` (a dataclass, built like a section) or free values (``Any``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key} must be a mapping (in the YAML file or with --set {key}.NAME...), got {value!r}")
+    if dataclasses.is_dataclass(inner):
+        return {str(k): _build(inner, v if v is not None else {}, f"{key}.{k}.") for k, v in value.items()}
+    return {str(k): v for k, v in value.items()}
 
 
 def _coerce(t: Any, value: Any, key: str) -> Any:
@@ -428,7 +482,7 @@ def _coerce(t: Any, value: Any, key: str) -> Any:
         if t is int:
             if isinstance(value, bool):
                 raise ValueError("expected an integer")
-            if isinstance(value, str) and key.endswith("memory"):
+            if isinstance(value, str) and key.endswith(("memory", "_bytes")):
                 return parse_bytes(value)
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError("expected an integer")

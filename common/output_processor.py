@@ -5,6 +5,12 @@ The engine works in token ids only (EOS, stop token ids, max_tokens). This proce
 token stream into text with an incremental detokenizer. When a stop string appears it truncates the text, marks
 the request finished and tells the caller to abort it in the engine (the engine may have run one step more; those
 tokens are dropped here).
+
+An output filter policy (``common/output_filter.py``), when the request has one, checks the text after the stop
+strings have cut it. The text sent to the client lags by the larger of two holdbacks: the longest stop string less
+one character, and the characters the policy says could still begin a match. A blocked stream ends here with
+``FinishReason.CONTENT_FILTER`` and the policy's reason; the text it held back is dropped, and the caller aborts
+the request in the engine as for a stop string.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from common.output_filter import OutputPolicy
 from common.sampling import SamplingParams
 from common.sequence import FinishReason
 from common.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -25,6 +32,7 @@ class TextDelta:
     finished: bool
     finish_reason: FinishReason | None
     stopped_by_string: bool = False  # the caller must abort the request in the engine
+    filter_reason: str = ""  # set when the output filter blocked the stream (abort it in the engine too)
 
 
 @dataclass(slots=True)
@@ -32,7 +40,10 @@ class _State:
     params: SamplingParams
     detok: IncrementalDetokenizer | None
     holdback: int
+    policy: OutputPolicy | None = None
     num_tokens: int = 0
+    cleared: int = 0  # text[:cleared] passed the policy
+    filter_hold: int = 0  # trailing characters the policy holds back
     emitted: int = 0
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
@@ -46,14 +57,15 @@ class OutputProcessor:
         self._states: dict[str, _State] = {}
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams,
-            prior_output_ids: Sequence[int] = ()) -> None:
+            prior_output_ids: Sequence[int] = (), policy: OutputPolicy | None = None) -> None:
         """``prior_output_ids``: outputs generated (and their text sent) before this process took the request;
-        the text continues after them. A stop string that began in their text is not seen."""
+        the text continues after them. A stop string that began in their text is not seen. ``policy``: the
+        request's output filter (None: none; it needs a tokenizer)."""
         detok = None
         if self.tokenizer is not None:
             detok = self.tokenizer.detokenizer([*prompt_ids, *prior_output_ids], params.skip_special_tokens)
         hold = max((len(s) for s in params.stop), default=1) - 1
-        self._states[request_id] = _State(params, detok, hold, num_tokens=len(prior_output_ids))
+        self._states[request_id] = _State(params, detok, hold, policy, num_tokens=len(prior_output_ids))
 
     def discard(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -91,15 +103,29 @@ class OutputProcessor:
         if stopped:
             finished, finish_reason = True, FinishReason.STOP
         text = ""
+        blocked = ""
         if st.detok is not None:
             full = st.detok.text
             if text_end is not None:
                 st.detok.text = full = full[:text_end]
-            upto = len(full) if finished else max(st.emitted, len(full) - st.holdback)
+            if st.policy is not None:
+                st.cleared = min(st.cleared, len(full))
+                if len(full) > st.cleared:
+                    v = st.policy.check(full, st.cleared, finished)
+                    if v.blocked:
+                        blocked = v.reason or "the output filter blocked the stream"
+                        finished, finish_reason = True, FinishReason.CONTENT_FILTER
+                        full = full[: st.emitted]  # what it held back never leaves
+                    else:
+                        st.filter_hold = 0 if finished else min(v.holdback, len(full))
+                        st.cleared = len(full) - st.filter_hold
+            hold = max(st.holdback, st.filter_hold)
+            upto = len(full) if finished else max(st.emitted, len(full) - hold)
             text = full[st.emitted : upto]
             st.emitted = upto
         st.token_ids.extend(kept)
         if finished:
             st.done = True
             del self._states[request_id]
-        return TextDelta(request_id, text, kept, finished, finish_reason, stopped_by_string=stopped)
+        return TextDelta(request_id, text, kept, finished, finish_reason, stopped_by_string=stopped,
+                         filter_reason=blocked)

@@ -347,6 +347,9 @@ class HttpFrontend:
         tenant = self._auth(request)
         body = await self._body(request)
         parsed = oa.parse(body, kind, self._resolve_model)
+        if {"no-cache", "no-store"} & {d.strip().lower() for d in request.headers.get("Cache-Control", "").split(",")}:
+            for r in parsed.requests:
+                r.skip_response_cache = True
         ok, why = await self.ready()
         if not ok:
             raise oa.OpenAIError(503, f"the cluster is not ready: {why}; retry shortly",

@@ -42,16 +42,18 @@ from tokenmill.v1 import (
 
 from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
+from common.output_filter import PolicySet
 from common.wire import sampling_params_from_proto
 from services.gateway.http import HttpFrontend
 from services.gateway.pools import ChannelPool
+from services.gateway.response_cache import CacheMetrics, ResponseCache, cacheable
 from services.gateway.resume import ResumableStreams, StreamGone
 
 log = logging.getLogger(__name__)
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
+           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_CONTENT_FILTER: "content_filter"}
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -211,6 +213,11 @@ class GatewayService:
         self._background: set[asyncio.Task[Any]] = set()
         window = c.gateway.resume_window_s
         self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
+        self.cache: ResponseCache | None = None
+        if c.gateway.response_cache_bytes > 0:
+            self.cache = ResponseCache(c.gateway.response_cache_bytes, c.gateway.response_cache_ttl_s,
+                                       CacheMetrics(self.registry))
+        self.policies = PolicySet(c.output_filter, c.model)  # for an answer that ends at prefill (no decode)
         self.http = HttpFrontend(self)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
@@ -251,6 +258,26 @@ class GatewayService:
                                           tenant_id=_metadata(context, "x-tenant-id"))
             span = telemetry.current_span()
             span.set_attributes({"request_id": rid, "tenant": meta.tenant_id, "priority": req.priority})
+            key, recorded = None, None
+            if self.cache is not None and cacheable(req):
+                key = self.cache.key(meta.tenant_id, self.cfg.cluster.model, req)
+                hit = None
+                if req.skip_response_cache:
+                    self.cache.m.bypasses.inc()
+                else:
+                    hit = self.cache.get(key)
+                if hit is not None:
+                    span.set_attribute("response_cache", "hit")
+                    for seq, resp in enumerate(hit, 1):
+                        resp.request_id, resp.seq = rid, seq
+                        timing.on_tokens(len(resp.token_ids))
+                        if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                            outcome = _FINISH.get(resp.finish_reason, "stop")
+                            self.metrics.success.labels(outcome).inc()
+                            self.metrics.prompt_tokens.inc(resp.usage.prompt_tokens)
+                        yield resp
+                    return
+                recorded = []
             ids = await self.tokenize(req, meta, context.time_remaining())
             span.set_attribute("prompt_tokens", len(ids))
             self.metrics.prompt_tokens.inc(len(ids))
@@ -261,6 +288,10 @@ class GatewayService:
                     self.metrics.success.labels(outcome).inc()
                 seq += 1
                 resp.seq = seq
+                if recorded is not None:
+                    recorded.append(resp)
+                    if outcome in ("stop", "length"):  # a complete answer: never an aborted or filtered one
+                        self.cache.put(key, recorded)  # type: ignore[union-attr,arg-type]
                 yield resp
         except Exception as e:
             outcome = rpc.status_for(e)[0].name
@@ -367,7 +398,8 @@ class GatewayService:
                 st.done = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 yield frontend_pb2.GenerateResponse(
                     request_id=meta.request_id, text=delta.text, token_ids=delta.token_ids,
-                    logprobs=delta.logprobs, finish_reason=delta.finish_reason, usage=delta.usage)
+                    logprobs=delta.logprobs, finish_reason=delta.finish_reason, usage=delta.usage,
+                    filter_reason=delta.filter_reason)
                 if st.done:
                     return
         except grpc.aio.AioRpcError as e:
@@ -406,8 +438,15 @@ class GatewayService:
         dreq = tokenizer_pb2.DetokenizeRequest(token_ids=[pre.first_token_id], skip_special_tokens=skip)
         text = (await self.tokenizers.call(lambda stub: stub.Detokenize(dreq), "tokenizer")).text
         timing.on_tokens(1)
+        finish, why = pre.finish_reason, ""
+        policy = self.policies.for_request(meta.tenant_id)
+        if policy is not None and text:
+            v = policy.check(text, 0, True)
+            if v.blocked:
+                text, finish, why = "", common_pb2.FINISH_REASON_CONTENT_FILTER, v.reason
         resp = frontend_pb2.GenerateResponse(
-            request_id=meta.request_id, text=text, token_ids=[pre.first_token_id], finish_reason=pre.finish_reason,
+            request_id=meta.request_id, text=text, token_ids=[pre.first_token_id], finish_reason=finish,
+            filter_reason=why,
             usage=common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=1, cached_tokens=pre.cached_tokens))
         if pre.HasField("first_logprob"):
             resp.logprobs.append(pre.first_logprob)
