@@ -14,6 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         bench_fuzz,
         bench_gpu_serving,
         bench_offline,
+        bench_output_filter,
         bench_serve,
         bench_serving_peer,
         report,
@@ -26,4 +27,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_gpu_serving.add_parser(bsub)
     bench_disagg.add_parser(bsub)
     bench_fuzz.add_parser(bsub)
+    bench_output_filter.add_parser(bsub)
     report.add_compare_parser(bsub)

@@ -53,7 +53,7 @@ def test_bad_patterns_are_config_errors_that_name_them():
         load_cluster_config(overrides={"output_filter.default.regexes": "(a"}, env={})
     with pytest.raises(ConfigError, match="matches the empty string"):
         load_cluster_config(overrides={"output_filter.tenants.t.regexes": "x*"}, env={})
-    with pytest.raises(ConfigError, match="output_filter.models must be a mapping"):
+    with pytest.raises(ConfigError, match=r"output_filter\.models must be a mapping"):
         load_cluster_config(overrides={"output_filter.models": "smollm2"}, env={})
     cfg = load_cluster_config(overrides={"output_filter.default.class_path": "no_such_module:X"}, env={})
     with pytest.raises(ValueError, match="cannot be loaded"):
