@@ -12,6 +12,9 @@ Status codes: 400 invalid values, malformed JSON and prompts over the context (t
 sent its 200 only after the first token came back, so errors before that keep their status; an error after
 it ends the stream with an ``error`` event.
 
+``Cache-Control: no-cache`` (or ``no-store``) on a completion request skips the response cache, as the body field
+``skip_response_cache`` does.
+
 A client that disconnects cancels its choices: the handler task is cancelled (``handler_cancellation``), the
 ``Decode`` calls with it, and the decode worker frees the blocks.
 """

@@ -12,6 +12,11 @@
   client: the stream moves (``gateway.migration_limit`` times). The request is placed again, that worker
   excluded, with the tokens already sent as its prior outputs; the new decode worker recomputes prompt + those
   tokens (its prefix cache helps) and streams what follows, so the client sees no token twice and none missing.
+- With ``gateway.response_cache_bytes`` set, a deterministic request (temperature 0 or a seed) asked again within
+  ``gateway.response_cache_ttl_s`` is replayed from the response cache (``services/gateway/response_cache.py``)
+  before tokenization: no tokenizer, router or worker call.
+- The output filter runs on the decode worker; a stream it blocks ends with ``FINISH_REASON_CONTENT_FILTER`` and
+  ``filter_reason``, passed on as they come. An answer that ends at the prefill worker is checked here.
 """
 
 from __future__ import annotations
