@@ -8,15 +8,18 @@ tokens are dropped here).
 
 An output filter policy (``common/output_filter.py``), when the request has one, checks the text after the stop
 strings have cut it. The text sent to the client lags by the larger of two holdbacks: the longest stop string less
-one character, and the characters the policy says could still begin a match. A blocked stream ends here with
-``FinishReason.CONTENT_FILTER`` and the policy's reason; the text it held back is dropped, and the caller aborts
-the request in the engine as for a stop string.
+one character, and the characters the policy says could still begin a match. With a policy, text leaves in whole
+tokens, each with its id and logprob, so no token id gives held text away and text and ids stay in step. A blocked stream ends
+here with ``FinishReason.CONTENT_FILTER`` and the policy's reason; the text it held back and its tokens are
+dropped, and the caller aborts the request in the engine as for a stop string.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.output_filter import OutputPolicy
 from common.sampling import SamplingParams
@@ -33,6 +36,7 @@ class TextDelta:
     finish_reason: FinishReason | None
     stopped_by_string: bool = False  # the caller must abort the request in the engine
     filter_reason: str = ""  # set when the output filter blocked the stream (abort it in the engine too)
+    logprobs: list[Any] | None = None  # those of ``token_ids``, when ``process`` was given them
 
 
 @dataclass(slots=True)
@@ -44,6 +48,7 @@ class _State:
     num_tokens: int = 0
     cleared: int = 0  # text[:cleared] passed the policy
     filter_hold: int = 0  # trailing characters the policy holds back
+    pending: deque[tuple[int, int, Any]] = field(default_factory=deque)  # policy: (token, its text's end, logprob)
     emitted: int = 0
     done: bool = False
     token_ids: list[int] = field(default_factory=list)
@@ -74,15 +79,18 @@ class OutputProcessor:
         return request_id in self._states
 
     def process(
-        self, request_id: str, token_ids: Sequence[int], finished: bool, finish_reason: FinishReason | None
+        self, request_id: str, token_ids: Sequence[int], finished: bool, finish_reason: FinishReason | None,
+        logprobs: Sequence[Any] | None = None,
     ) -> TextDelta | None:
-        """Feed the tokens one engine step produced. Returns None for an unknown or already finished request."""
+        """Feed the tokens one engine step produced (and their logprobs, which come back in the delta beside the
+        tokens released). Returns None for an unknown or already finished request."""
         st = self._states.get(request_id)
         if st is None or st.done:
             return None
         p = st.params
         text_end: int | None = None
         kept: list[int] = []
+        ends: list[int] = []  # the text's length after each kept token
         for tok in token_ids:
             kept.append(tok)
             st.num_tokens += 1
@@ -90,6 +98,7 @@ class OutputProcessor:
                 continue
             before = len(st.detok.text)
             delta = st.detok.step(tok)  # special tokens (EOS) add no text when skip_special_tokens
+            ends.append(len(st.detok.text))
             if p.stop and delta and st.num_tokens >= p.min_tokens:
                 text = st.detok.text
                 start = max(0, before - st.holdback)
@@ -121,6 +130,21 @@ class OutputProcessor:
                         st.cleared = len(full) - st.filter_hold
             hold = max(st.holdback, st.filter_hold)
             upto = len(full) if finished else max(st.emitted, len(full) - hold)
+        lps = list(logprobs) if logprobs is not None else None
+        if st.policy is not None and st.detok is not None:  # whole tokens leave, text and id together
+            st.pending.extend(zip(kept, ends, lps[: len(kept)] if lps is not None else [None] * len(kept),
+                                  strict=True))
+            if blocked:
+                st.pending.clear()
+            out = []
+            while st.pending and (finished or st.pending[0][1] <= upto):
+                out.append(st.pending.popleft())
+            if not finished:
+                upto = max(st.emitted, out[-1][1]) if out else st.emitted
+            kept = [t for t, _, _ in out]
+            if lps is not None:
+                lps = [lp for _, _, lp in out]
+        if st.detok is not None:
             text = full[st.emitted : upto]
             st.emitted = upto
         st.token_ids.extend(kept)
@@ -128,4 +152,4 @@ class OutputProcessor:
             st.done = True
             del self._states[request_id]
         return TextDelta(request_id, text, kept, finished, finish_reason, stopped_by_string=stopped,
-                         filter_reason=blocked)
+                         filter_reason=blocked, logprobs=lps)

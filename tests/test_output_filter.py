@@ -77,17 +77,22 @@ def test_policy_set_resolves_tenant_then_model_then_default():
     assert other.for_request("").check("alpha", 0, True).blocked
 
 
-def _run(proc: OutputProcessor, tok, text: str, params: SamplingParams, policy, eos: bool = True):
-    """Feed ``text``'s tokens one per step; returns (deltas as sent, last TextDelta)."""
+def _run(proc: OutputProcessor, tok, text: str, params: SamplingParams, policy, eos: bool = True,
+         tokens: list | None = None):
+    """Feed ``text``'s tokens one per step (each with a stand-in logprob: its position); returns (deltas' text as
+    sent, last TextDelta). ``tokens`` collects the (token id, logprob) pairs sent."""
     prompt = tok.encode("Hello")
     proc.add("r", prompt, params, policy=policy)
     ids = tok.encode(text, add_special_tokens=False)
     sent, last = [], None
     for i, t in enumerate(ids):
-        last = proc.process("r", [t], eos and i == len(ids) - 1, FinishReason.STOP if i == len(ids) - 1 else None)
+        last = proc.process("r", [t], eos and i == len(ids) - 1, FinishReason.STOP if i == len(ids) - 1 else None,
+                            [i])
         if last is None:
             break
         sent.append(last.text)
+        if tokens is not None:
+            tokens.extend(zip(last.token_ids, last.logprobs, strict=True))
         if last.finished:
             break
     return sent, last
@@ -95,20 +100,26 @@ def _run(proc: OutputProcessor, tok, text: str, params: SamplingParams, policy, 
 
 def test_processor_blocks_and_never_sends_the_blocked_text(tok):
     proc = OutputProcessor(tok)
+    toks: list = []
     sent, last = _run(proc, tok, "The capital of France is Paris, a big city.", SamplingParams(),
-                      PatternPolicy(words=["paris"]))
+                      PatternPolicy(words=["paris"]), tokens=toks)
     assert last.finished and last.finish_reason is FinishReason.CONTENT_FILTER
     assert last.filter_reason == "the output matched a blocked word"
-    assert "".join(sent) == "The capital of France is "  # everything before the hold, nothing of the word
+    # everything before the hold, nothing of the word (nor of its token " Paris"); ids and logprobs in step
+    assert "".join(sent) == "The capital of France is"
+    assert tok.decode([t for t, _ in toks]) == "The capital of France is"
+    assert [lp for _, lp in toks] == list(range(len(toks)))
     assert "r" not in proc
 
 
 def test_processor_releases_held_text_that_turns_out_harmless(tok):
     proc = OutputProcessor(tok)
     text = "Parisian food is good, and so is Par"
-    sent, last = _run(proc, tok, text, SamplingParams(), PatternPolicy(words=["paris"]))
+    toks: list = []
+    sent, last = _run(proc, tok, text, SamplingParams(), PatternPolicy(words=["paris"]), tokens=toks)
     assert last.finish_reason is FinishReason.STOP and not last.filter_reason
     assert "".join(sent) == text  # the held-back "Par" goes out when the stream ends
+    assert [t for t, _ in toks] == tok.encode(text, add_special_tokens=False)  # every token, in order
     assert any(s == "" for s in sent)  # something was held at some step
 
 

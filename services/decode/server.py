@@ -278,14 +278,14 @@ class DecodeWorker(WorkerBase):
                 self.call_in_aio(self._deliver_many, ready)
 
     def _detok_one(self, proc: OutputProcessor, o: RequestOutput, ready: list[tuple[str, _Item]]) -> None:
-        d = proc.process(o.request_id, o.new_token_ids, o.finished, o.finish_reason)
+        d = proc.process(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.logprobs)
         if d is None:
             return
         if d.stopped_by_string or d.filter_reason:
             self.loop.submit(lambda e, rid=o.request_id: self._abort(e, rid))  # type: ignore[union-attr]
         if d.finished:
             self.metrics.requests.labels(d.finish_reason.value if d.finish_reason else "abort").inc()
-        ready.append((o.request_id, _Item(d, o.logprobs, o.num_prompt_tokens, o.num_output_tokens,
+        ready.append((o.request_id, _Item(d, d.logprobs, o.num_prompt_tokens, o.num_output_tokens,
                                           o.num_cached_tokens)))
 
     def _deliver_many(self, ready: list[tuple[str, _Item]]) -> None:

@@ -67,10 +67,14 @@ def test_blocked_stream_ends_with_content_filter_and_its_blocks_are_freed(cluste
     filtered0 = decode_metric(cluster, "tokenmill:request_success_total", finished_reason="content_filter")
     # ignore_eos and 600 tokens: only the filter's abort ends this stream soon
     stream = c.chat.completions.create(model="smollm2", messages=CAPITAL, temperature=0, max_tokens=600,
-                                       stream=True, stream_options={"include_usage": True},
+                                       stream=True, stream_options={"include_usage": True}, logprobs=True,
                                        extra_body={"ignore_eos": True})
     chunks = list(stream)
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    sent_tokens = "".join(t.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+                          for t in ch.choices[0].logprobs.content)
+    # token ids (and their logprobs) leave with the last character of their text, never ahead of it
+    assert text.startswith(sent_tokens) and "Par" not in sent_tokens
     ends = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     assert len(ends) == 1 and ends[0].finish_reason == "content_filter"
     assert ends[0].filter_reason == BLOCKED  # the chunk that ends the stream says why
