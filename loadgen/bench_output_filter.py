@@ -4,8 +4,10 @@ Everything runs in this process on SmolLM2's real tokenizer, the way the decode 
 ``OutputProcessor.process`` fed one token per call (one engine step's delta), for ``--streams`` streams of
 ``--tokens`` tokens of English prose, code and numbers. Rows: the processor without a filter (the baseline: incremental
 detokenization, stop-string bookkeeping), then with the built-in ``PatternPolicy`` at growing word lists and with
-regexes; the filter's own cost is a row's time less the baseline's. The last column sets it against one decode
-step of the real model on this CPU at ``--batch`` sequences (measured in the same run), per token of the batch.
+regexes; the filter's own cost is a row's time less the baseline's. Times are the thread's CPU time (one thread does
+this work; on a shared machine wall time would count other jobs), best of ``--repeats``. The last column sets it
+against one decode step of the real model on this CPU at ``--batch`` sequences (wall time, measured in the same
+run), per token of the batch.
 
 Run: ``tokenmill bench output-filter [--tokens 2000] [--streams 8] [--batch 8]``.
 """
@@ -42,7 +44,7 @@ def _words(n: int, seed: int = 0) -> list[str]:
 
 
 def _time_processor(tok, ids: list[int], prompt: list[int], streams: int, policy) -> float:
-    """Seconds per token of ``OutputProcessor.process`` over ``streams`` interleaved streams."""
+    """CPU seconds per token of ``OutputProcessor.process`` over ``streams`` interleaved streams."""
     from common.output_processor import OutputProcessor
     from common.sampling import SamplingParams
 
@@ -50,12 +52,12 @@ def _time_processor(tok, ids: list[int], prompt: list[int], streams: int, policy
     params = SamplingParams(stop=("<|endoftext|>",))
     for s in range(streams):
         proc.add(f"s{s}", prompt, params, policy=policy)
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time of this thread: a shared machine's other jobs do not count
     for t in ids:
         for s in range(streams):
             d = proc.process(f"s{s}", [t], False, None)
             assert d is not None and not d.filter_reason
-    dt = time.perf_counter() - t0
+    dt = time.thread_time() - t0
     return dt / (len(ids) * streams)
 
 
@@ -107,7 +109,7 @@ def run(a: argparse.Namespace) -> int:
         step = _decode_step(a.batch, a.steps)
     per_step_tok = step / a.batch * 1e6 if step else None
     print()
-    head = "| policy | processor µs/token | filter µs/token | filter ÷ detokenizer |"
+    head = "| policy | processor CPU µs/token | filter CPU µs/token | filter ÷ no-filter processor |"
     sep = "|---|---|---|---|"
     if per_step_tok:
         head += f" filter ÷ decode step per token (batch {a.batch}) |"
