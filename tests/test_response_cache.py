@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 from tokenmill.v1 import common_pb2, frontend_pb2
 
+from common.cluster_config import ConfigError, load_cluster_config
 from services.gateway.response_cache import CacheMetrics, ResponseCache, cacheable
 
 
@@ -88,3 +90,14 @@ def test_hit_replays_the_stream_without_request_identity_and_expires_after_the_t
     assert cache.get(b"k") is None and len(cache) == 0 and cache.bytes == 0
     assert reg.get_sample_value("tokenmill:response_cache_hits_total") == 1
     assert reg.get_sample_value("tokenmill:response_cache_misses_total") == 1
+
+
+def test_config_keys_take_sizes_and_refuse_nonsense():
+    cfg = load_cluster_config(overrides={"gateway.response_cache_bytes": "64MiB"}, env={})
+    assert cfg.gateway.response_cache_bytes == 64 << 20 and cfg.gateway.response_cache_ttl_s == 300
+    assert load_cluster_config(env={}).gateway.response_cache_bytes == 0  # off by default
+    with pytest.raises(ConfigError, match="response_cache_ttl_s"):
+        load_cluster_config(overrides={"gateway.response_cache_bytes": "1MiB", "gateway.response_cache_ttl_s": 0},
+                            env={})
+    with pytest.raises(ConfigError, match="response_cache_bytes must be >= 0"):
+        load_cluster_config(overrides={"gateway.response_cache_bytes": -1}, env={})
