@@ -86,6 +86,10 @@ class GatewayConfig:
     # status, latency, migrations (services/gateway/accounting.py); None: no audit log
     audit_log: str | None = None
     log_prompts: bool = False  # the audit log also holds each request's prompt and output text
+    # the response cache (services/gateway/response_cache.py): deterministic requests (temperature 0 or a seed)
+    # answered again within the TTL without a worker; bounded by bytes (LRU), per tenant; 0 bytes: off
+    response_cache_bytes: int = 0
+    response_cache_ttl_s: float = 300.0
 
 
 PriorityClassName = Literal["interactive", "standard", "batch"]
@@ -189,6 +193,36 @@ class WorkerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FilterPolicyConfig:
+    """One output filter policy (``common/output_filter.py``): a word list and regexes, or a custom class."""
+
+    words: tuple[str, ...] = ()  # blocked whole words, case-insensitive
+    regexes: tuple[str, ...] = ()  # blocked patterns (Python ``regex`` syntax)
+    reason: str = ""  # the reason a blocked client sees (empty: which rule matched)
+    class_path: str | None = None  # ``module:Class``: a custom policy instead of words/regexes, built with kwargs
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.class_path is None:
+            from common.output_filter import PatternPolicy
+
+            PatternPolicy(self.words, self.regexes)  # raises ValueError naming a bad regex
+        elif self.words or self.regexes:
+            raise ValueError("class_path and words/regexes cannot be combined: a custom class is the whole policy")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputFilterConfig:
+    """The streaming output filter, run by the decode workers: ``default``, replaced for the served model by
+    ``models[<model>]`` and for a tenant (``RequestMeta.tenant_id``) by ``tenants[<tenant>]``; an empty policy
+    filters nothing."""
+
+    default: FilterPolicyConfig = field(default_factory=FilterPolicyConfig)
+    models: dict[str, FilterPolicyConfig] = field(default_factory=dict)
+    tenants: dict[str, FilterPolicyConfig] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class ClusterConfig:
     """The whole cluster. Immutable; derive per-process views with ``service(role, index)``."""
 
@@ -218,6 +252,7 @@ class ClusterConfig:
     # name → its identity, quotas, classes, fair share and prices (services/gateway/tenancy.py). Requests of a tenant
     # not named here (a bare `gateway.api_keys` key, or any request while no key is configured) have the defaults
     tenants: dict[str, TenantConfig] = field(default_factory=dict)
+    output_filter: OutputFilterConfig = field(default_factory=OutputFilterConfig)
 
     def __post_init__(self) -> None:
         owner: dict[str, str] = {}
@@ -241,6 +276,9 @@ class ClusterConfig:
                 raise ConfigError(f"{role}.count must be >= 0, got {self.pool(role).count}")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.gateway.response_cache_bytes < 0 or not self.gateway.response_cache_ttl_s > 0:
+            raise ConfigError("gateway.response_cache_bytes must be >= 0 (0: off) and gateway.response_cache_ttl_s "
+                              f"> 0, got {self.gateway.response_cache_bytes} and {self.gateway.response_cache_ttl_s}")
         seen: dict[int, str] = {}
         for role, i, grpc_port, metrics_port, http_port in self._endpoints():
             for kind, port in (("port", grpc_port), ("metrics port", metrics_port), ("http port", http_port)):
@@ -473,10 +511,12 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     for name, value in data.items():
         t = hints[name]
         key = prefix + name
-        if get_origin(t) is dict:
-            kw[name] = _build_named(get_args(t)[1], value, key)
+        if dataclasses.is_dataclass(t):
+            kw[name] = _build(t, value, key + ".")
+        elif get_origin(t) is dict:
+            kw[name] = _build_dict(get_args(t)[1], value, key)
         else:
-            kw[name] = _build(t, value, key + ".") if dataclasses.is_dataclass(t) else _coerce(t, value, key)
+            kw[name] = _coerce(t, value, key)
     try:
         return cls(**kw)
     except ConfigError:
@@ -485,9 +525,10 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
 
 
-def _build_named(cls: type, value: Any, key: str) -> dict[str, Any]:
-    """A section of named entries (``tenants:``): name → ``cls``. From the environment or a flag the section comes
-    as YAML (or JSON) text, e.g. ``TOKENMILL_TENANTS='{acme: {rpm: 600}}'``."""
+def _build_dict(inner: Any, value: Any, key: str) -> dict[str, Any]:
+    """A mapping field: names → ``inner`` (a dataclass, built like a section, e.g. ``tenants:``) or free values
+    (``Any``). From the environment or a flag the mapping comes as YAML (or JSON) text, e.g.
+    ``TOKENMILL_TENANTS='{acme: {rpm: 600}}'``."""
     if isinstance(value, str):
         import yaml
 
@@ -498,9 +539,10 @@ def _build_named(cls: type, value: Any, key: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ConfigError(f"{key} must map names to entries, got {value!r}")
-    return {str(name): _build(cls, entry if entry is not None else {}, f"{key}.{name}.")
-            for name, entry in value.items()}
+        raise ConfigError(f"{key} must be a mapping (in the YAML file or with --set {key}.NAME...), got {value!r}")
+    if dataclasses.is_dataclass(inner):
+        return {str(k): _build(inner, v if v is not None else {}, f"{key}.{k}.") for k, v in value.items()}
+    return {str(k): v for k, v in value.items()}
 
 
 def _coerce(t: Any, value: Any, key: str) -> Any:
@@ -531,7 +573,7 @@ def _coerce(t: Any, value: Any, key: str) -> Any:
         if t is int:
             if isinstance(value, bool):
                 raise ValueError("expected an integer")
-            if isinstance(value, str) and key.endswith("memory"):
+            if isinstance(value, str) and key.endswith(("memory", "_bytes")):
                 return parse_bytes(value)
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError("expected an integer")

@@ -19,6 +19,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
     ABORT = "abort"  # cancelled by the client
+    CONTENT_FILTER = "content_filter"  # the output filter blocked the stream (set by the OutputProcessor)
 
 
 @dataclass(eq=False, slots=True)

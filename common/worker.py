@@ -33,6 +33,7 @@ FINISH_TO_PROTO = {
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.CONTENT_FILTER: common_pb2.FINISH_REASON_CONTENT_FILTER,
 }
 
 

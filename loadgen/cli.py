@@ -14,6 +14,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         bench_fuzz,
         bench_gpu_serving,
         bench_offline,
+        bench_output_filter,
         bench_resilience,
         bench_serve,
         bench_serving_peer,
@@ -28,4 +29,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_disagg.add_parser(bsub)
     bench_fuzz.add_parser(bsub)
     bench_resilience.add_parser(bsub)
+    bench_output_filter.add_parser(bsub)
     report.add_compare_parser(bsub)

@@ -1,7 +1,9 @@
 """The Decode service: one engine in continuous batching, KV pulled over NIXL, text beside the loop.
 
 Threads: the asyncio loop (gRPC), the engine loop (``EngineLoop``: steps, NIXL polls), and the detokenizer
-(``OutputProcessor``: token ids → text, stop strings). A request with a KV handle first claims its lease
+(``OutputProcessor``: token ids → text, stop strings, the output filter of the request's tenant or model from the
+config's ``output_filter``; a stream it blocks is aborted in the engine, its blocks freed, and its last message
+carries ``FINISH_REASON_CONTENT_FILTER`` and ``filter_reason``). A request with a KV handle first claims its lease
 (``Prefill.Claim``: the prefill worker holds the blocks for a stated time from then), streams its first token, then
 pulls the blocks with one NIXL READ, checked once per step while the running batch goes on; when it lands the
 sequence joins the batch. A refused claim, a failed READ, or a READ still running ``LEASE_SAFETY_S`` before the
@@ -31,6 +33,7 @@ from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine, RequestOutput, TokenLogprob
 from common.kv_transfer import KvCompat, KvIncompatibleError, KvReadHandle, KvTransferError
+from common.output_filter import PolicySet
 from common.output_processor import OutputProcessor, TextDelta
 from common.sampling import SamplingParams
 from common.wire import sampling_params_from_proto
@@ -95,6 +98,7 @@ class DecodeWorker(WorkerBase):
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._prefills = rpc.StubCache()  # Claim and KvHandshake, one channel per prefill worker
         self._delay_before, self._delay_after = _fault_delays(os.environ.get("KV_PULL_FAULT"))
+        self.policies = PolicySet(cfg.cluster.output_filter, cfg.cluster.model)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
@@ -262,7 +266,7 @@ class DecodeWorker(WorkerBase):
                 if kind == "stop":
                     return
                 if kind == "add":
-                    proc.add(msg[1], msg[2], msg[3], msg[4])
+                    proc.add(msg[1], msg[2], msg[3], msg[4], msg[5])
                 elif kind == "discard":
                     proc.discard(msg[1])
                 elif kind == "out":
@@ -274,14 +278,14 @@ class DecodeWorker(WorkerBase):
                 self.call_in_aio(self._deliver_many, ready)
 
     def _detok_one(self, proc: OutputProcessor, o: RequestOutput, ready: list[tuple[str, _Item]]) -> None:
-        d = proc.process(o.request_id, o.new_token_ids, o.finished, o.finish_reason)
+        d = proc.process(o.request_id, o.new_token_ids, o.finished, o.finish_reason, o.logprobs)
         if d is None:
             return
-        if d.stopped_by_string:
+        if d.stopped_by_string or d.filter_reason:
             self.loop.submit(lambda e, rid=o.request_id: self._abort(e, rid))  # type: ignore[union-attr]
         if d.finished:
             self.metrics.requests.labels(d.finish_reason.value if d.finish_reason else "abort").inc()
-        ready.append((o.request_id, _Item(d, o.logprobs, o.num_prompt_tokens, o.num_output_tokens,
+        ready.append((o.request_id, _Item(d, d.logprobs, o.num_prompt_tokens, o.num_output_tokens,
                                           o.num_cached_tokens)))
 
     def _deliver_many(self, ready: list[tuple[str, _Item]]) -> None:
@@ -346,6 +350,7 @@ def _merge(items: list[_Item]) -> decode_pb2.TokenDelta:
         token_ids=[t for i in items for t in i.delta.token_ids],
         logprobs=[logprob_proto(lp) for i in items for lp in (i.logprobs or [])],
         finish_reason=FINISH_TO_PROTO[last.delta.finish_reason] if last.delta.finished else 0,
+        filter_reason=last.delta.filter_reason,
     )
     if last.delta.finished:
         msg.usage.CopyFrom(common_pb2.Usage(
@@ -391,7 +396,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         span = telemetry.start_span("decode", attributes={"request_id": rid, "prompt_tokens": len(prompt)})
         trace_ctx = telemetry.context_with(span)
         try:
-            w._detok_q.put(("add", rid, prompt, params, prior))
+            w._detok_q.put(("add", rid, prompt, params, prior, w.policies.for_request(request.meta.tenant_id)))
             await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, trace_ctx,
                                                                         deadline)))
             while not finished:

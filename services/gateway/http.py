@@ -12,6 +12,9 @@ path, 413 body over ``gateway.max_body_bytes``, 429 over a tenant's quota (``Ret
 not ready or draining (``Retry-After``). A streamed response has sent its 200 only after the first token came back,
 so errors before that keep their status; an error after it ends the stream with an ``error`` event.
 
+``Cache-Control: no-cache`` (or ``no-store``) on a completion request skips the response cache, as the body field
+``skip_response_cache`` does.
+
 A client that disconnects cancels its choices: the handler task is cancelled (``handler_cancellation``), the
 ``Decode`` calls with it, and the decode worker frees the blocks.
 """
@@ -362,6 +365,9 @@ class HttpFrontend:
         tenant = t.name
         body = await self._body(request)
         parsed = oa.parse(body, kind, self._resolve_model)
+        if {"no-cache", "no-store"} & {d.strip().lower() for d in request.headers.get("Cache-Control", "").split(",")}:
+            for r in parsed.requests:
+                r.skip_response_cache = True
         ok, why = await self.ready_within(self.cfg.ready_wait_s)
         if not ok:
             raise oa.OpenAIError(503, f"the cluster is not ready: {why}; retry shortly",

@@ -5,8 +5,11 @@ Accepted fields: OpenAI's (``max_tokens`` / ``max_completion_tokens``, ``tempera
 ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logprobs`` / ``top_logprobs``, ``user``, ``stream``,
 ``stream_options.include_usage``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``priority``, ``cache_salt``), and ``service_tier`` as the request's priority class (``SERVICE_TIERS``). Unknown
-fields are ignored, as OpenAI and vLLM do; features we do not serve
+``priority``, ``cache_salt``), ``service_tier`` as the request's priority class (``SERVICE_TIERS``), and
+``skip_response_cache`` (answer from a worker even when the gateway's response cache holds the request). A choice
+the output filter blocked ends with ``finish_reason: "content_filter"`` and carries ``filter_reason`` (why) beside
+it, in the response and in the streamed chunk that ends it. Unknown fields are ignored, as OpenAI and vLLM do;
+features we do not serve
 (tools, structured output, ``echo``, ``suffix``, ``best_of`` > n, images) are a 400 that says so.
 """
 
@@ -25,7 +28,7 @@ MAX_N = 128
 MAX_LOGPROBS = 20
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
+           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_CONTENT_FILTER: "content_filter"}
 # OpenAI's error types by status code
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
@@ -264,6 +267,7 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
         if not stream:
             raise bad("stream_options is only allowed with stream: true", "stream_options")
     include_usage = bool(opts and opts.get("include_usage"))
+    skip_cache = _bool(body, "skip_response_cache")
     params, want_logprobs = _params(body, kind)
     priority = _int(body, "priority", 0) or 0
     tier = body.get("service_tier")
@@ -280,7 +284,8 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
     reqs = []
     for inp in inputs:
         for j in range(n):
-            r = frontend_pb2.GenerateRequest(model=model, params=params, priority=priority, cache_salt=salt)
+            r = frontend_pb2.GenerateRequest(model=model, params=params, priority=priority, cache_salt=salt,
+                                             skip_response_cache=skip_cache)
             if "chat" in inp:
                 r.chat.CopyFrom(inp["chat"])
             elif "ids" in inp:
@@ -322,6 +327,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    filter_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -335,6 +341,7 @@ class Choice:
             self.logprobs.extend(resp.logprobs)
         if resp.finish_reason:
             self.finish_reason = finish_reason(resp.finish_reason)
+            self.filter_reason = resp.filter_reason
         if resp.HasField("usage"):
             u = resp.usage
             self.prompt_tokens, self.completion_tokens, self.cached_tokens = (
@@ -420,6 +427,8 @@ class ResponseBuilder:
                 item = {"index": c.index, "text": text,
                         "logprobs": self.fmt.completion(c.logprobs) if self.p.logprobs else None}
             item["finish_reason"] = c.finish_reason
+            if c.filter_reason:
+                item["filter_reason"] = c.filter_reason
             items.append(item)
         out["choices"] = items
         out["usage"] = usage(choices, self.p.n)
@@ -439,6 +448,8 @@ class ResponseBuilder:
                     "logprobs": self.fmt.completion(list(resp.logprobs), c.chars)
                     if self.p.logprobs else None}
         item["finish_reason"] = fr
+        if resp.filter_reason:
+            item["filter_reason"] = resp.filter_reason
         out["choices"] = [item]
         if self.p.include_usage:
             out["usage"] = None

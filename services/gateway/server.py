@@ -16,6 +16,11 @@
   client: the stream moves (``gateway.migration_limit`` times). The request is placed again, that worker
   excluded, with the tokens already sent as its prior outputs; the new decode worker recomputes prompt + those
   tokens (its prefix cache helps) and streams what follows, so the client sees no token twice and none missing.
+- With ``gateway.response_cache_bytes`` set, a deterministic request (temperature 0 or a seed) asked again within
+  ``gateway.response_cache_ttl_s`` is replayed from the response cache (``services/gateway/response_cache.py``)
+  before tokenization: no tokenizer, router or worker call.
+- The output filter runs on the decode worker; a stream it blocks ends with ``FINISH_REASON_CONTENT_FILTER`` and
+  ``filter_reason``, passed on as they come. An answer that ends at the prefill worker is checked here.
 """
 
 from __future__ import annotations
@@ -46,10 +51,12 @@ from tokenmill.v1 import (
 
 from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
+from common.output_filter import PolicySet
 from common.wire import sampling_params_from_proto
 from services.gateway.accounting import Accounting, AuditRecord
 from services.gateway.http import HttpFrontend
 from services.gateway.pools import ChannelPool
+from services.gateway.response_cache import CacheMetrics, ResponseCache, cacheable
 from services.gateway.resume import ResumableStreams, StreamGone
 from services.gateway.tenancy import CLASS_NAME, Charge, QuotaExceeded, RequestTooLarge, Tenancy, Tenant
 
@@ -57,7 +64,7 @@ log = logging.getLogger(__name__)
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort"}
+           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_CONTENT_FILTER: "content_filter"}
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -240,6 +247,11 @@ class GatewayService:
         self.tenancy = Tenancy.from_config(c)
         self.accounting = Accounting(self.registry, c.gateway.audit_log, c.gateway.log_prompts,
                                      self.tenancy.tenants)
+        self.cache: ResponseCache | None = None
+        if c.gateway.response_cache_bytes > 0:
+            self.cache = ResponseCache(c.gateway.response_cache_bytes, c.gateway.response_cache_ttl_s,
+                                       CacheMetrics(self.registry))
+        self.policies = PolicySet(c.output_filter, c.model)  # for an answer that ends at prefill (no decode)
         self.http = HttpFrontend(self)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
@@ -298,6 +310,7 @@ class GatewayService:
         st = _Attempts(gw.placement_retries, gw.migration_limit)
         rec = AuditRecord(tenant.name, req.request_id, req.model or self.cfg.cluster.model, "CANCELLED")
         charge: Charge | None = None
+        from_cache = False
         output: list[str] = []
         self.metrics.running.inc()
         outcome = "CANCELLED"
@@ -313,6 +326,29 @@ class GatewayService:
             span = telemetry.current_span()
             span.set_attributes({"request_id": rid, "tenant": meta.tenant_id, "priority": req.priority,
                                  "priority_class": rec.priority_class})
+            key, recorded = None, None
+            if self.cache is not None and cacheable(req):
+                key = self.cache.key(meta.tenant_id, self.cfg.cluster.model, req)
+                hit = None
+                if req.skip_response_cache:
+                    self.cache.m.bypasses.inc()
+                else:
+                    hit = self.cache.get(key)
+                if hit is not None:  # counted and audited for the tenant; no worker ran, so no token is charged
+                    span.set_attribute("response_cache", "hit")
+                    self.accounting.admitted(tenant)
+                    from_cache = True
+                    for seq, resp in enumerate(hit, 1):
+                        resp.request_id, resp.seq = rid, seq
+                        timing.on_tokens(len(resp.token_ids))
+                        if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                            outcome = _FINISH.get(resp.finish_reason, "stop")
+                            self.metrics.success.labels(outcome).inc()
+                            self.metrics.prompt_tokens.inc(resp.usage.prompt_tokens)
+                            rec.prompt_tokens = resp.usage.prompt_tokens
+                        yield resp
+                    return
+                recorded = []
             ids = await self.tokenize(req, meta, context.time_remaining())
             span.set_attribute("prompt_tokens", len(ids))
             p = req.params
@@ -331,6 +367,10 @@ class GatewayService:
                     output.append(resp.text)
                 seq += 1
                 resp.seq = seq
+                if recorded is not None:
+                    recorded.append(resp)
+                    if outcome in ("stop", "length"):  # a complete answer: never an aborted or filtered one
+                        self.cache.put(key, recorded)  # type: ignore[union-attr,arg-type]
                 yield resp
         except (QuotaExceeded, RequestTooLarge) as e:
             outcome = rpc.status_for(e)[0].name
@@ -354,13 +394,16 @@ class GatewayService:
             rec.completion_tokens, rec.migrations = timing.tokens, st.migrations
             if gw.log_prompts:
                 rec.output = "".join(output)
-            self._close_books(tenant, charge, rec)
+            self._close_books(tenant, charge, rec, from_cache)
 
-    def _close_books(self, tenant: Tenant, charge: Charge | None, rec: AuditRecord) -> None:
+    def _close_books(self, tenant: Tenant, charge: Charge | None, rec: AuditRecord, from_cache: bool) -> None:
         """A generation ended, however it ended: an admitted one is billed its input and real output (the unused
-        part of its charge goes back), counted and audited; one refused by its token quota is audited already."""
+        part of its charge goes back), counted and audited; one answered by the response cache is counted and
+        audited; one refused by its token quota is audited already."""
         if charge is not None:
             self.tenancy.settle(charge, rec.prompt_tokens + rec.completion_tokens)
+            self.accounting.served(tenant, rec)
+        elif from_cache:
             self.accounting.served(tenant, rec)
         elif rec.reason is None:  # failed before admission: invalid, or the tokenizer failed
             self.accounting.write(rec)
@@ -470,7 +513,8 @@ class GatewayService:
                 st.done = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                 yield frontend_pb2.GenerateResponse(
                     request_id=meta.request_id, text=delta.text, token_ids=delta.token_ids,
-                    logprobs=delta.logprobs, finish_reason=delta.finish_reason, usage=delta.usage)
+                    logprobs=delta.logprobs, finish_reason=delta.finish_reason, usage=delta.usage,
+                    filter_reason=delta.filter_reason)
                 if st.done:
                     return
         except grpc.aio.AioRpcError as e:
@@ -509,8 +553,15 @@ class GatewayService:
         dreq = tokenizer_pb2.DetokenizeRequest(token_ids=[pre.first_token_id], skip_special_tokens=skip)
         text = (await self.tokenizers.call(lambda stub: stub.Detokenize(dreq), "tokenizer")).text
         timing.on_tokens(1)
+        finish, why = pre.finish_reason, ""
+        policy = self.policies.for_request(meta.tenant_id)
+        if policy is not None and text:
+            v = policy.check(text, 0, True)
+            if v.blocked:
+                text, finish, why = "", common_pb2.FINISH_REASON_CONTENT_FILTER, v.reason
         resp = frontend_pb2.GenerateResponse(
-            request_id=meta.request_id, text=text, token_ids=[pre.first_token_id], finish_reason=pre.finish_reason,
+            request_id=meta.request_id, text=text, token_ids=[pre.first_token_id], finish_reason=finish,
+            filter_reason=why,
             usage=common_pb2.Usage(prompt_tokens=len(ids), completion_tokens=1, cached_tokens=pre.cached_tokens))
         if pre.HasField("first_logprob"):
             resp.logprobs.append(pre.first_logprob)
