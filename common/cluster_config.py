@@ -74,6 +74,9 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20  # a larger request body is refused with 413
     max_inflight_requests: int = 4096  # requests in flight at this gateway; above: 429 with Retry-After
     tenant_max_inflight: int = 0  # per-tenant in-flight quota (0: none); above: 429 with Retry-After
+    # how tool calls are read from the model's text, as vLLM's --tool-call-parser (services/gateway/tools.py):
+    # hermes (<tool_call>{...}</tool_call>) or llama3 (JSON {"name", "parameters"} calls)
+    tool_parser: Literal["hermes", "llama3"] = "hermes"
 
 
 @dataclass(frozen=True, slots=True)

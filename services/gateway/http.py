@@ -346,7 +346,7 @@ class HttpFrontend:
     async def completions(self, request: web.Request, kind: oa.Kind) -> web.StreamResponse:
         tenant = self._auth(request)
         body = await self._body(request)
-        parsed = oa.parse(body, kind, self._resolve_model)
+        parsed = oa.parse(body, kind, self._resolve_model, self.cfg.tool_parser)
         ok, why = await self.ready()
         if not ok:
             raise oa.OpenAIError(503, f"the cluster is not ready: {why}; retry shortly",
@@ -453,7 +453,8 @@ class HttpFrontend:
                         failed = item
                         break
                     else:
-                        data += _sse(builder.chunk(choices[i], item, i not in started), item.seq if ids else None)
+                        for chunk in builder.chunks(choices[i], item, i not in started):
+                            data += _sse(chunk, item.seq if ids else None)
                         started.add(i)
                         choices[i].add(item, keep=False)
                 if failed is not None:

@@ -5,12 +5,15 @@ Accepted fields: OpenAI's (``max_tokens`` / ``max_completion_tokens``, ``tempera
 ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logprobs`` / ``top_logprobs``, ``user``, ``stream``,
 ``stream_options.include_usage``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``priority``, ``cache_salt``). Unknown fields are ignored, as OpenAI and vLLM do; features we do not serve
-(tools, structured output, ``echo``, ``suffix``, ``best_of`` > n, images) are a 400 that says so.
+``priority``, ``cache_salt``), and on chat ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
+(``services/gateway/tools.py``). Unknown fields are ignored, as OpenAI and vLLM do; features we do not serve
+(structured output, ``echo``, ``suffix``, ``best_of`` > n, images, the deprecated ``functions``) are a 400 that
+says so.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -18,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tokenmill.v1 import common_pb2, frontend_pb2, tokenizer_pb2
+
+from services.gateway import tool_parsers as tp
+from services.gateway import tools as tl
 
 Kind = Literal["chat", "completion"]
 MAX_N = 128
@@ -69,6 +75,8 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
+    tools: tl.ToolRequest | None = None  # chat with tools offered to the model (tool_choice other than none)
+    tool_parser: tl.ParserName = "hermes"
 
 
 # -- reading fields ------------------------------------------------------------------------------------------
@@ -214,13 +222,58 @@ def messages(body: dict[str, Any]) -> tokenizer_pb2.ChatMessages:
             content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content must be a string or a list of text parts", "messages")
-        chat.messages.add(role="system" if role == "developer" else role, content=content)
+        msg = chat.messages.add(role="system" if role == "developer" else role, content=content)
+        if role == "assistant" and m.get("tool_calls"):
+            msg.tool_calls_json = json.dumps(_tool_calls(m["tool_calls"], where), ensure_ascii=False)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad(f"{where}.tool_call_id is missing; a tool message answers the call with that id",
+                          "messages")
+            msg.tool_call_id = call_id
     return chat
 
 
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked and normalized to OpenAI's shape."""
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls must be a list of {{id, type: function, function: {{name, arguments}}}}",
+                  "messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                fn.get("arguments", ""), str):
+            raise bad(f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}} "
+                      "with arguments as a JSON string", "messages")
+        out.append({"id": str(c.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}})
+    return out
+
+
+def _tools(body: dict[str, Any], kind: Kind, params: common_pb2.SamplingParams) -> tl.ToolRequest | None:
+    """The request's tools (chat only), the constraint of ``required`` / a named function set on ``params``."""
+    if kind == "completion":
+        if body.get("tools"):
+            raise bad("tools are served on /v1/chat/completions, not on /v1/completions", "tools")
+        return None
+    try:
+        req = tl.parse_request(body)
+    except tl.ToolError as e:
+        raise bad(str(e), e.param) from None
+    if req is None or not req.offered:
+        return None
+    schema = req.schema()
+    if schema is not None:
+        rf = body.get("response_format")
+        if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+            raise bad("response_format cannot be combined with tool_choice 'required' or a named function: both "
+                      "constrain the output", "response_format")
+        params.structured.json_schema = json.dumps(schema)
+    return req
+
+
 def _unsupported(body: dict[str, Any], kind: Kind) -> None:
-    if body.get("tools") or body.get("functions"):
-        raise bad("tool calling is not supported by this server; send the request without tools", "tools")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
         raise bad("response_format other than text is not supported by this server", "response_format")
@@ -231,10 +284,12 @@ def _unsupported(body: dict[str, Any], kind: Kind) -> None:
             raise bad("suffix is not supported by this server", "suffix")
 
 
-def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> Parsed:
+def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str],
+          tool_parser: tl.ParserName = "hermes") -> Parsed:
     """Validate an OpenAI request body; raise OpenAIError (400/404) with the field in ``param``.
 
-    ``resolve_model`` maps the requested model to the served name (or raises the 404)."""
+    ``resolve_model`` maps the requested model to the served name (or raises the 404); ``tool_parser`` reads tool
+    calls out of the model's text (``gateway.tool_parser``)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -255,13 +310,17 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
             raise bad("stream_options is only allowed with stream: true", "stream_options")
     include_usage = bool(opts and opts.get("include_usage"))
     params, want_logprobs = _params(body, kind)
+    tools = _tools(body, kind, params)
     priority = _int(body, "priority", 0) or 0
     salt = body.get("cache_salt") or ""
     if not isinstance(salt, str):
         raise bad("cache_salt must be a string", "cache_salt")
     inputs: list[dict[str, Any]]
     if kind == "chat":
-        inputs = [{"chat": messages(body)}]
+        chat = messages(body)
+        if tools is not None:
+            chat.tools_json = tools.tools_json()
+        inputs = [{"chat": chat}]
     else:
         inputs = _prompts(body.get("prompt"))
     reqs = []
@@ -277,7 +336,7 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
             if n > 1 and params.HasField("seed"):
                 r.params.seed = params.seed + j  # n different samples, each reproducible
             reqs.append(r)
-    return Parsed(kind, model, reqs, n, len(inputs), stream, include_usage, want_logprobs)
+    return Parsed(kind, model, reqs, n, len(inputs), stream, include_usage, want_logprobs, tools, tool_parser)
 
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -385,6 +444,12 @@ class ResponseBuilder:
         self.p, self.id, self.fmt = parsed, request_id, fmt
         self.created = int(time.time())
         self.object = "chat.completion" if parsed.kind == "chat" else "text_completion"
+        self._calls: dict[int, tp.CallStream] = {}  # streamed choices' tool-call parsers
+
+    def _finish(self, reason: str | None, calls: int) -> str | None:
+        """OpenAI's finish reason: ``tool_calls`` when the model chose to call (a named function's is ``stop``)."""
+        named = self.p.tools is not None and self.p.tools.mode == "named"
+        return "tool_calls" if reason == "stop" and calls and not named else reason
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.p.model}
@@ -394,16 +459,53 @@ class ResponseBuilder:
         items = []
         for c in choices:
             text = "".join(c.text)
+            finish = c.finish_reason
             if self.p.kind == "chat":
-                item: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.p.tools is not None:
+                    out = tp.parse_output(self.p.tools.stream(self.p.tool_parser), text)
+                    message["content"] = out.content
+                    if out.tool_calls:
+                        message["tool_calls"] = out.tool_calls
+                    finish = self._finish(finish, len(out.tool_calls))
+                item: dict[str, Any] = {"index": c.index, "message": message,
                                         "logprobs": self.fmt.chat(c.logprobs) if self.p.logprobs else None}
             else:
                 item = {"index": c.index, "text": text,
                         "logprobs": self.fmt.completion(c.logprobs) if self.p.logprobs else None}
-            item["finish_reason"] = c.finish_reason
+            item["finish_reason"] = finish
             items.append(item)
         out["choices"] = items
         out["usage"] = usage(choices, self.p.n)
+        return out
+
+    def chunks(self, c: Choice, resp: frontend_pb2.GenerateResponse, first: bool) -> list[dict[str, Any]]:
+        """The streamed chunks for ``resp`` (a delta of choice ``c``, before ``c.add(resp)``): one, or with tools
+        those the parser can say now (none while it holds back text that may start a call)."""
+        if self.p.tools is None:
+            return [self.chunk(c, resp, first)]
+        stream = self._calls.setdefault(c.index, self.p.tools.stream(self.p.tool_parser))
+        events = stream.feed(resp.text)
+        fr = finish_reason(resp.finish_reason)
+        if fr is not None:
+            events += stream.finish()
+            self._calls.pop(c.index, None)
+        deltas = _tool_deltas(events)
+        if first:
+            deltas = [{"role": "assistant", "content": ""}, *deltas]
+        if fr is not None or (resp.logprobs and self.p.logprobs):
+            deltas = deltas or [{}]
+        out = []
+        for i, delta in enumerate(deltas):
+            head = self._head("chat.completion.chunk")
+            last = i == len(deltas) - 1
+            head["choices"] = [{"index": c.index, "delta": delta,
+                                "logprobs": self.fmt.chat(list(resp.logprobs)) if self.p.logprobs and i == 0
+                                else None,
+                                "finish_reason": self._finish(fr, stream.calls) if last else None}]
+            if self.p.include_usage:
+                head["usage"] = None
+            out.append(head)
         return out
 
     def chunk(self, c: Choice, resp: frontend_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
@@ -430,3 +532,26 @@ class ResponseBuilder:
         out["choices"] = []
         out["usage"] = usage(choices, self.p.n)
         return out
+
+
+def _tool_deltas(events: list[tp.Event]) -> list[dict[str, Any]]:
+    """Parser events → chat deltas as OpenAI streams them: text as ``content``; a call's first delta with its
+    index, id, type and name (arguments ""), then its argument fragments (adjacent ones merged)."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        prev = out[-1] if out else None
+        if isinstance(e, tp.Text):
+            if prev is not None and "content" in prev and "tool_calls" not in prev:
+                prev["content"] += e.text
+            else:
+                out.append({"content": e.text})
+        elif isinstance(e, tp.CallStart):
+            out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                        "function": {"name": e.name, "arguments": ""}}]})
+        else:
+            if prev is not None and "tool_calls" in prev and prev["tool_calls"][0]["index"] == e.index \
+                    and "id" not in prev["tool_calls"][0]:
+                prev["tool_calls"][0]["function"]["arguments"] += e.text
+            else:
+                out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return out
