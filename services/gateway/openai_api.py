@@ -463,11 +463,11 @@ class ResponseBuilder:
             if self.p.kind == "chat":
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if self.p.tools is not None:
-                    out = tp.parse_output(self.p.tools.stream(self.p.tool_parser), text)
-                    message["content"] = out.content
-                    if out.tool_calls:
-                        message["tool_calls"] = out.tool_calls
-                    finish = self._finish(finish, len(out.tool_calls))
+                    said = tp.parse_output(self.p.tools.stream(self.p.tool_parser), text)
+                    message["content"] = said.content
+                    if said.tool_calls:
+                        message["tool_calls"] = said.tool_calls
+                    finish = self._finish(finish, len(said.tool_calls))
                 item: dict[str, Any] = {"index": c.index, "message": message,
                                         "logprobs": self.fmt.chat(c.logprobs) if self.p.logprobs else None}
             else:
