@@ -536,22 +536,14 @@ class ResponseBuilder:
 
 def _tool_deltas(events: list[tp.Event]) -> list[dict[str, Any]]:
     """Parser events → chat deltas as OpenAI streams them: text as ``content``; a call's first delta with its
-    index, id, type and name (arguments ""), then its argument fragments (adjacent ones merged)."""
+    index, id, type and name (arguments ""), then its argument fragments."""
     out: list[dict[str, Any]] = []
     for e in events:
-        prev = out[-1] if out else None
         if isinstance(e, tp.Text):
-            if prev is not None and "content" in prev and "tool_calls" not in prev:
-                prev["content"] += e.text
-            else:
-                out.append({"content": e.text})
+            out.append({"content": e.text})
         elif isinstance(e, tp.CallStart):
             out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
                                         "function": {"name": e.name, "arguments": ""}}]})
         else:
-            if prev is not None and "tool_calls" in prev and prev["tool_calls"][0]["index"] == e.index \
-                    and "id" not in prev["tool_calls"][0]:
-                prev["tool_calls"][0]["function"]["arguments"] += e.text
-            else:
-                out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+            out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
     return out

@@ -211,15 +211,32 @@ class _CallScanner:
 
 class CallStream:
     """One choice's output → events, fed incrementally. ``feed`` returns what can be said now (holding back only
-    text that may begin a call); ``finish`` returns the rest. ``calls`` counts the calls started."""
+    text that may begin a call), adjacent pieces of the same kind merged; ``finish`` returns the rest. ``calls``
+    counts the calls started."""
 
     calls: int = 0
 
     def feed(self, text: str) -> list[Event]:
+        return _merged(self._feed(text))
+
+    def _feed(self, text: str) -> list[Event]:
         raise NotImplementedError
 
     def finish(self) -> list[Event]:
         raise NotImplementedError
+
+
+def _merged(events: list[Event]) -> list[Event]:
+    out: list[Event] = []
+    for e in events:
+        prev = out[-1] if out else None
+        if isinstance(e, Text) and isinstance(prev, Text):
+            out[-1] = Text(prev.text + e.text)
+        elif isinstance(e, ArgsDelta) and isinstance(prev, ArgsDelta) and prev.index == e.index:
+            out[-1] = ArgsDelta(e.index, prev.text + e.text)
+        else:
+            out.append(e)
+    return out
 
 
 class NamedStream(CallStream):
@@ -228,7 +245,7 @@ class NamedStream(CallStream):
     def __init__(self, name: str) -> None:
         self.name, self.calls = name, 0
 
-    def feed(self, text: str) -> list[Event]:
+    def _feed(self, text: str) -> list[Event]:
         out: list[Event] = []
         if not self.calls:
             self.calls = 1
@@ -238,7 +255,7 @@ class NamedStream(CallStream):
         return out
 
     def finish(self) -> list[Event]:
-        return self.feed("")
+        return self._feed("")
 
 
 class JsonCallsStream(CallStream):
@@ -252,7 +269,7 @@ class JsonCallsStream(CallStream):
         self.pending = ""  # text not yet said: the start, or a call whose name has not come
         self.calls = 0
 
-    def feed(self, text: str) -> list[Event]:
+    def _feed(self, text: str) -> list[Event]:
         if self.state == "start":
             self.pending += text
             head = self.pending.lstrip()
@@ -309,7 +326,7 @@ class HermesStream(CallStream):
         self.scan: _CallScanner | None = None
         self.calls = 0
 
-    def feed(self, text: str) -> list[Event]:
+    def _feed(self, text: str) -> list[Event]:
         out: list[Event] = []
         while text:
             if self.state == "text":
@@ -364,7 +381,7 @@ class HermesStream(CallStream):
         assert self.scan is not None
         held = "" if self.scan.started else self.pending
         self.state, self.pending = "text", ""
-        return [Text(held), *self.feed(rest)] if held else self.feed(rest)
+        return [Text(held), *self._feed(rest)] if held else self._feed(rest)
 
     def finish(self) -> list[Event]:
         held, self.pending = self.pending, ""
