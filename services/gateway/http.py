@@ -225,8 +225,8 @@ class HttpFrontend:
             raise oa.bad("the request body is nested too deeply to parse; send a flatter JSON object") from None
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's ``/tokenize``: ``{prompt}`` or ``{messages}`` → ``{count, max_model_len, tokens}`` (the pool's
-        tokenizer and chat template, exactly what a request would be given)."""
+        """vLLM's ``/tokenize``: ``{prompt}`` or ``{messages}`` (and ``tools``) → ``{count, max_model_len, tokens}``
+        (the pool's tokenizer and chat template, exactly what a request would be given)."""
         self._auth(request)
         body = await self._body(request)
         if not isinstance(body, dict):
@@ -235,6 +235,9 @@ class HttpFrontend:
         if "messages" in body:
             treq = tokenizer_pb2.TokenizeRequest(chat=oa.messages(body))
             treq.chat.add_generation_prompt = bool(body.get("add_generation_prompt", True))
+            tools = oa.chat_tools(body)
+            if tools is not None:
+                treq.chat.tools_json = tools.tools_json()
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):

@@ -251,17 +251,23 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def chat_tools(body: dict[str, Any]) -> tl.ToolRequest | None:
+    """A chat body's tools when they are offered to the model (None without tools or with ``tool_choice`` none)."""
+    try:
+        req = tl.parse_request(body)
+    except tl.ToolError as e:
+        raise bad(str(e), e.param) from None
+    return req if req is not None and req.offered else None
+
+
 def _tools(body: dict[str, Any], kind: Kind, params: common_pb2.SamplingParams) -> tl.ToolRequest | None:
     """The request's tools (chat only), the constraint of ``required`` / a named function set on ``params``."""
     if kind == "completion":
         if body.get("tools"):
             raise bad("tools are served on /v1/chat/completions, not on /v1/completions", "tools")
         return None
-    try:
-        req = tl.parse_request(body)
-    except tl.ToolError as e:
-        raise bad(str(e), e.param) from None
-    if req is None or not req.offered:
+    req = chat_tools(body)
+    if req is None:
         return None
     schema = req.schema()
     if schema is not None:

@@ -11,6 +11,7 @@ calls the tool itself the same way.
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import jsonschema
 import openai
@@ -99,6 +100,10 @@ def test_tool_choice_none_keeps_tools_out_of_the_prompt_and_the_reply(cluster):
     assert r.usage.prompt_tokens == base.usage.prompt_tokens < auto.usage.prompt_tokens
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     assert r.choices[0].message.content == base.choices[0].message.content
+    # vLLM's /tokenize renders the same prompt as the request
+    req = urllib.request.Request(cluster["http"] + "/tokenize", json.dumps({"messages": msgs, "tools": [WEATHER]})
+                                 .encode(), {"Content-Type": "application/json"})
+    assert json.loads(urllib.request.urlopen(req, timeout=30).read())["count"] == auto.usage.prompt_tokens
 
 
 REQUIRED_PROMPTS = ["What is the weather in Paris?", "What time is it in Tokyo?", "Is it cold in Oslo today?",
