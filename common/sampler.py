@@ -12,6 +12,11 @@ seen and how often each came out, extended with the new outputs by one batched w
 gather and a scatter over those tokens only. A slot is rebuilt from the row's token ids whenever the host's count
 of its outputs disagrees, so a slot lost or evicted is only a rebuild, never a wrong answer.
 
+A constrained row (structured outputs) carries its grammar matcher: the rows' allowed tokens are filled as one
+int32 bitmask on the host (``common/structured.py``), copied to the device once, unpacked with one batched op and
+applied to those rows only, after the penalties and before temperature, top-k/p and the pick, so no path (greedy
+or sampled) can pick a token the grammar disallows. Rows without a constraint take no part in it.
+
 One device→host copy per step returns the picked ids (and the asked logprobs with them).
 """
 
@@ -25,6 +30,7 @@ import torch
 
 from common import cpu_kernels
 from common.sampling import SamplingParams
+from common.structured import GrammarMatcher, fill_bitmask
 
 _MASK = float("-inf")
 _M64 = (1 << 64) - 1
@@ -47,6 +53,7 @@ class SampleRow:
     output_ids: Sequence[int]
     eos_ids: tuple[int, ...]
     key: str | None = None
+    grammar: GrammarMatcher | None = None  # a constrained row: only the tokens its matcher allows
 
 
 @dataclass(slots=True)
@@ -225,6 +232,8 @@ class Sampler:
         self._ws = _Workspace(torch.device(device))
         self._static: dict[str, _RowStatic] = {}  # by request id
         self.vocab_size = vocab_size
+        self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host: the constrained rows' masks
+        self._bit_values: torch.Tensor | None = None  # [32] int32: 1 << b
 
     def release(self, key: str) -> None:
         self._slots.release(key)
@@ -238,7 +247,14 @@ class Sampler:
         """Pick one token per row of ``logits`` ([N, V], V the vocab given at construction; float32, or the
         model's dtype: an all-greedy batch is picked from it as is). Does not modify ``logits``."""
         if all(_plain_greedy(r) for r in rows):
-            return SampleResult(_argmax(logits), [None] * logits.shape[0])
+            toks = _argmax(logits)
+            allowed = self._allowed(rows, logits.device)
+            if allowed is not None:  # the constrained rows again, masked
+                idx, bits = allowed
+                sub = logits.index_select(0, idx).float().masked_fill_(bits.logical_not_(), _MASK)
+                for i, t in zip(idx.tolist(), _argmax(sub)):
+                    toks[i] = t
+            return SampleResult(toks, [None] * logits.shape[0])
         x, prm, spec = self._process(logits, rows)
         tok: torch.Tensor | None = None
         if spec.any_greedy:
@@ -290,7 +306,35 @@ class Sampler:
         if spec.bans:
             r_, t_ = zip(*spec.bans)
             x[torch.tensor(r_).to(dev), torch.tensor(t_).to(dev)] = _MASK
+        allowed = self._allowed(rows, dev)
+        if allowed is not None:
+            idx, bits = allowed
+            if idx.shape[0] == n:  # every row constrained: in place
+                x.masked_fill_(bits.logical_not_(), _MASK)
+            else:
+                x.index_copy_(0, idx, x.index_select(0, idx).masked_fill_(bits.logical_not_(), _MASK))
         return x, prm, spec
+
+    def _allowed(self, rows: list[SampleRow], dev: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The constrained rows' indices [M] and their allowed tokens [M, V] (bool) on ``dev``; None without any.
+        The matchers fill one host bitmask; one copy moves it; one op unpacks it."""
+        grammars = [(r.grammar, i) for i, r in enumerate(rows) if r.grammar is not None]
+        if not grammars:
+            return None
+        words = (self.vocab_size + 31) // 32
+        m = len(grammars)
+        host = self._bitmask
+        if host is None or host.shape[0] < m:
+            host = torch.empty(max(m, 8), words, dtype=torch.int32, pin_memory=dev.type == "cuda")
+            self._bitmask = host
+        fill_bitmask([(g, j) for j, (g, _) in enumerate(grammars)], host.data_ptr(), words)
+        bits = host[:m].to(dev, non_blocking=True)
+        if self._bit_values is None or self._bit_values.device != dev:
+            self._bit_values = torch.tensor([1 << b if b < 31 else -(1 << 31) for b in range(32)],
+                                            dtype=torch.int32, device=dev)
+        allowed = (bits.unsqueeze(-1) & self._bit_values).view(m, words * 32)[:, : self.vocab_size] != 0
+        idx = torch.tensor([i for _, i in grammars], dtype=torch.long).to(dev, non_blocking=True)
+        return idx, allowed
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,7 +405,7 @@ class _StepSpec:
                     row[_REP] = 1.0
                 row[_SLOT] = float(slot)
             self.slot_of_row.append(slot)
-            if len(r.output_ids) < p.min_tokens:
+            if len(r.output_ids) < p.min_tokens and r.grammar is None:  # a grammar decides when EOS may come
                 self.bans += [(i, t) for t in {*r.eos_ids, *p.stop_token_ids} if 0 <= t < vocab]
             if st.bias:
                 self.bias += [(i, t, b) for t, b in st.bias]
