@@ -73,6 +73,7 @@ class _CallScanner:
         self.name: str | None = None
         self.held_args = ""  # argument text before the name came
         self.args_seen = False
+        self.in_args = False  # reading the call's (first) arguments value
         self.calls = 0  # calls closed
         self.open = False  # inside a call object
         self.ended = False  # a closing ']' or (not many) the one object closed
@@ -137,6 +138,7 @@ class _CallScanner:
             self.slot = "value"
         elif self.slot == "value":
             self.token, self.buf = "value", ""
+            self.in_args = self.key in _ARG_KEYS and not self.args_seen
             out += self._add(c)
             if c == '"':
                 self.in_str = True
@@ -156,15 +158,12 @@ class _CallScanner:
     def _new_call(self) -> None:
         self.open, self.slot, self.name, self.held_args, self.args_seen = True, "key", None, "", False
 
-    def _in_args(self) -> bool:
-        return self.slot == "value" and self.token == "value" and self.key in _ARG_KEYS
-
     def _add(self, c: str) -> list[Event]:
         if self.in_str and self.token == "key" and len(self.stack) == self.call_level:
             self.buf += c
             return []
         self.buf += c
-        if self._in_args():
+        if self.in_args:
             if self.name is None:
                 self.held_args += c
                 return []
@@ -190,10 +189,8 @@ class _CallScanner:
             out.append(CallStart(self.index, new_call_id(), name))
             if self.held_args:
                 out.append(ArgsDelta(self.index, self.held_args))
-        elif self.key in _ARG_KEYS:
-            if self.args_seen:
-                raise NotACall("two argument fields")
-            self.args_seen = True
+        elif self.in_args:  # a second arguments field is ignored, as any other key
+            self.args_seen, self.in_args = True, False
         self.slot = "after"
         return out
 

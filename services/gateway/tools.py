@@ -73,7 +73,7 @@ class ToolRequest:
             "type": "array", "minItems": 1,
             "items": {"type": "object", "anyOf": [
                 {"properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": t.parameters},
-                 "required": ["name", "parameters"]} for t in self.tools]}}
+                 "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]}}
         if not self.parallel:
             calls["maxItems"] = 1
         return calls

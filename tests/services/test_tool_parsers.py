@@ -75,6 +75,13 @@ def test_hermes_tags_without_a_call_are_text(text):
         assert out.tool_calls == [] and out.content == text
 
 
+def test_a_second_arguments_field_and_other_keys_are_ignored():
+    text = '<tool_call>{"name": "get_time", "id": 7, "parameters": {"tz": "A"}, "arguments": {"x": 1}}</tool_call>'
+    for size in (1, 1000):
+        out, _ = in_pieces(stream(), text, size)
+        assert calls(out) == [("get_time", '{"tz": "A"}')] and out.content is None
+
+
 def test_hermes_call_without_arguments_or_closing_tag():
     out = tp.parse_output(stream(), '<tool_call>{"name": "get_time"}')
     assert calls(out) == [("get_time", "{}")] and out.content is None
@@ -143,7 +150,7 @@ def test_schemas_of_required_and_named():
     ok = [{"name": "get_weather", "parameters": {"city": "Rome"}}, {"name": "get_time", "parameters": {}}]
     jsonschema.validate(ok, schema)
     for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "other", "parameters": {}}],
-                [{"parameters": {"city": "x"}}]):
+                [{"parameters": {"city": "x"}}], [{**ok[1], "arguments": {}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     one = tl.ToolRequest((F, G), "required", parallel=False).schema()
