@@ -420,12 +420,23 @@ def collect(events: list[Event]) -> ParsedOutput:
 
 
 def parse_output(stream: CallStream, text: str) -> ParsedOutput:
-    """A whole output through ``stream``. Calls whose arguments are not JSON (cut by max_tokens) make the whole
-    output plain text, as vLLM's parsers do."""
+    """A whole output through ``stream``. A last call whose arguments are not JSON was cut by max_tokens: it is
+    left out (the finish reason says ``length``), so every call returned parses. Any other call whose arguments
+    are not JSON, or no call left, makes the whole output plain text, as vLLM's parsers do."""
     out = collect(stream.feed(text) + stream.finish())
-    for call in out.tool_calls:
-        try:
-            json.loads(call["function"]["arguments"])
-        except ValueError:
-            return ParsedOutput(text)
-    return out
+    calls = out.tool_calls
+    if not calls:
+        return out
+    if not _parses(calls[-1]["function"]["arguments"]):
+        calls = calls[:-1]
+    if not calls or not all(_parses(c["function"]["arguments"]) for c in calls):
+        return ParsedOutput(text)
+    return ParsedOutput(out.content, calls)
+
+
+def _parses(s: str) -> bool:
+    try:
+        json.loads(s)
+    except ValueError:
+        return False
+    return True

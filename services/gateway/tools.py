@@ -66,13 +66,13 @@ class ToolRequest:
         """The JSON schema the output must match (``required``: a list of calls; named: the function's arguments);
         None when the model is free."""
         if self.mode == "named":
-            return next(t.parameters for t in self.tools if t.name == self.named)
+            return closed(next(t.parameters for t in self.tools if t.name == self.named))
         if self.mode != "required":
             return None
         calls: dict[str, Any] = {
             "type": "array", "minItems": 1,
             "items": {"type": "object", "anyOf": [
-                {"properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": t.parameters},
+                {"properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": closed(t.parameters)},
                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]}}
         if not self.parallel:
             calls["maxItems"] = 1
@@ -151,6 +151,24 @@ def _tool(t: Any, i: int) -> Tool:
         raise ToolError(f"{where}.function.parameters is not a valid JSON Schema at {at}: {e.message}",
                         "tools") from None
     return Tool(name, desc, params)
+
+
+_DATA_KEYS = ("enum", "const", "default", "examples")  # their values are JSON data, not schemas
+
+
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object that does not say otherwise, as xgrammar's
+    strict mode (vLLM's default) reads a schema: a constrained call then holds the declared arguments only, and a
+    small model cannot fill its ``max_tokens`` with keys the function does not take."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYS else closed(v) for k, v in schema.items()}
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _short(v: Any) -> str:

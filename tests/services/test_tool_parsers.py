@@ -87,10 +87,15 @@ def test_hermes_call_without_arguments_or_closing_tag():
     assert calls(out) == [("get_time", "{}")] and out.content is None
 
 
-def test_arguments_cut_by_max_tokens_make_the_output_text():
+def test_a_call_cut_by_max_tokens_is_left_out():
     text = 'Sure <tool_call>{"name": "get_weather", "arguments": {"city": "Par'
     out = tp.parse_output(stream(), text)
-    assert out.tool_calls == [] and out.content == text
+    assert out.tool_calls == [] and out.content == text  # no call left: all text
+    text = '[{"name": "get_time", "parameters": {"tz": "A"}}, {"name": "get_time", "parameters": {"tz": "'
+    out = tp.parse_output(stream(mode="required"), text)
+    assert calls(out) == [("get_time", '{"tz": "A"}')] and out.content is None
+    bad_middle = '<tool_call>{"name": "get_time", "arguments": {tz: 1}}</tool_call><tool_call>{"name": "get_time"}'
+    assert tp.parse_output(stream(), bad_middle) == tp.ParsedOutput(bad_middle)
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -156,7 +161,22 @@ def test_schemas_of_required_and_named():
     one = tl.ToolRequest((F, G), "required", parallel=False).schema()
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(ok, one)
-    assert tl.ToolRequest((F, G), "named", "get_weather").schema() == F.parameters
+    assert tl.ToolRequest((F, G), "named", "get_weather").schema() == {**F.parameters, "additionalProperties": False}
+    with pytest.raises(jsonschema.ValidationError):  # only the declared arguments
+        jsonschema.validate([{"name": "get_time", "parameters": {"tz": "A", "extra": 1}}], schema)
+
+
+def test_closed_schemas_take_only_declared_properties():
+    s = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                          "c": {"type": "array", "items": {"properties": {"d": {}}}},
+                                          "e": {"type": "object", "additionalProperties": {"type": "string"}},
+                                          "f": {"enum": [{"properties": 1}]}}}
+    c = tl.closed(s)
+    assert c["additionalProperties"] is False and c["properties"]["a"]["additionalProperties"] is False
+    assert c["properties"]["c"]["items"]["additionalProperties"] is False
+    assert c["properties"]["e"]["additionalProperties"] == {"type": "string"}  # said otherwise: kept
+    assert c["properties"]["f"] == {"enum": [{"properties": 1}]}  # data, not a schema
+    assert "additionalProperties" not in s  # the tool's own schema (shown in the prompt) is unchanged
     assert tl.ToolRequest((F, G), "auto").schema() is None
 
 
