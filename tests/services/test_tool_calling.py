@@ -15,6 +15,7 @@ import urllib.request
 
 import jsonschema
 import openai
+import pydantic
 import pytest
 
 from tests.services.harness import running_cluster
@@ -154,6 +155,21 @@ def test_named_function_is_called_with_valid_arguments(cluster):
         deltas = [d for s in streamed for d in (s.choices[0].delta.tool_calls or [])]
         assert deltas[0].function.name == "get_time"
         assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+class GetTime(pydantic.BaseModel):
+    """The local time in a time zone."""
+
+    timezone: str
+
+
+def test_the_clients_parse_reads_a_pydantic_function_tools_arguments(cluster):
+    c = client(cluster)
+    r = c.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": "What time is it in Lima?"}],
+                                 tools=[openai.pydantic_function_tool(GetTime)], temperature=0, max_tokens=60,
+                                 tool_choice={"type": "function", "function": {"name": "GetTime"}})
+    [call] = r.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetTime) and call.function.parsed_arguments.timezone
 
 
 BAD = [
