@@ -5,8 +5,9 @@ Accepted fields: OpenAI's (``max_tokens`` / ``max_completion_tokens``, ``tempera
 ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logprobs`` / ``top_logprobs``, ``user``, ``stream``,
 ``stream_options.include_usage``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``priority``, ``cache_salt``). Unknown fields are ignored, as OpenAI and vLLM do; features we do not serve
-(tools, structured output, ``echo``, ``suffix``, ``best_of`` > n, images) are a 400 that says so.
+``priority``, ``cache_salt``), and structured outputs: ``response_format`` and vLLM's ``structured_outputs`` and
+``guided_*`` (``services/gateway/constraints.py``). Unknown fields are ignored, as OpenAI and vLLM do; features we
+do not serve (tools, ``echo``, ``suffix``, ``best_of`` > n, images) are a 400 that says so.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tokenmill.v1 import common_pb2, frontend_pb2, tokenizer_pb2
+
+from services.gateway import constraints
 
 Kind = Literal["chat", "completion"]
 MAX_N = 128
@@ -167,6 +170,12 @@ def _params(body: dict[str, Any], kind: Kind) -> tuple[common_pb2.SamplingParams
             if tid < 0:
                 raise bad(f"logit_bias key {key!r} is not a token id (ids are >= 0)", "logit_bias")
             p.logit_bias[tid] = float(v)
+    try:
+        so = constraints.from_body(body)
+    except constraints.ConstraintError as e:
+        raise bad(str(e), e.param) from None
+    if so is not None:
+        p.structured.CopyFrom(so)
     p.ignore_eos = _bool(body, "ignore_eos")
     p.min_tokens = _int(body, "min_tokens", 0, lo=0) or 0
     p.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
@@ -221,9 +230,6 @@ def messages(body: dict[str, Any]) -> tokenizer_pb2.ChatMessages:
 def _unsupported(body: dict[str, Any], kind: Kind) -> None:
     if body.get("tools") or body.get("functions"):
         raise bad("tool calling is not supported by this server; send the request without tools", "tools")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
-        raise bad("response_format other than text is not supported by this server", "response_format")
     if kind == "completion":
         if body.get("echo"):
             raise bad("echo is not supported by this server", "echo")
