@@ -5,10 +5,10 @@ Accepted fields: OpenAI's (``max_tokens`` / ``max_completion_tokens``, ``tempera
 ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logprobs`` / ``top_logprobs``, ``user``, ``stream``,
 ``stream_options.include_usage``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``priority``, ``cache_salt``), and on chat ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
-(``services/gateway/tools.py``). Unknown fields are ignored, as OpenAI and vLLM do; features we do not serve
-(structured output, ``echo``, ``suffix``, ``best_of`` > n, images, the deprecated ``functions``) are a 400 that
-says so.
+``priority``, ``cache_salt``), structured outputs: ``response_format`` and vLLM's ``structured_outputs`` and
+``guided_*`` (``services/gateway/constraints.py``), and on chat ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` (``services/gateway/tools.py``). Unknown fields are ignored, as OpenAI and vLLM do; features
+we do not serve (``echo``, ``suffix``, ``best_of`` > n, images, the deprecated ``functions``) are a 400 that says so.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from tokenmill.v1 import common_pb2, frontend_pb2, tokenizer_pb2
 
+from services.gateway import constraints
 from services.gateway import tool_parsers as tp
 from services.gateway import tools as tl
 
@@ -175,6 +176,12 @@ def _params(body: dict[str, Any], kind: Kind) -> tuple[common_pb2.SamplingParams
             if tid < 0:
                 raise bad(f"logit_bias key {key!r} is not a token id (ids are >= 0)", "logit_bias")
             p.logit_bias[tid] = float(v)
+    try:
+        so = constraints.from_body(body)
+    except constraints.ConstraintError as e:
+        raise bad(str(e), e.param) from None
+    if so is not None:
+        p.structured.CopyFrom(so)
     p.ignore_eos = _bool(body, "ignore_eos")
     p.min_tokens = _int(body, "min_tokens", 0, lo=0) or 0
     p.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
@@ -271,18 +278,14 @@ def _tools(body: dict[str, Any], kind: Kind, params: common_pb2.SamplingParams) 
         return None
     schema = req.schema()
     if schema is not None:
-        rf = body.get("response_format")
-        if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
-            raise bad("response_format cannot be combined with tool_choice 'required' or a named function: both "
-                      "constrain the output", "response_format")
+        if params.HasField("structured"):
+            raise bad("tool_choice 'required' or a named function constrains the output to the call: send it "
+                      "without response_format, structured_outputs or guided_*", "tool_choice")
         params.structured.json_schema = json.dumps(schema)
     return req
 
 
 def _unsupported(body: dict[str, Any], kind: Kind) -> None:
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
-        raise bad("response_format other than text is not supported by this server", "response_format")
     if kind == "completion":
         if body.get("echo"):
             raise bad("echo is not supported by this server", "echo")

@@ -40,7 +40,7 @@ from tokenmill.v1 import (
     tokenizer_pb2_grpc,
 )
 
-from common import rpc, telemetry
+from common import rpc, structured, telemetry
 from common.cluster_config import ServiceConfig
 from common.wire import sampling_params_from_proto
 from services.gateway.http import HttpFrontend
@@ -81,7 +81,10 @@ def validate(req: frontend_pb2.GenerateRequest) -> None:
             raise ValueError(f"prompt_token_ids[{bad}] is {ids[bad]}; token ids are >= 0")
     if req.priority < 0:
         raise ValueError(f"priority must be >= 0 (0 = interactive, 10 = batch), got {req.priority}")
-    sampling_params_from_proto(req.params).validate(vocab_size=2**31 - 1)  # the worker checks the vocabulary
+    params = sampling_params_from_proto(req.params)
+    params.validate(vocab_size=2**31 - 1)  # the worker checks the vocabulary
+    if params.structured is not None:
+        structured.check(params.structured)  # GrammarError is a ValueError naming the problem
 
 
 class GatewayMetrics:

@@ -183,6 +183,8 @@ BAD = [
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_stock"}}),
      "tool_choice names the function 'get_stock', which is not in tools"),
     (dict(tool_choice="required"), "tool_choice 'required' needs tools"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}),
+     "tool_choice 'required' or a named function constrains the output to the call"),
     (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice must be 'none', 'auto', 'required'"),
     (dict(tools=[WEATHER], parallel_tool_calls="yes"), "parallel_tool_calls must be true or false"),
     (dict(messages=[{"role": "tool", "content": "22 C"}]), "messages[0].tool_call_id is missing"),
