@@ -91,6 +91,9 @@ class GatewayConfig:
     response_cache_bytes: int = 0
     response_cache_ttl_s: float = 300.0
 
+    # how tool calls are read from the model's text, as vLLM's --tool-call-parser (services/gateway/tools.py):
+    # hermes (<tool_call>{...}</tool_call>) or llama3 (JSON {"name", "parameters"} calls)
+    tool_parser: Literal["hermes", "llama3"] = "hermes"
 
 PriorityClassName = Literal["interactive", "standard", "batch"]
 PRIORITY_CLASSES: tuple[PriorityClassName, ...] = ("interactive", "standard", "batch")  # most urgent first

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
@@ -25,6 +26,7 @@ from common.sampler import Sampler, SampleRow
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import FinishReason, Sequence, SequenceStatus
+from common.structured import GrammarCompiler, GrammarError, GrammarMatcher
 from common.tensor_parallel import SINGLE, TensorParallelWorkers
 from common.tokenizer import TextTokenizer
 
@@ -128,6 +130,8 @@ class LLMEngine:
         if self.cfg.noop_model:
             self.sample_vocab = 1  # its logits have one column
         self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs)
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._grammars_lock = threading.Lock()
         self.num_steps = 0
         self.num_generated_tokens = 0
 
@@ -180,7 +184,34 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        if params.structured is not None:
+            try:  # compiled (and cached) here, off the engine thread in the workers: a bad one is refused
+                self.grammars.compile(params.structured)
+            except GrammarError as e:
+                raise RequestError(str(e)) from e
         return max_tokens
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The worker's grammar compiler and cache (``common/structured.py``). Raises RequestError without a
+        tokenizer. Thread-safe."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                if self.tokenizer is None or self.cfg.noop_model:
+                    raise RequestError("structured outputs need the model's tokenizer; this model has none")
+                self._grammars = GrammarCompiler(self.tokenizer.tk.to_str(), self.sample_vocab,
+                                                 self.model_cfg.eos_token_ids)
+            return self._grammars
+
+    def grammar_matcher(self, params: SamplingParams, prior: Seq[int] = ()) -> GrammarMatcher | None:
+        """A fresh matcher for a request's constraint, advanced past ``prior``; None when it has none. Raises
+        RequestError naming what is wrong with the constraint."""
+        if params.structured is None:
+            return None
+        try:
+            return self.grammars.matcher(params.structured, prior)
+        except GrammarError as e:
+            raise RequestError(str(e)) from e
 
     def _new_seq(
         self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, priority: int, cache_salt: str,
@@ -193,6 +224,7 @@ class LLMEngine:
             raise RequestError(f"{len(prior_output_ids)} tokens were already generated and max_tokens is "
                                f"{max_tokens}: nothing is left to generate")
         return Sequence(
+            matcher=self.grammar_matcher(params, prior_output_ids),
             output_ids=[int(t) for t in prior_output_ids],
             request_id=request_id,
             prompt_ids=[int(t) for t in prompt_ids],
@@ -240,6 +272,9 @@ class LLMEngine:
         on, the local blocks to fill (``kv_ready`` / ``kv_failed`` afterwards). With no room for its blocks now, it
         is queued to recompute locally instead (KvImport is None, same output)."""
         seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt)
+        if seq.matcher is not None and not seq.matcher.accept(int(first_token)):
+            raise RequestError(f"the first token {first_token} does not follow the request's "
+                               f"{params.structured.kind.replace('_', ' ')} constraint")  # type: ignore[union-attr]
         seq.output_ids.append(int(first_token))
         out = self._token_output(seq, int(first_token), first_logprob)
         if out.finished:
@@ -325,8 +360,8 @@ class LLMEngine:
         if not sampling or logits is None:
             return []
         eos = self.model_cfg.eos_token_ids
-        rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos, s.request_id)
-                for s in sampling]
+        rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos, s.request_id,
+                          s.matcher) for s in sampling]
         if logits.shape[1] > self.sample_vocab:
             logits = logits[:, : self.sample_vocab]
         with torch.inference_mode():
@@ -334,10 +369,17 @@ class LLMEngine:
         now = time.monotonic()
         outputs = []
         for s, tok, lp in zip(sampling, result.token_ids, result.logprobs):
+            broken = s.matcher is not None and not s.matcher.accept(tok)
+            if broken:  # cannot happen while the mask holds; ends the request rather than the engine
+                log.error("request %s: token %d does not follow its grammar; finishing it", s.request_id, tok)
+                s.matcher = None
             s.output_ids.append(tok)
             if s.first_token_time is None:
                 s.first_token_time = now
             o = self._token_output(s, tok, TokenLogprob(tok, lp[0], lp[1]) if lp is not None else None)
+            if broken and not o.finished:
+                s.status, s.finish_reason = SequenceStatus.FINISHED, FinishReason.STOP
+                o.finished, o.finish_reason = True, FinishReason.STOP
             if o.finished or s.request_id in self._prefill_only:
                 self.sampler.release(s.request_id)
             if s.request_id in self._prefill_only:
@@ -354,7 +396,8 @@ class LLMEngine:
         p = s.params
         reason: FinishReason | None = None
         stop_tok = (not p.ignore_eos and tok in self.model_cfg.eos_token_ids) or tok in p.stop_token_ids
-        if stop_tok and len(s.output_ids) >= p.min_tokens:
+        grammar_done = s.matcher is not None and s.matcher.terminated  # complete, and allows nothing more
+        if (stop_tok and len(s.output_ids) >= p.min_tokens) or grammar_done:
             reason = FinishReason.STOP
         if reason is None and (len(s.output_ids) >= s.max_tokens or s.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
@@ -378,6 +421,7 @@ class LLMEngine:
         If the first token already ends the request, there is nothing to decode: the blocks are freed."""
         self._prefill_only.discard(s.request_id)
         self._seqs.pop(s.request_id, None)
+        s.matcher = None  # the decode worker replays the first token on its own matcher
         if o.finished:
             self.scheduler.remove(s)
             return

@@ -6,6 +6,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output (``common/structured.py`` compiles it): every sampled token keeps the text a
+    prefix of something the constraint accepts, and EOS is allowed only once it is complete."""
+
+    kind: StructuredKind
+    spec: str = ""  # json_schema: the schema as JSON text; regex: the pattern; grammar: Lark or GBNF text
+    choices: tuple[str, ...] = ()  # choice: exactly one of these strings
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +43,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # (token id, bias) pairs added to the logits before sampling, as OpenAI's logit_bias; a mapping is accepted
     logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None  # None: unconstrained
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.sampling import SamplingParams
+from common.structured import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +49,8 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     admitted: bool = False
+    # a constrained request: its grammar, advanced past every output token (outputs survive preemption, so it does)
+    matcher: GrammarMatcher | None = None
 
     @property
     def num_tokens(self) -> int:

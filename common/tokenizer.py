@@ -8,11 +8,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import meta
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.decoders import DecodeStream
 
+from common import tool_prompt
 from common.gguf_loader import GGUFFile
 
 _TOKEN_TYPE_CONTROL = 3
@@ -44,6 +46,7 @@ class TextTokenizer:
         self.add_bos = add_bos
         self.bos_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self._template = None
+        self.renders_tools = False  # whether the template takes ``tools`` (else common/tool_prompt.py writes them)
         if chat_template:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -51,6 +54,7 @@ class TextTokenizer:
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(chat_template)
+            self.renders_tools = "tools" in meta.find_undeclared_variables(env.parse(chat_template))
 
     @property
     def vocab_size(self) -> int:
@@ -126,9 +130,16 @@ class TextTokenizer:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        tool_format: tool_prompt.Style = "hermes",
+        **kwargs: Any,
     ) -> str:
-        """Render ``messages`` with the model's template. Raises ChatTemplateError on bad messages."""
+        """Render ``messages`` (and OpenAI's ``tools``) with the model's template; a template that does not take
+        ``tools`` gets them, and the tool turns, written in ``tool_format`` by ``common/tool_prompt.py``. Raises
+        ChatTemplateError on bad messages."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
         if not messages:
@@ -139,6 +150,11 @@ class TextTokenizer:
             if not isinstance(m.get("content", ""), str | list | None):
                 raise ChatTemplateError(f"messages[{i}].content must be a string or a list of parts")
         msgs = [_flatten_content(m) for m in messages]
+        if self.renders_tools:
+            if tools:
+                kwargs["tools"] = tools
+        elif tools or tool_prompt.has_tool_turns(msgs):
+            msgs = tool_prompt.with_tools(msgs, tools, tool_format)
         try:
             return self._template.render(
                 messages=msgs,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tokenmill.v1 import common_pb2
 
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, StructuredOutput
 
 
 def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -33,4 +33,25 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
         logit_bias=dict(p.logit_bias),
+        structured=structured_from_proto(p.structured) if p.HasField("structured") else None,
     )
+
+
+def structured_from_proto(s: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    """The oneof's case; None when none is set (an empty StructuredOutput constrains nothing)."""
+    kind = s.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not s.json_object):
+        return None
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(s.choice.choices))
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    return StructuredOutput(kind, spec=getattr(s, kind))
+
+
+def structured_to_proto(so: StructuredOutput) -> common_pb2.StructuredOutput:
+    if so.kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=list(so.choices)))
+    if so.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    return common_pb2.StructuredOutput(**{so.kind: so.spec})

@@ -18,6 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         bench_resilience,
         bench_serve,
         bench_serving_peer,
+        bench_structured,
         report,
     )
 
@@ -30,4 +31,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_fuzz.add_parser(bsub)
     bench_resilience.add_parser(bsub)
     bench_output_filter.add_parser(bsub)
+    bench_structured.add_parser(bsub)
     report.add_compare_parser(bsub)

@@ -230,8 +230,8 @@ class HttpFrontend:
             raise oa.bad("the request body is nested too deeply to parse; send a flatter JSON object") from None
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """vLLM's ``/tokenize``: ``{prompt}`` or ``{messages}`` → ``{count, max_model_len, tokens}`` (the pool's
-        tokenizer and chat template, exactly what a request would be given)."""
+        """vLLM's ``/tokenize``: ``{prompt}`` or ``{messages}`` (and ``tools``) → ``{count, max_model_len, tokens}``
+        (the pool's tokenizer and chat template, exactly what a request would be given)."""
         self._auth(request)
         body = await self._body(request)
         if not isinstance(body, dict):
@@ -240,6 +240,9 @@ class HttpFrontend:
         if "messages" in body:
             treq = tokenizer_pb2.TokenizeRequest(chat=oa.messages(body))
             treq.chat.add_generation_prompt = bool(body.get("add_generation_prompt", True))
+            tools = oa.chat_tools(body)
+            if tools is not None:
+                treq.chat.tools_json = tools.tools_json()
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -364,7 +367,7 @@ class HttpFrontend:
         request[_TENANT] = t
         tenant = t.name
         body = await self._body(request)
-        parsed = oa.parse(body, kind, self._resolve_model)
+        parsed = oa.parse(body, kind, self._resolve_model, self.cfg.tool_parser)
         if {"no-cache", "no-store"} & {d.strip().lower() for d in request.headers.get("Cache-Control", "").split(",")}:
             for r in parsed.requests:
                 r.skip_response_cache = True
@@ -484,7 +487,8 @@ class HttpFrontend:
                         failed = item
                         break
                     else:
-                        data += _sse(builder.chunk(choices[i], item, i not in started), item.seq if ids else None)
+                        for chunk in builder.chunks(choices[i], item, i not in started):
+                            data += _sse(chunk, item.seq if ids else None)
                         started.add(i)
                         choices[i].add(item, keep=False)
                 if failed is not None:

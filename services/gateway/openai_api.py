@@ -5,16 +5,19 @@ Accepted fields: OpenAI's (``max_tokens`` / ``max_completion_tokens``, ``tempera
 ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logprobs`` / ``top_logprobs``, ``user``, ``stream``,
 ``stream_options.include_usage``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``priority``, ``cache_salt``), ``service_tier`` as the request's priority class (``SERVICE_TIERS``), and
-``skip_response_cache`` (answer from a worker even when the gateway's response cache holds the request). A choice
-the output filter blocked ends with ``finish_reason: "content_filter"`` and carries ``filter_reason`` (why) beside
-it, in the response and in the streamed chunk that ends it. Unknown fields are ignored, as OpenAI and vLLM do;
-features we do not serve
-(tools, structured output, ``echo``, ``suffix``, ``best_of`` > n, images) are a 400 that says so.
+``priority``, ``cache_salt``), ``service_tier`` as the request's priority class (``SERVICE_TIERS``),
+``skip_response_cache`` (answer from a worker even when the gateway's response cache holds the request),
+structured outputs: ``response_format`` and vLLM's ``structured_outputs`` and ``guided_*``
+(``services/gateway/constraints.py``), and on chat ``tools`` / ``tool_choice`` / ``parallel_tool_calls``
+(``services/gateway/tools.py``). A choice the output filter blocked ends with ``finish_reason: "content_filter"``
+and carries ``filter_reason`` (why) beside it, in the response and in the streamed chunk that ends it. Unknown
+fields are ignored, as OpenAI and vLLM do; features we do not serve (``echo``, ``suffix``, ``best_of`` > n, images,
+the deprecated ``functions``) are a 400 that says so.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -22,6 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tokenmill.v1 import common_pb2, frontend_pb2, tokenizer_pb2
+
+from services.gateway import constraints
+from services.gateway import tool_parsers as tp
+from services.gateway import tools as tl
 
 Kind = Literal["chat", "completion"]
 MAX_N = 128
@@ -82,6 +89,8 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     service_tier: int | None = None  # the priority class asked for (None: the tenant's default)
+    tools: tl.ToolRequest | None = None  # chat with tools offered to the model (tool_choice other than none)
+    tool_parser: tl.ParserName = "hermes"
 
 
 # -- reading fields ------------------------------------------------------------------------------------------
@@ -180,6 +189,12 @@ def _params(body: dict[str, Any], kind: Kind) -> tuple[common_pb2.SamplingParams
             if tid < 0:
                 raise bad(f"logit_bias key {key!r} is not a token id (ids are >= 0)", "logit_bias")
             p.logit_bias[tid] = float(v)
+    try:
+        so = constraints.from_body(body)
+    except constraints.ConstraintError as e:
+        raise bad(str(e), e.param) from None
+    if so is not None:
+        p.structured.CopyFrom(so)
     p.ignore_eos = _bool(body, "ignore_eos")
     p.min_tokens = _int(body, "min_tokens", 0, lo=0) or 0
     p.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
@@ -227,16 +242,63 @@ def messages(body: dict[str, Any]) -> tokenizer_pb2.ChatMessages:
             content = ""
         if not isinstance(content, str):
             raise bad(f"{where}.content must be a string or a list of text parts", "messages")
-        chat.messages.add(role="system" if role == "developer" else role, content=content)
+        msg = chat.messages.add(role="system" if role == "developer" else role, content=content)
+        if role == "assistant" and m.get("tool_calls"):
+            msg.tool_calls_json = json.dumps(_tool_calls(m["tool_calls"], where), ensure_ascii=False)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise bad(f"{where}.tool_call_id is missing; a tool message answers the call with that id",
+                          "messages")
+            msg.tool_call_id = call_id
     return chat
 
 
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked and normalized to OpenAI's shape."""
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls must be a list of {{id, type: function, function: {{name, arguments}}}}",
+                  "messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
+                fn.get("arguments", ""), str):
+            raise bad(f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}} "
+                      "with arguments as a JSON string", "messages")
+        out.append({"id": str(c.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}})
+    return out
+
+
+def chat_tools(body: dict[str, Any]) -> tl.ToolRequest | None:
+    """A chat body's tools when they are offered to the model (None without tools or with ``tool_choice`` none)."""
+    try:
+        req = tl.parse_request(body)
+    except tl.ToolError as e:
+        raise bad(str(e), e.param) from None
+    return req if req is not None and req.offered else None
+
+
+def _tools(body: dict[str, Any], kind: Kind, params: common_pb2.SamplingParams) -> tl.ToolRequest | None:
+    """The request's tools (chat only), the constraint of ``required`` / a named function set on ``params``."""
+    if kind == "completion":
+        if body.get("tools"):
+            raise bad("tools are served on /v1/chat/completions, not on /v1/completions", "tools")
+        return None
+    req = chat_tools(body)
+    if req is None:
+        return None
+    schema = req.schema()
+    if schema is not None:
+        if params.HasField("structured"):
+            raise bad("tool_choice 'required' or a named function constrains the output to the call: send it "
+                      "without response_format, structured_outputs or guided_*", "tool_choice")
+        params.structured.json_schema = json.dumps(schema)
+    return req
+
+
 def _unsupported(body: dict[str, Any], kind: Kind) -> None:
-    if body.get("tools") or body.get("functions"):
-        raise bad("tool calling is not supported by this server; send the request without tools", "tools")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
-        raise bad("response_format other than text is not supported by this server", "response_format")
     if kind == "completion":
         if body.get("echo"):
             raise bad("echo is not supported by this server", "echo")
@@ -244,10 +306,12 @@ def _unsupported(body: dict[str, Any], kind: Kind) -> None:
             raise bad("suffix is not supported by this server", "suffix")
 
 
-def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> Parsed:
+def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str],
+          tool_parser: tl.ParserName = "hermes") -> Parsed:
     """Validate an OpenAI request body; raise OpenAIError (400/404) with the field in ``param``.
 
-    ``resolve_model`` maps the requested model to the served name (or raises the 404)."""
+    ``resolve_model`` maps the requested model to the served name (or raises the 404); ``tool_parser`` reads tool
+    calls out of the model's text (``gateway.tool_parser``)."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     model = body.get("model")
@@ -269,6 +333,7 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
     include_usage = bool(opts and opts.get("include_usage"))
     skip_cache = _bool(body, "skip_response_cache")
     params, want_logprobs = _params(body, kind)
+    tools = _tools(body, kind, params)
     priority = _int(body, "priority", 0) or 0
     tier = body.get("service_tier")
     if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):
@@ -278,7 +343,10 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
         raise bad("cache_salt must be a string", "cache_salt")
     inputs: list[dict[str, Any]]
     if kind == "chat":
-        inputs = [{"chat": messages(body)}]
+        chat = messages(body)
+        if tools is not None:
+            chat.tools_json = tools.tools_json()
+        inputs = [{"chat": chat}]
     else:
         inputs = _prompts(body.get("prompt"))
     reqs = []
@@ -296,7 +364,7 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
                 r.params.seed = params.seed + j  # n different samples, each reproducible
             reqs.append(r)
     return Parsed(kind, model, reqs, n, len(inputs), stream, include_usage, want_logprobs,
-                  SERVICE_TIERS[tier] if tier is not None else None)
+                  SERVICE_TIERS[tier] if tier is not None else None, tools, tool_parser)
 
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -408,6 +476,12 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if parsed.kind == "chat" else "text_completion"
         self.service_tier = service_tier  # the tier the request runs in, as OpenAI's responses name it
+        self._calls: dict[int, tp.CallStream] = {}  # streamed choices' tool-call parsers
+
+    def _finish(self, reason: str | None, calls: int) -> str | None:
+        """OpenAI's finish reason: ``tool_calls`` when the model chose to call (a named function's is ``stop``)."""
+        named = self.p.tools is not None and self.p.tools.mode == "named"
+        return "tool_calls" if reason == "stop" and calls and not named else reason
 
     def _head(self, obj: str) -> dict[str, Any]:
         out = {"id": self.id, "object": obj, "created": self.created, "model": self.p.model}
@@ -420,18 +494,57 @@ class ResponseBuilder:
         items = []
         for c in choices:
             text = "".join(c.text)
+            finish = c.finish_reason
             if self.p.kind == "chat":
-                item: dict[str, Any] = {"index": c.index, "message": {"role": "assistant", "content": text},
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if self.p.tools is not None:
+                    said = tp.parse_output(self.p.tools.stream(self.p.tool_parser), text)
+                    message["content"] = said.content
+                    if said.tool_calls:
+                        message["tool_calls"] = said.tool_calls
+                    finish = self._finish(finish, len(said.tool_calls))
+                item: dict[str, Any] = {"index": c.index, "message": message,
                                         "logprobs": self.fmt.chat(c.logprobs) if self.p.logprobs else None}
             else:
                 item = {"index": c.index, "text": text,
                         "logprobs": self.fmt.completion(c.logprobs) if self.p.logprobs else None}
-            item["finish_reason"] = c.finish_reason
+            item["finish_reason"] = finish
             if c.filter_reason:
                 item["filter_reason"] = c.filter_reason
             items.append(item)
         out["choices"] = items
         out["usage"] = usage(choices, self.p.n)
+        return out
+
+    def chunks(self, c: Choice, resp: frontend_pb2.GenerateResponse, first: bool) -> list[dict[str, Any]]:
+        """The streamed chunks for ``resp`` (a delta of choice ``c``, before ``c.add(resp)``): one, or with tools
+        those the parser can say now (none while it holds back text that may start a call)."""
+        if self.p.tools is None:
+            return [self.chunk(c, resp, first)]
+        stream = self._calls.setdefault(c.index, self.p.tools.stream(self.p.tool_parser))
+        events = stream.feed(resp.text)
+        fr = finish_reason(resp.finish_reason)
+        if fr is not None:
+            events += stream.finish()
+            self._calls.pop(c.index, None)
+        deltas = _tool_deltas(events)
+        if first:
+            deltas = [{"role": "assistant", "content": ""}, *deltas]
+        if fr is not None or (resp.logprobs and self.p.logprobs):
+            deltas = deltas or [{}]
+        out = []
+        for i, delta in enumerate(deltas):
+            head = self._head("chat.completion.chunk")
+            last = i == len(deltas) - 1
+            head["choices"] = [{"index": c.index, "delta": delta,
+                                "logprobs": self.fmt.chat(list(resp.logprobs)) if self.p.logprobs and i == 0
+                                else None,
+                                "finish_reason": self._finish(fr, stream.calls) if last else None}]
+            if last and resp.filter_reason:
+                head["choices"][0]["filter_reason"] = resp.filter_reason
+            if self.p.include_usage:
+                head["usage"] = None
+            out.append(head)
         return out
 
     def chunk(self, c: Choice, resp: frontend_pb2.GenerateResponse, first: bool) -> dict[str, Any]:
@@ -460,3 +573,18 @@ class ResponseBuilder:
         out["choices"] = []
         out["usage"] = usage(choices, self.p.n)
         return out
+
+
+def _tool_deltas(events: list[tp.Event]) -> list[dict[str, Any]]:
+    """Parser events → chat deltas as OpenAI streams them: text as ``content``; a call's first delta with its
+    index, id, type and name (arguments ""), then its argument fragments."""
+    out: list[dict[str, Any]] = []
+    for e in events:
+        if isinstance(e, tp.Text):
+            out.append({"content": e.text})
+        elif isinstance(e, tp.CallStart):
+            out.append({"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                        "function": {"name": e.name, "arguments": ""}}]})
+        else:
+            out.append({"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]})
+    return out

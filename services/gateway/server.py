@@ -49,7 +49,7 @@ from tokenmill.v1 import (
     tokenizer_pb2_grpc,
 )
 
-from common import rpc, telemetry
+from common import rpc, structured, telemetry
 from common.cluster_config import ServiceConfig
 from common.output_filter import PolicySet
 from common.wire import sampling_params_from_proto
@@ -97,7 +97,10 @@ def validate(req: frontend_pb2.GenerateRequest) -> None:
     if req.priority_class not in CLASS_NAME and req.priority_class != common_pb2.PRIORITY_CLASS_UNSPECIFIED:
         raise ValueError(f"priority_class {req.priority_class} is not a class; use PRIORITY_CLASS_INTERACTIVE, "
                          "_STANDARD or _BATCH (unset: the tenant's default)")
-    sampling_params_from_proto(req.params).validate(vocab_size=2**31 - 1)  # the worker checks the vocabulary
+    params = sampling_params_from_proto(req.params)
+    params.validate(vocab_size=2**31 - 1)  # the worker checks the vocabulary
+    if params.structured is not None:
+        structured.check(params.structured)  # GrammarError is a ValueError naming the problem
 
 
 class GatewayMetrics:

@@ -5,8 +5,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -41,15 +44,45 @@ class TokenizerMetrics:
         self.batch_seconds.observe(s.seconds)
 
 
-def chat_messages(chat: tokenizer_pb2.ChatMessages) -> list[dict[str, str]]:
-    """Proto chat messages → the dicts the chat template expects (``name`` only when set)."""
+def chat_messages(chat: tokenizer_pb2.ChatMessages) -> list[dict[str, Any]]:
+    """Proto chat messages → the dicts the chat template expects (``name``, ``tool_calls`` and ``tool_call_id``
+    only when set; a call's arguments as an object where they are JSON, as Hugging Face templates take them)."""
     out = []
     for m in chat.messages:
-        d = {"role": m.role, "content": m.content}
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.name:
             d["name"] = m.name
+        if m.tool_calls_json:
+            d["tool_calls"] = [_template_call(c) for c in _json_list(m.tool_calls_json, "tool_calls_json")]
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
+
+
+def chat_tools(chat: tokenizer_pb2.ChatMessages) -> list[dict[str, Any]] | None:
+    return _json_list(chat.tools_json, "tools_json") if chat.tools_json else None
+
+
+def _json_list(text: str, what: str) -> list[Any]:
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(v, list):
+        raise ValueError(f"{what} must be a JSON list")
+    return v
+
+
+def _template_call(c: Any) -> dict[str, Any]:
+    fn = c.get("function") if isinstance(c, dict) else None
+    if not isinstance(fn, dict):
+        raise ValueError("a tool call must be {id, type: function, function: {name, arguments}}")
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(ValueError):  # not JSON: the template gets the text as it came
+            args = json.loads(args)
+    return {**c, "function": {**fn, "arguments": args}}
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
@@ -131,7 +164,9 @@ class TokenizerService:
         assert self.tok is not None and self._batcher is not None, "tokenize before start()"
         which = req.WhichOneof("input")
         if which == "chat":
-            text = self.tok.apply_chat_template(chat_messages(req.chat), req.chat.add_generation_prompt)
+            text = self.tok.apply_chat_template(chat_messages(req.chat), req.chat.add_generation_prompt,
+                                                tools=chat_tools(req.chat),
+                                                tool_format=self.cfg.cluster.gateway.tool_parser)
             special = False  # the template writes its own special tokens
         elif which == "text":
             text, special = req.text, req.add_special_tokens

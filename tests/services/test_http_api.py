@@ -97,7 +97,7 @@ def test_completions_prompt_forms_n_and_sampling_fields_reach_the_worker(tok):
     ({"logit_bias": {"5": 101}}, 400, "logit_bias['5'] must be a number in [-100, 100], got 101"),
     ({"logit_bias": {"dog": 1}}, 400, "logit_bias key 'dog' is not a token id"),
     ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs must be in [0, 20]"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool calling is not supported"),
+    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, 400, "tools[0].function.name is missing"),
     ({"stream_options": {"include_usage": True}}, 400, "stream_options is only allowed with stream: true"),
     ({"model": "gpt-4"}, 404, "the model 'gpt-4' does not exist"),
 ])

@@ -1,0 +1,287 @@
+"""``tokenmill bench structured``: what grammar-constrained decoding costs, on SmolLM2's tokenizer (49,152 tokens).
+
+Two parts, one run:
+
+- **libraries**: llguidance (what the engine uses) against xgrammar (vLLM's default), when xgrammar is importable:
+  the time to build the tokenizer info, to compile each of the five JSON schemas below (llguidance builds lazily,
+  so its figure includes the first mask), and the time to fill one row's token bitmask, per step, while 32 rows
+  walk valid instances of the schemas token by token.
+- **engine**: the real engine step at batch 32, every row decoding, with no row constrained against every row
+  constrained (the five schemas, each wrapped in an array of at least 8 items so no row finishes inside the
+  window). The windows alternate, so both see the same machine load. The forward is the same work in both; what
+  differs is the update (mask fill, mask applied in the sampler, matchers advanced), timed on its own: the
+  constrained cost is the median update's growth over the median unconstrained step. The target: constrained
+  rows cost less than 10% of an unconstrained step. The end-to-end ratio of the median steps is printed beside it.
+
+Run: ``tokenmill bench structured [--steps 16] [--rounds 3] [--dtype bfloat16] [--temperature 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+TARGET_OVERHEAD = 0.10
+BATCH = 32
+
+# Five schemas of the kinds callers send: flat records, nested arrays of objects, enums, patterns, nullable fields.
+# Strings and arrays are bounded, so every output that follows a schema ends within a few hundred tokens.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "maxLength": 32}},
+        "required": ["name", "age", "email"], "additionalProperties": False},
+    "order": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 8},
+                                             "qty": {"type": "integer", "minimum": 1, "maximum": 20}},
+            "required": ["sku", "qty"], "additionalProperties": False}},
+        "paid": {"type": "boolean"}},
+        "required": ["id", "items", "paid"], "additionalProperties": False},
+    "weather": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "temps": {"type": "array", "maxItems": 4, "items": {"type": "integer", "minimum": -50, "maximum": 50}}},
+        "required": ["city", "unit", "temps"], "additionalProperties": False},
+    "sentiment": {"type": "object", "properties": {
+        "label": {"enum": ["positive", "negative", "neutral"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+        "keywords": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 16}}},
+        "required": ["label", "score", "keywords"], "additionalProperties": False},
+    "event": {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 30},
+        "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+        "attendees": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                             "role": {"enum": ["host", "guest"]}},
+            "required": ["name", "role"], "additionalProperties": False}},
+        "location": {"anyOf": [{"type": "string", "maxLength": 20}, {"type": "null"}]}},
+        "required": ["title", "date", "attendees", "location"], "additionalProperties": False},
+}
+# one valid instance of each, written as the model writes JSON: the rows the library part walks
+INSTANCES: dict[str, Any] = {
+    "person": {"name": "Ada Lovelace", "age": 36, "email": "ada@example.com"},
+    "order": {"id": 42, "items": [{"sku": "AB-1", "qty": 2}, {"sku": "ZZ9", "qty": 1}], "paid": True},
+    "weather": {"city": "Paris", "unit": "celsius", "temps": [12, 14, -3]},
+    "sentiment": {"label": "positive", "score": 92, "keywords": ["great", "fast"]},
+    "event": {"title": "Launch party", "date": "2026-11-27",
+              "attendees": [{"name": "Bob", "role": "host"}, {"name": "Eve", "role": "guest"}], "location": None},
+}
+
+
+def _walks(tok: Any, eos: int) -> dict[str, list[int]]:
+    return {k: [*tok.encode(json.dumps(v, separators=(", ", ": ")), add_special_tokens=False), eos]
+            for k, v in INSTANCES.items()}
+
+
+def bench_llguidance(tok: Any, vocab: int, eos: int) -> dict[str, Any]:
+    import llguidance as llg
+    import torch
+
+    from common.structured import _JSON_OPTIONS
+
+    words = (vocab + 31) // 32
+    t = time.perf_counter()
+    lltok = llg.LLTokenizer(tok.tk.to_str(), n_vocab=vocab, eos_token=eos)
+    init = time.perf_counter() - t
+    grammars, compile_s = {}, {}
+    one = torch.empty(1, words, dtype=torch.int32)
+    for k, s in SCHEMAS.items():
+        t = time.perf_counter()
+        g = llg.LLMatcher.grammar_from_json_schema(s, defaults=_JSON_OPTIONS)
+        m = llg.LLMatcher(lltok, g)
+        m.unsafe_compute_mask_ptr(one.data_ptr(), words * 4)  # built lazily: the first mask is part of it
+        compile_s[k] = time.perf_counter() - t
+        assert not m.is_error(), m.get_error()
+        grammars[k] = g
+    walks = _walks(tok, eos)
+    names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(BATCH)]
+    ms = [llg.LLMatcher(lltok, grammars[n]) for n in names]
+    bm = torch.empty(BATCH, words, dtype=torch.int32)
+    ex = llg.LLExecutor()
+    serial, par = [], []
+    for step in range(max(len(w) for w in walks.values()) - 1):
+        live = [(i, m) for i, m in enumerate(ms) if step < len(walks[names[i]]) - 1]
+        t = time.perf_counter()
+        for i, m in live:
+            m.unsafe_compute_mask_ptr(bm.data_ptr() + i * words * 4, words * 4)
+        serial.append((time.perf_counter() - t) / len(live))
+        t = time.perf_counter()
+        ex.unsafe_compute_mask_ptr([(m, i) for i, m in live], bm.data_ptr(), words * 4, BATCH)
+        par.append((time.perf_counter() - t) / len(live))
+        for i, m in live:
+            tk = walks[names[i]][step]
+            assert (int(bm[i, tk // 32]) >> (tk % 32)) & 1 and m.consume_token(tk), (names[i], step)
+    return {"library": f"llguidance {llg.__version__}", "tokenizer_info_s": init, "compile_s": compile_s,
+            "fill_us_mean": statistics.mean(serial) * 1e6, "fill_us_p50": statistics.median(serial) * 1e6,
+            "fill_us_max": max(serial) * 1e6, "fill_par_us_mean": statistics.mean(par) * 1e6}
+
+
+def bench_xgrammar(tok: Any, vocab: int, eos: int) -> dict[str, Any] | None:
+    try:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    t = time.perf_counter()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok.tk, eos_token=tok.eos_token)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab, stop_token_ids=[eos])
+    compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+    init = time.perf_counter() - t
+    compiled, compile_s = {}, {}
+    for k, s in SCHEMAS.items():
+        t = time.perf_counter()
+        compiled[k] = compiler.compile_json_schema(json.dumps(s), any_whitespace=False, separators=(", ", ": "))
+        compile_s[k] = time.perf_counter() - t
+    walks = _walks(tok, eos)
+    names = [list(SCHEMAS)[i % len(SCHEMAS)] for i in range(BATCH)]
+    ms = [xgr.GrammarMatcher(compiled[n]) for n in names]
+    bm = xgr.allocate_token_bitmask(BATCH, vocab)
+    serial = []
+    for step in range(max(len(w) for w in walks.values()) - 1):
+        live = [(i, m) for i, m in enumerate(ms) if step < len(walks[names[i]]) - 1]
+        t = time.perf_counter()
+        for i, m in live:
+            m.fill_next_token_bitmask(bm, i)
+        serial.append((time.perf_counter() - t) / len(live))
+        for i, m in live:
+            tk = walks[names[i]][step]
+            assert (int(bm[i, tk // 32]) >> (tk % 32)) & 1 and m.accept_token(tk), (names[i], step)
+    return {"library": f"xgrammar {getattr(xgr, '__version__', '')}".strip(), "tokenizer_info_s": init,
+            "compile_s": compile_s, "fill_us_mean": statistics.mean(serial) * 1e6,
+            "fill_us_p50": statistics.median(serial) * 1e6, "fill_us_max": max(serial) * 1e6,
+            "fill_par_us_mean": None}
+
+
+def _long_schema(s: dict[str, Any]) -> str:
+    """The schema as an array of at least 8 such objects: a row stays inside its grammar for the whole window."""
+    return json.dumps({"type": "array", "items": s, "minItems": 8, "maxItems": 16})
+
+
+def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0) -> dict[str, Any]:
+    import torch
+
+    from common.config import EngineConfig
+    from common.engine import LLMEngine
+    from common.sampling import SamplingParams, StructuredOutput
+
+    eng = LLMEngine.from_spec(None, EngineConfig(dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20))
+    tok = eng.tokenizer
+    assert tok is not None
+    names = list(SCHEMAS)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"Write {names[i % 5]} records "
+                                                     f"number {i} as a JSON array."}])) for i in range(BATCH)]
+    update_s: list[float] = []
+    real_update = eng._update
+
+    def timed_update(out: Any, logits: Any) -> Any:
+        t = time.perf_counter()
+        res = real_update(out, logits)
+        update_s.append(time.perf_counter() - t)
+        return res
+
+    eng._update = timed_update  # type: ignore[method-assign]
+
+    def window(constrained: bool, tag: str) -> tuple[list[float], list[float]]:
+        for i, ids in enumerate(prompts):
+            so = StructuredOutput("json_schema", _long_schema(SCHEMAS[names[i % 5]])) if constrained else None
+            eng.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=steps + 4, temperature=temperature, seed=i,
+                                                              ignore_eos=True, structured=so))
+        while any(not s.output_ids for s in eng._seqs.values()):  # prefills (and their first tokens)
+            eng.step()
+        times: list[float] = []
+        update_s.clear()
+        for _ in range(steps):
+            t = time.perf_counter()
+            outs = eng.step()
+            times.append(time.perf_counter() - t)
+            assert len(outs) == BATCH and not any(o.finished for o in outs), "a row left the batch"
+        upd = list(update_s)
+        for i in range(BATCH):
+            eng.abort(f"{tag}-{i}")
+        return times, upd
+
+    with torch.inference_mode():
+        window(False, "warm-a")
+        window(True, "warm-b")
+        plain: list[float] = []
+        masked: list[float] = []
+        plain_u: list[float] = []
+        masked_u: list[float] = []
+        for r in range(rounds):
+            t, u = window(False, f"plain-{r}")
+            plain += t
+            plain_u += u
+            t, u = window(True, f"masked-{r}")
+            masked += t
+            masked_u += u
+    med = statistics.median
+    extra = med(masked_u) - med(plain_u)  # the mask fill, its application and the matchers' advance
+    return {"dtype": dtype, "temperature": temperature, "batch": BATCH, "steps": len(plain),
+            "step_ms_plain": med(plain) * 1e3,
+            "step_ms_constrained": med(masked) * 1e3, "update_ms_plain": med(plain_u) * 1e3,
+            "update_ms_constrained": med(masked_u) * 1e3, "overhead": extra / med(plain),
+            "end_to_end": med(masked) / med(plain) - 1.0}
+
+
+def run(a: argparse.Namespace) -> int:
+    from common.loader import load_model_source
+    from common.machine import default_dtype
+
+    src = load_model_source(None)
+    tok = src.tokenizer
+    assert tok is not None
+    vocab, eos = tok.vocab_size, src.config.eos_token_ids[0]
+    libs = [bench_llguidance(tok, vocab, eos)]
+    xg = bench_xgrammar(tok, vocab, eos)
+    print(f"SmolLM2 tokenizer: {vocab} tokens; {os.cpu_count()} cores ({platform.processor() or platform.machine()})")
+    print()
+    print("| library | tokenizer info ms | compile ms: " + " / ".join(SCHEMAS) + " | total | fill µs/row mean | "
+          "p50 | max | parallel fill µs/row |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in [*libs, *([xg] if xg else [])]:
+        c = " / ".join(f"{r['compile_s'][k] * 1e3:.1f}" for k in SCHEMAS)
+        par = f"{r['fill_par_us_mean']:.1f}" if r["fill_par_us_mean"] is not None else "-"
+        print(f"| {r['library']} | {r['tokenizer_info_s'] * 1e3:.0f} | {c} | {sum(r['compile_s'].values()) * 1e3:.1f}"
+              f" | {r['fill_us_mean']:.1f} | {r['fill_us_p50']:.1f} | {r['fill_us_max']:.0f} | {par} |")
+    if xg is None:
+        print("(xgrammar is not installed: the comparison row is left out)")
+    dtype = a.dtype or default_dtype("cpu")
+    print(f"\nengine step at batch {BATCH} ({dtype}, temperature {a.temperature}, {a.steps} steps × {a.rounds} "
+          f"rounds each) ...", flush=True)
+    e = bench_engine(dtype, a.steps, a.rounds, a.temperature)
+    print()
+    print("| batch | dtype | temperature | step ms: none constrained | all constrained | "
+          "update ms (sample + stop checks): none | all | constrained cost | target | step ratio, end to end |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {e['batch']} | {e['dtype']} | {e['temperature']:g} | {e['step_ms_plain']:.1f} | "
+          f"{e['step_ms_constrained']:.1f} | "
+          f"{e['update_ms_plain']:.2f} | {e['update_ms_constrained']:.2f} | {e['overhead'] * 100:.1f}% | "
+          f"< {TARGET_OVERHEAD * 100:.0f}% | {e['end_to_end'] * 100:+.1f}% |")
+    met = e["overhead"] < TARGET_OVERHEAD
+    print(f"\ntarget {'met' if met else 'NOT met'}: all 32 rows constrained add {e['overhead'] * 100:.1f}% to an "
+          f"unconstrained step (medians of {e['steps']} steps each)")
+    if a.output:
+        Path(a.output).write_text(json.dumps({"libraries": [*libs, *([xg] if xg else [])], "engine": e}, indent=1))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("structured", help="structured outputs: grammar libraries and the constrained step's cost",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per window (default 16)")
+    p.add_argument("--rounds", type=int, default=3, help="alternating windows of each kind (default 3)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="the engine's dtype (default: the machine's, as tokenmill up picks it)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every row's temperature (default 0: greedy; 1 samples from the masked distribution)")
+    p.add_argument("--output", help="write the results as JSON here")
+    p.set_defaults(func=run)

@@ -1,0 +1,210 @@
+"""Structured outputs below the services: the grammar compiler and its cache, the sampler's per-row mask (a masked
+row never picks a disallowed token, on every path), and the engine's matcher through replays, preemption and a
+prefill done elsewhere."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from common.engine import RequestError
+from common.loader import load_tokenizer
+from common.sampler import Sampler, SampleRow
+from common.sampling import SamplingParams, StructuredOutput
+from common.structured import GrammarCompiler, GrammarError, check
+from tests.test_disaggregation import prefill, run
+
+V = 49152
+EOS = (2,)
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"], "additionalProperties": False}
+PERSON_SO = StructuredOutput("json_schema", json.dumps(PERSON))
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(load_tokenizer().tk.to_str(), V, EOS)
+
+
+def allowed_ids(matcher) -> set[int]:
+    """The matcher's allowed tokens, from llguidance's own per-token bytes (not the sampler's bitmask)."""
+    bias = matcher.raw.compute_logit_bias()
+    return {i for i, b in enumerate(bias) if b}
+
+
+def spiked_logits(n: int, spike_at: list[int], seed: int) -> torch.Tensor:
+    """Random logits whose largest entry in row i is ``spike_at[i]`` by a wide margin."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, V, generator=g)
+    x[torch.arange(n), torch.tensor(spike_at)] = 30.0
+    return x
+
+
+@pytest.mark.parametrize("knobs", [
+    {"temperature": 0.0},  # all greedy: the argmax fast path
+    {"temperature": 0.0, "repetition_penalty": 1.2},  # greedy through the processed logits
+    {"temperature": 1.0},  # the full-vocabulary pick
+    {"temperature": 1.5, "top_k": 5},  # the top-k candidate pick: every candidate but the disallowed may be masked
+    {"temperature": 1.0, "top_p": 0.9, "min_p": 0.05},
+], ids=["greedy-fast", "greedy-processed", "sampled", "top-k", "top-p-min-p"])
+def test_a_masked_row_never_picks_a_masked_token(compiler, knobs):
+    """Rows under a grammar beside unconstrained ones: each constrained pick is allowed, although the raw logits
+    put a disallowed token far on top; the unconstrained rows pick as if no grammar were in the batch."""
+    sampler = Sampler(V, "cpu", max_rows=8)
+    constraints = [PERSON_SO, StructuredOutput("choice", choices=("yes", "no")),
+                   StructuredOutput("regex", r"[0-9]{2,4}")]
+    prefix = load_tokenizer().encode('{"name": "', add_special_tokens=False)
+    for step_seed in range(8):
+        matchers = [compiler.matcher(so) for so in constraints]
+        # advance the JSON row a little so its mask is not the first one
+        for t in prefix[: step_seed % 4]:
+            assert matchers[0].accept(t)
+        allowed = [allowed_ids(m) for m in matchers]
+        banned = [min(set(range(1000, V)) - a) for a in allowed]  # a disallowed token per constrained row
+        logits = spiked_logits(5, [*banned, 777, 1234], step_seed)
+        p = SamplingParams(seed=step_seed, **knobs)
+        rows = [SampleRow(p, step_seed, 0, [1], [], EOS, grammar=m) for m in matchers]
+        rows += [SampleRow(p, step_seed, 0, [1], [], EOS) for _ in range(2)]
+        got = sampler.sample(logits, rows).token_ids
+        for i in range(3):
+            assert got[i] in allowed[i], (i, got[i])
+        if p.greedy:
+            assert got[3:] == [777, 1234]
+        alone = Sampler(V, "cpu").sample(logits[3:], rows[3:]).token_ids
+        assert got[3:] == alone
+
+
+def test_masked_sampling_draws_only_allowed_tokens_over_many_seeds(compiler):
+    """Sampled at temperature 2 on flat logits: hundreds of draws, every one allowed by the choice grammar."""
+    so = StructuredOutput("choice", choices=("alpha", "beta", "gamma", "delta"))
+    allowed = allowed_ids(compiler.matcher(so))
+    x = torch.zeros(1, V)
+    picks = set()
+    for seed in range(300):
+        [t] = Sampler(V, "cpu").sample(x, [SampleRow(SamplingParams(temperature=2.0), seed, 0, [1], [], EOS,
+                                                     grammar=compiler.matcher(so))]).token_ids
+        assert t in allowed
+        picks.add(t)
+    assert len(picks) > 1  # it samples among them, not one fixed token
+
+
+def test_compiled_grammars_are_cached_by_constraint(compiler):
+    before = compiler.misses
+    a = compiler.compile(StructuredOutput("regex", "[a-c]+x"))
+    assert compiler.compile(StructuredOutput("regex", "[a-c]+x")) is a
+    assert compiler.misses == before + 1
+    assert compiler.compile(StructuredOutput("regex", "[a-c]+y")) is not a
+
+
+@pytest.mark.parametrize("so, message", [
+    (StructuredOutput("json_schema", "{not json"), "json_schema is not valid JSON"),
+    (StructuredOutput("json_schema", '{"type": "strnig"}'), "invalid json schema: .*strnig"),
+    (StructuredOutput("json_schema", '{"type": "integer", "minimum": 5, "maximum": 2}'), "Unsatisfiable"),
+    (StructuredOutput("regex", "a[b"), "invalid regex: .*unclosed character class"),
+    (StructuredOutput("grammar", "start: foo"), 'invalid grammar: .*unknown name: "foo"'),
+    (StructuredOutput("choice"), "choice needs at least one string"),
+])
+def test_bad_constraints_are_refused_with_the_problem_named(compiler, so, message):
+    with pytest.raises(GrammarError, match=message):
+        check(so)
+    with pytest.raises(GrammarError, match=message):
+        compiler.compile(so)
+
+
+def test_gbnf_grammars_are_taken_too():
+    check(StructuredOutput("grammar", 'root ::= "yes" | "no"'))
+
+
+# -- the engine --------------------------------------------------------------------------------------------------
+def chat(engine, q):
+    tok = engine.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
+
+
+def test_constrained_outputs_match_their_constraints(engine):
+    prompts = [chat(engine, q) for q in ("Describe a person as JSON.", "Is water wet?", "A code?", "A cat as JSON.")]
+    params = [SamplingParams(max_tokens=40, temperature=0, structured=PERSON_SO),
+              SamplingParams(max_tokens=10, temperature=1.0, seed=5, structured=StructuredOutput(
+                  "choice", choices=("yes", "no", "maybe"))),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=6, structured=StructuredOutput(
+                  "regex", r"[0-9]{3}-[a-z]{2}")),
+              SamplingParams(max_tokens=60, temperature=0, structured=StructuredOutput("json_object"),
+                             min_tokens=3)]
+    person, choice, code, obj = engine.generate(prompts, params)
+    assert person.finish_reason == "stop"
+    jsonschema.validate(json.loads(person.text), PERSON)
+    assert choice.text in ("yes", "no", "maybe") and choice.finish_reason == "stop"
+    assert len(code.text) == 6 and code.text[:3].isdigit() and code.text[3] == "-" and code.finish_reason == "stop"
+    assert obj.finish_reason == "length" or isinstance(json.loads(obj.text), dict)
+
+
+def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(engine):
+    [r] = engine.generate([chat(engine, "Describe a person.")],
+                          SamplingParams(max_tokens=4, temperature=0, structured=PERSON_SO))
+    assert r.finish_reason == "length" and len(r.token_ids) == 4 and r.text.startswith('{"name": ')
+
+
+def test_a_bad_constraint_is_refused_before_any_block_is_taken(engine):
+    p = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "(unclosed"))
+    with pytest.raises(RequestError, match="invalid regex"):
+        engine.add_request("bad-regex", [1, 2, 3], p)
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=40, temperature=0, structured=PERSON_SO),
+    SamplingParams(max_tokens=40, temperature=1.0, seed=21, top_p=0.9, structured=PERSON_SO),
+], ids=["greedy", "seeded"])
+def test_replayed_outputs_keep_the_matcher_in_step(make_engine, params):
+    """A moved stream's prior outputs are replayed into its matcher: the rest equals the undisturbed run's tail.
+    Outputs that do not follow the constraint are refused."""
+    eng = make_engine(dtype="float32")
+    ids = chat(eng, "Describe a person as JSON.")
+    [full] = eng.generate([ids], params)
+    k = 5
+    eng.add_request("moved", ids, params, prior_output_ids=full.token_ids[:k])
+    assert full.token_ids[:k] + run(eng, "moved") == full.token_ids
+    bad = eng.tokenizer.encode("hello", add_special_tokens=False)
+    with pytest.raises(RequestError, match=r"output token 0 .* does not follow the json schema constraint"):
+        eng.add_request("bad", ids, params, prior_output_ids=bad)
+
+
+def test_preempted_constrained_sequences_finish_as_they_would_alone(engine, make_engine):
+    prompts = [chat(engine, f"Describe {n}, a person from a small town by the sea, as a JSON object with a name and "
+                            f"an age.") for n in ("Ada", "Bob", "Eve", "Max")]  # 54 tokens: 4 of 8 blocks
+    ps = [SamplingParams(max_tokens=30, temperature=1.0, seed=40 + i, structured=PERSON_SO) for i in range(4)]
+    alone = [engine.generate([p], q)[0].token_ids for p, q in zip(prompts, ps)]
+    small = make_engine(dtype="float32", max_num_seqs=4, num_gpu_blocks_override=8)
+    got = small.generate(prompts, ps)
+    assert small.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in got] == alone
+
+
+def test_prefill_elsewhere_samples_the_first_token_under_the_grammar(make_engine):
+    """The prefill worker's first token obeys the grammar, and the decode worker's matcher starts after it: the
+    whole output equals one engine's."""
+    pre, dec, whole = (make_engine(dtype="float32") for _ in range(3))
+    ids = chat(whole, "Give me a number.")
+    p = SamplingParams(max_tokens=12, temperature=0, structured=StructuredOutput("regex", r"\[[0-9]{1,3}\]"))
+    [ref] = whole.generate([ids], p)
+    assert ref.text.startswith("[") and ref.text.endswith("]")
+    o = prefill(pre, "pd", ids, p)
+    assert whole.tokenizer.decode(o.new_token_ids).startswith("[")
+    first, plan = dec.add_prefilled("pd", ids, o.new_token_ids[0], p)
+    assert plan is not None
+    dec.runner.kv_cache[plan.local_block_ids] = pre.runner.kv_cache[o.kv_block_ids[plan.num_cached_blocks:]]
+    pre.release("pd")
+    dec.kv_ready("pd")
+    assert first.new_token_ids + run(dec, "pd") == ref.token_ids
+    with pytest.raises(RequestError, match=r"first token .* does not follow"):
+        dec.add_prefilled("pd2", ids, eng_token(dec, "x"), p)
+
+
+def eng_token(engine, text):
+    [t] = engine.tokenizer.encode(text, add_special_tokens=False)
+    return t
