@@ -173,7 +173,9 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0) 
     from common.engine import LLMEngine
     from common.sampling import SamplingParams, StructuredOutput
 
+    t0 = time.perf_counter()
     eng = LLMEngine.from_spec(None, EngineConfig(dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20))
+    print(f"  engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     tok = eng.tokenizer
     assert tok is not None
     names = list(SCHEMAS)
@@ -205,6 +207,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0) 
             times.append(time.perf_counter() - t)
             assert len(outs) == BATCH and not any(o.finished for o in outs), "a row left the batch"
         upd = list(update_s)
+        print(f"  {tag}: median step {statistics.median(times) * 1e3:.1f} ms", flush=True)
         for i in range(BATCH):
             eng.abort(f"{tag}-{i}")
         return times, upd
