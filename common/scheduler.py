@@ -1,10 +1,13 @@
-"""Continuous batching by token budget, chunked prefill, priorities, preemption by recompute.
+"""Continuous batching by token budget, chunked prefill, priorities, fair share, preemption by recompute.
 
 Every step the scheduler hands out at most ``max_num_batched_tokens`` tokens: running sequences first (a decode
-takes one token, an unfinished prefill takes a chunk), then waiting sequences in (priority, arrival) order while
-their blocks fit. When a running sequence cannot get a block, the lowest-priority, latest-arrived running
-sequence is preempted: its blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting,
-to be recomputed later with its generated tokens — it finishes with the same output.
+takes one token, an unfinished prefill takes a chunk), then waiting sequences while their blocks fit, in the order
+of ``common/fair_share.py``: class by class, then the tenant with the lowest virtual token counter, then
+(priority, arrival); a tenant at its per-worker cap waits. With one tenant and one class that is (priority,
+arrival) order. When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
+class first, then the tenant furthest ahead on its counter, then the lowest priority and latest arrival. Its
+blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting, to be recomputed later with
+its generated tokens — it finishes with the same output.
 """
 
 from __future__ import annotations
@@ -13,7 +16,12 @@ import bisect
 from dataclasses import dataclass
 
 from common.block_manager import BlockManager
-from common.sequence import Sequence, SequenceStatus
+from common.fair_share import FairQueue
+from common.sequence import PriorityClass, Sequence, SequenceStatus
+
+
+def _running_key(s: Sequence) -> tuple[int, int, float, int]:
+    return (s.tenancy.klass, *s.order_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,18 +66,20 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: list[Sequence] = []  # sorted by order_key
-        self.running: list[Sequence] = []  # sorted by order_key
+        self.waiting = FairQueue()
+        self.running: list[Sequence] = []  # sorted by (class, priority, arrival)
+        self.num_running_by_class = [0] * len(PriorityClass)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.order_key)
+        self.waiting.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose blocks are allocated and computed already (its KV was pulled from a peer)."""
         seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=lambda s: s.order_key)
+        self._insert_running(seq)
+        self.waiting.started(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -77,35 +87,46 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of whichever queue holds it and free its blocks (finish or abort)."""
         if seq in self.running:
-            self.running.remove(seq)
+            self.detach(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running ``seq`` out of the batch, keeping its blocks (a prefill-only request's go to a lease)."""
+        self.running.remove(seq)
+        self.num_running_by_class[seq.tenancy.klass] -= 1
+        self.waiting.stopped(seq)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=_running_key)
+        self.num_running_by_class[seq.tenancy.klass] += 1
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """Batch class first, then the tenant furthest ahead on its counter, then lowest priority, latest arrival."""
+        return max(candidates, key=lambda s: (s.tenancy.klass, self.waiting.counter(s.tenancy.tenant), s.order_key))
+
     def _preempt(self, victim: Sequence) -> None:
-        self.running.remove(victim)
         self.bm.free(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(victim)
+        self.add(victim)  # queued before it stops running, so its tenant stays active and is not lifted
+        self.detach(victim)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         prefills: list[ScheduledSeq] = []
         decodes: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
-        scheduled: set[int] = set()
 
-        # 1. running sequences, highest priority first
+        # 1. running sequences, interactive and highest priority first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.bm.can_allocate(self.bm.num_new_blocks(seq, seq.num_computed_tokens + n)):
-                victim = self.running[-1]
-                if id(victim) in scheduled:  # never preempt what this step already runs
-                    victim = seq
+                victim = self._victim(self.running[i:])  # never what this step already runs
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -114,16 +135,17 @@ class Scheduler:
                 self.bm.allocate(seq, seq.num_computed_tokens + n)
                 item = ScheduledSeq(seq, n)
                 (decodes if n == 1 and seq.output_ids else prefills).append(item)
-                scheduled.add(id(seq))
+                self.waiting.charge(seq, n, item.samples)
                 budget -= n
                 i += 1
                 continue
             if victim is seq:
                 continue  # seq left the running list; the index now points at the next one
 
-        # 2. waiting sequences, unless this step had to preempt (no room to spare)
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        # 2. waiting sequences in fair-share order, unless this step had to preempt (no room to spare)
+        for seq in self.waiting.candidates() if not preempted else ():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
             hit = self.bm.match_prefix(seq) if not seq.block_ids else []
             computed = len(hit) * self.bm.block_size
             remaining = seq.num_tokens - computed
@@ -135,12 +157,14 @@ class Scheduler:
             need += sum(1 for b in hit if self.bm.blocks[b].ref_count == 0)
             if not self.bm.can_allocate(need):
                 break
-            self.waiting.pop(0)
+            self.waiting.admit(seq)
             self.bm.admit(seq)
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.order_key)
-            prefills.append(ScheduledSeq(seq, n))
+            self._insert_running(seq)
+            item = ScheduledSeq(seq, n)
+            prefills.append(item)
+            self.waiting.charge(seq, n, item.samples)
             budget -= n
         return SchedulerOutput(prefills, decodes, preempted)
 

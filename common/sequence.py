@@ -15,6 +15,36 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PriorityClass(enum.IntEnum):
+    """Admission order (lower first) and preemption order (higher first)."""
+
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Tenancy:
+    """Whose request this is, as the gateway resolved it: the scheduler's fair share reads it.
+
+    ``weight`` scales the tenant's share of served tokens; ``max_running`` caps its running sequences on this
+    worker (None: no cap)."""
+
+    tenant: str = ""
+    klass: PriorityClass = PriorityClass.STANDARD
+    weight: float = 1.0
+    max_running: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"tenant weight must be > 0, got {self.weight}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"tenant max_running must be >= 1 (or unset), got {self.max_running}")
+
+
+DEFAULT_TENANCY = Tenancy()
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
@@ -37,6 +67,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0  # tie-break for equal arrival times
     cache_salt: str = ""
+    tenancy: Tenancy = DEFAULT_TENANCY
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
@@ -47,6 +78,7 @@ class Sequence:
     num_preemptions: int = 0
     first_token_time: float | None = None
     admitted: bool = False
+    num_charged_tokens: int = 0  # tokens billed to the tenant's fair-share counter (a recompute is not billed again)
 
     @property
     def num_tokens(self) -> int:
