@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -43,6 +44,8 @@ ROLES: tuple[Role, ...] = ("router", "tokenizer", "prefill", "decode", "gateway"
 _ROLE_OFFSET: dict[str, int] = {"router": 0, "tokenizer": 100, "prefill": 200, "decode": 300, "gateway": 400}
 _METRICS_OFFSET = 1000
 ENV_PREFIX = "TOKENMILL_"
+OTHER_TENANT = "other"  # the metrics' tenant label of every tenant the config does not name
+_TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 class ConfigError(ValueError):
@@ -74,6 +77,61 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20  # a larger request body is refused with 413
     max_inflight_requests: int = 4096  # requests in flight at this gateway; above: 429 with Retry-After
     tenant_max_inflight: int = 0  # per-tenant in-flight quota (0: none); above: 429 with Retry-After
+    # JSON lines, one per finished or refused request: time, tenant, request id, model, class, token counts,
+    # status, latency, migrations (services/gateway/accounting.py); None: no audit log
+    audit_log: str | None = None
+    log_prompts: bool = False  # the audit log also holds each request's prompt and output text
+
+
+PriorityClassName = Literal["interactive", "standard", "batch"]
+PRIORITY_CLASSES: tuple[PriorityClassName, ...] = ("interactive", "standard", "batch")  # most urgent first
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    """One tenant of the ``tenants:`` section: who it is (its keys), what it may use and what it pays.
+
+    Quotas are token buckets refilled at ``rpm`` / ``tpm`` per minute holding at most the burst (0: the rate);
+    a rate of 0 is no limit. ``weight`` and ``max_running`` go to the engines' fair share on every request."""
+
+    keys_sha256: tuple[str, ...] = ()  # SHA-256 (hex) of each API key: `tokenmill keys hash KEY`
+    rpm: int = 0  # requests per minute (0: unlimited)
+    rpm_burst: int = 0  # the request bucket's size (0: rpm)
+    tpm: int = 0  # tokens per minute, input + output (0: unlimited)
+    tpm_burst: int = 0  # the token bucket's size (0: tpm)
+    default_class: PriorityClassName = "standard"  # a request that names no class gets this one
+    max_class: PriorityClassName = "interactive"  # the most urgent class it may ask for (a request above: capped)
+    weight: float = 1.0  # fair-share weight in the engines
+    max_running: int = 0  # its running sequences per worker (0: no cap)
+    share_prefix_cache: bool = False  # opt in to sharing prefix-cache blocks with other tenants
+    price_input_per_mtok: float = 0.0
+    price_output_per_mtok: float = 0.0
+
+    def __post_init__(self) -> None:
+        keys = tuple(k.strip().lower() for k in self.keys_sha256)
+        for k in keys:
+            if len(k) != 64 or any(c not in "0123456789abcdef" for c in k):
+                raise ValueError(f"keys_sha256 holds {k[:70]!r}, which is not a SHA-256 in hex (64 characters "
+                                 "0-9a-f); hash a key with `tokenmill keys hash KEY`")
+        object.__setattr__(self, "keys_sha256", keys)
+        for name in ("rpm", "rpm_burst", "tpm", "tpm_burst", "max_running"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
+        for name in ("price_input_per_mtok", "price_output_per_mtok"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.weight > 0:
+            raise ValueError(f"weight must be > 0, got {self.weight}")
+        if PRIORITY_CLASSES.index(self.default_class) < PRIORITY_CLASSES.index(self.max_class):
+            raise ValueError(f"default_class {self.default_class} is more urgent than max_class {self.max_class}")
+
+    @property
+    def rpm_capacity(self) -> int:
+        return self.rpm_burst or self.rpm
+
+    @property
+    def tpm_capacity(self) -> int:
+        return self.tpm_burst or self.tpm
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +233,21 @@ class ClusterConfig:
     prefill: WorkerConfig = field(default_factory=WorkerConfig)
     decode: WorkerConfig = field(default_factory=WorkerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # name → its identity, quotas, classes, fair share and prices (services/gateway/tenancy.py). Requests of a tenant
+    # not named here (a bare `gateway.api_keys` key, or any request while no key is configured) have the defaults
+    tenants: dict[str, TenantConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        owner: dict[str, str] = {}
+        for name, t in self.tenants.items():
+            if not _TENANT_NAME.fullmatch(name) or name == OTHER_TENANT:
+                raise ConfigError(f"tenants: the name {name!r} is not usable; use letters, digits, '.', '_' or "
+                                  f"'-' (at most 64), and not {OTHER_TENANT!r} (the metrics' label of the rest)")
+            for k in t.keys_sha256:
+                if k in owner:
+                    raise ConfigError(f"tenants.{name}.keys_sha256: the key hash {k[:12]}… is also "
+                                      f"tenants.{owner[k]}'s; a key belongs to one tenant")
+                owner[k] = name
         for role in ROLES:
             if self.pool(role).count < 0:
                 raise ConfigError(f"{role}.count must be >= 0, got {self.pool(role).count}")
@@ -414,13 +485,34 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     for name, value in data.items():
         t = hints[name]
         key = prefix + name
-        kw[name] = _build(t, value, key + ".") if dataclasses.is_dataclass(t) else _coerce(t, value, key)
+        if get_origin(t) is dict:
+            kw[name] = _build_named(get_args(t)[1], value, key)
+        else:
+            kw[name] = _build(t, value, key + ".") if dataclasses.is_dataclass(t) else _coerce(t, value, key)
     try:
         return cls(**kw)
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: {e}") from e
+
+
+def _build_named(cls: type, value: Any, key: str) -> dict[str, Any]:
+    """A section of named entries (``tenants:``): name → ``cls``. From the environment or a flag the section comes
+    as YAML (or JSON) text, e.g. ``TOKENMILL_TENANTS='{acme: {rpm: 600}}'``."""
+    if isinstance(value, str):
+        import yaml
+
+        try:
+            value = yaml.safe_load(value) if value.strip() else {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{key}: not valid YAML ({e})") from e
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key} must map names to entries, got {value!r}")
+    return {str(name): _build(cls, entry if entry is not None else {}, f"{key}.{name}.")
+            for name, entry in value.items()}
 
 
 def _coerce(t: Any, value: Any, key: str) -> Any:

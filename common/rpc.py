@@ -61,6 +61,10 @@ class ResourceExhausted(Exception):
     """The service is over a limit (queue full, quota); the client may retry later."""
 
 
+class Unauthenticated(Exception):
+    """The caller did not prove who it is (a missing or unknown API key)."""
+
+
 class NotFound(Exception):
     """The named thing (a model, a lease) does not exist here."""
 
@@ -81,6 +85,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, NotFound):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, TimeoutError):

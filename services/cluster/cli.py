@@ -117,9 +117,43 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     health.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
     health.set_defaults(func=cmd_health)
 
+    keys = sub.add_parser("keys", help="API keys for the tenants: section (stored as SHA-256 hashes)")
+    ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    khash = ksub.add_parser("hash", help="print the SHA-256 of a key, for tenants.NAME.keys_sha256",
+                            description="Print the SHA-256 (hex) of each KEY, or of each line of stdin without "
+                                        "one (which keeps the key out of the shell's history).")
+    khash.add_argument("key", nargs="*", help="the API key(s); none: read them from stdin, one a line")
+    khash.set_defaults(func=cmd_keys_hash)
+    knew = ksub.add_parser("new", help="make a random key; print it (give it to the tenant) and its hash (config)")
+    knew.add_argument("--tenant", default="NAME", help="the tenant's name in the printed config lines")
+    knew.set_defaults(func=cmd_keys_new)
+
     from services.cluster import ray_pools  # its own module: it imports this one
 
     ray_pools.add_parser(sub)
+
+
+def cmd_keys_hash(a: argparse.Namespace) -> int:
+    from services.gateway.tenancy import hash_key
+
+    keys = a.key or [line.strip() for line in sys.stdin if line.strip()]
+    if not keys:
+        print("tokenmill keys hash: no key given (as an argument or on stdin)", file=sys.stderr)
+        return 2
+    for k in keys:
+        print(hash_key(k))
+    return 0
+
+
+def cmd_keys_new(a: argparse.Namespace) -> int:
+    import secrets
+
+    from services.gateway.tenancy import hash_key
+
+    key = "sk-" + secrets.token_urlsafe(32)
+    print(f"key (give it to the tenant; it is not stored): {key}")
+    print(f"config:\ntenants:\n  {a.tenant}:\n    keys_sha256: [\"{hash_key(key)}\"]")
+    return 0
 
 
 def _load(a: argparse.Namespace) -> ClusterConfig | None:

@@ -35,6 +35,8 @@ from tokenmill.v1 import frontend_pb2, router_pb2, tokenizer_pb2
 
 from common import rpc, telemetry
 from services.gateway import openai_api as oa
+from services.gateway.accounting import AuditRecord
+from services.gateway.tenancy import QuotaExceeded, RequestTooLarge, Tenant
 
 if TYPE_CHECKING:
     from services.gateway.server import GatewayService
@@ -49,6 +51,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 _RETRY_AFTER_S = "1"
+_TENANT = web.RequestKey("tenant", Tenant)  # the request's tenant, for its x-ratelimit-* headers
 _READY_TTL_S = 0.5
 # Hugging Face repository names of the embedded models, served as aliases (benchmark tools ask for these)
 _HF_NAMES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
@@ -64,26 +67,14 @@ def served_model_names(model: str, configured: tuple[str, ...]) -> list[str]:
     return names
 
 
-def parse_api_keys(entries: tuple[str, ...]) -> dict[str, str]:
-    """``KEY`` or ``TENANT:KEY`` → {key: tenant}; a bare key's tenant is ``key-<index>`` (never the key)."""
-    out = {}
-    for i, e in enumerate(entries):
-        tenant, sep, key = e.rpartition(":")
-        out[key] = tenant if sep and tenant else f"key-{i}"
-    return out
-
-
 class _CallContext:
     """What ``GatewayService.generate`` reads from a gRPC context, for an HTTP request."""
-
-    def __init__(self, tenant: str) -> None:
-        self._md = (("x-tenant-id", tenant),)
 
     def time_remaining(self) -> float | None:
         return None
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._md
+        return ()
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -121,6 +112,10 @@ def error_from(exc: BaseException) -> oa.OpenAIError:
     status = _HTTP_STATUS.get(code, 500)
     if status == 500:
         log.error("unexpected error serving an HTTP request: %s", message, exc_info=exc)
+    if isinstance(exc, QuotaExceeded):  # Retry-After from the tenant's bucket, and its x-ratelimit-* headers
+        return oa.OpenAIError(429, message, code="rate_limit_exceeded", headers=exc.headers)
+    if isinstance(exc, rpc.Unauthenticated):
+        return oa.OpenAIError(401, message, code="invalid_api_key")
     retry = {"Retry-After": _RETRY_AFTER_S} if status in (429, 503) else None
     return oa.OpenAIError(status, message, param=oa.param_of(message) if status == 400 else None,
                           headers=retry)
@@ -134,7 +129,6 @@ class HttpFrontend:
         g = gw.cfg.cluster.gateway
         self.cfg = g
         self.names = served_model_names(gw.cfg.cluster.model, g.served_model_names)
-        self.keys = parse_api_keys(g.api_keys)
         self.inflight = 0
         self.tenant_inflight: Tally[str] = Tally()
         self.draining = False
@@ -183,10 +177,10 @@ class HttpFrontend:
         try:
             resp = await handler(request)
             status = resp.status
-            return resp
+            return self._with_limits(request, resp)
         except oa.OpenAIError as e:
             status = e.status
-            return _json(e.body(), e.status, e.headers)
+            return self._with_limits(request, _json(e.body(), e.status, e.headers))
         except web.HTTPRequestEntityTooLarge as e:
             status = 413
             err = oa.OpenAIError(413, f"the request body is over the limit of {self.cfg.max_body_bytes} bytes "
@@ -203,9 +197,17 @@ class HttpFrontend:
         except Exception as e:
             err = error_from(e)
             status = err.status
-            return _json(err.body(), err.status, err.headers)
+            return self._with_limits(request, _json(err.body(), err.status, err.headers))
         finally:
             self.requests.labels(endpoint, str(status)).inc()
+
+    @staticmethod
+    def _with_limits(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+        """OpenAI's ``x-ratelimit-*`` headers on every response to a tenant with quotas (a stream has them)."""
+        tenant = request.get(_TENANT)
+        if tenant is not None and tenant.has_quotas and not resp.prepared:
+            resp.headers.update(tenant.ratelimit_headers())  # as of now: after a refusal's refund, a settled bill
+        return resp
 
     # -- small endpoints -------------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -296,29 +298,28 @@ class HttpFrontend:
         return None
 
     # -- auth, limits ----------------------------------------------------------------------------------------
-    def _auth(self, request: web.Request) -> str:
-        """The request's tenant; raises 401 when keys are configured and the request has no valid one."""
-        if not self.keys:
-            return request.headers.get("x-tenant-id", "")
-        header = request.headers.get("Authorization", "")
-        scheme, _, key = header.partition(" ")
-        if not header:
-            raise oa.OpenAIError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")
-        if scheme.lower() != "bearer" or key.strip() not in self.keys:
-            raise oa.OpenAIError(401, "invalid API key; check the key you were given", code="invalid_api_key")
-        return self.keys[key.strip()]
+    def _auth(self, request: web.Request) -> Tenant:
+        """The request's tenant (remembered on the request for its x-ratelimit-* headers); raises Unauthenticated
+        (401) when keys are configured and the request has no valid one."""
+        tenant = self.gw.tenancy.identify(request.headers.get("Authorization"), request.headers.get("x-tenant-id", ""))
+        request[_TENANT] = tenant
+        return tenant
 
-    def _admit(self, tenant: str) -> None:
+    def _admit(self, t: Tenant, rid: str, model: str) -> None:
+        """The gateway's and the tenant's in-flight caps. Raises 429; the refusal is counted and audited."""
+        quota = self.cfg.tenant_max_inflight
         if self.inflight >= self.cfg.max_inflight_requests:
-            raise oa.OpenAIError(429, f"the gateway queue is full ({self.inflight} requests in flight); retry "
+            err = oa.OpenAIError(429, f"the gateway queue is full ({self.inflight} requests in flight); retry "
                                  "after the Retry-After seconds", code="queue_full",
                                  headers={"Retry-After": _RETRY_AFTER_S})
-        quota = self.cfg.tenant_max_inflight
-        if quota and self.tenant_inflight[tenant] >= quota:
-            raise oa.OpenAIError(429, f"tenant {tenant or '(default)'} is over its quota of {quota} requests in "
-                                 "flight; retry after the Retry-After seconds", code="quota_exceeded",
-                                 headers={"Retry-After": _RETRY_AFTER_S})
+        elif quota and self.tenant_inflight[t.name] >= quota:
+            err = oa.OpenAIError(429, f"tenant {t.name or '(default)'} is over its quota of {quota} requests in "
+                                 "flight (gateway.tenant_max_inflight); retry after the Retry-After seconds",
+                                 code="quota_exceeded", headers={"Retry-After": _RETRY_AFTER_S})
+        else:
+            return
+        self.gw.accounting.refused(t, "in_flight", AuditRecord(t.name, rid, model, "RESOURCE_EXHAUSTED"))
+        raise err
 
     async def _token_text(self) -> Any:
         """A cached ``id → text`` for logprobs (the tokenizer loads on first use, off the event loop)."""
@@ -344,7 +345,10 @@ class HttpFrontend:
 
     # -- completions ---------------------------------------------------------------------------------------
     async def completions(self, request: web.Request, kind: oa.Kind) -> web.StreamResponse:
-        tenant = self._auth(request)
+        t = self.gw.identify(request.headers.get("Authorization"), request.headers.get("x-tenant-id", ""),
+                             request.headers.get("X-Request-Id", ""), "")
+        request[_TENANT] = t
+        tenant = t.name
         body = await self._body(request)
         parsed = oa.parse(body, kind, self._resolve_model)
         ok, why = await self.ready()
@@ -356,13 +360,18 @@ class HttpFrontend:
                 "X-Request-Id")):
             raise oa.OpenAIError(400, "Last-Event-ID resumes a streamed request of one choice: send the same body "
                                       "with stream true and the X-Request-Id of the stream to resume")
-        if resume is None:
-            self._admit(tenant)
         rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        if resume is None:
+            self._admit(t, rid, parsed.model)
+            self.gw.admit_request(t, rid, parsed.model)
+        if parsed.service_tier is not None:
+            for r in parsed.requests:
+                r.priority_class = parsed.service_tier  # type: ignore[assignment]
+        tier = oa.TIER_OF_CLASS[self.gw.tenancy.priority_class(t, parsed.service_tier or 0)]
         for i, r in enumerate(parsed.requests):
             r.request_id = rid if len(parsed.requests) == 1 else f"{rid}-{i}"
         fmt = oa.LogprobFormatter(await self._token_text() if parsed.logprobs else str)
-        builder = oa.ResponseBuilder(parsed, rid, fmt)
+        builder = oa.ResponseBuilder(parsed, rid, fmt, tier)
         parent = telemetry.incoming_context([(k.lower(), v) for k, v in request.headers.items()])
         self.inflight += 1
         self.tenant_inflight[tenant] += 1
@@ -370,15 +379,19 @@ class HttpFrontend:
             with telemetry.stream_span(f"openai.{kind}", telemetry.SERVER, {"request_id": rid, "tenant": tenant},
                                        parent):
                 if parsed.stream:
-                    return await self._stream(request, parsed, builder, tenant, resume)
-                return await self._unary(parsed, builder, tenant)
+                    return await self._stream(request, parsed, builder, t, resume)
+                return await self._unary(parsed, builder, t)
+        except (QuotaExceeded, RequestTooLarge):
+            if resume is None:
+                self.gw.tenancy.refund_request(t)  # refused after the door: nothing is half-admitted
+            raise
         finally:
             self.inflight -= 1
             self.tenant_inflight[tenant] -= 1
             if not self.tenant_inflight[tenant]:
                 del self.tenant_inflight[tenant]
 
-    async def _choice(self, req: frontend_pb2.GenerateRequest, tenant: str, resumable: bool = False,
+    async def _choice(self, req: frontend_pb2.GenerateRequest, tenant: Tenant, resumable: bool = False,
                       after: int | None = None) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         """One choice's responses. ``resumable``: through the gateway's resumable streams (the generation outlives
         this connection for ``gateway.resume_window_s``); ``after``: resume that stream after this seq."""
@@ -386,15 +399,16 @@ class HttpFrontend:
         if after is not None:
             if streams is None:
                 raise oa.OpenAIError(404, "resume is off on this server (gateway.resume_window_s is 0)")
-            source = streams.follow(streams.get(req.request_id), after)
+            source = streams.follow(streams.get(req.request_id, tenant.name), after)
         elif resumable and streams is not None:
-            source = streams.follow(streams.start(req.request_id, self.gw.generate(req, _CallContext(tenant))))
+            source = streams.follow(streams.start(req.request_id, self.gw.generate(
+                req, _CallContext(), tenant), owner=tenant.name))  # type: ignore[arg-type]
         else:
-            source = self.gw.generate(req, _CallContext(tenant))  # type: ignore[arg-type]
+            source = self.gw.generate(req, _CallContext(), tenant)  # type: ignore[arg-type]
         async for resp in source:
             yield resp
 
-    async def _unary(self, parsed: oa.Parsed, builder: oa.ResponseBuilder, tenant: str) -> web.Response:
+    async def _unary(self, parsed: oa.Parsed, builder: oa.ResponseBuilder, tenant: Tenant) -> web.Response:
         choices = [oa.Choice(i) for i in range(len(parsed.requests))]
 
         async def run(i: int) -> None:
@@ -413,7 +427,7 @@ class HttpFrontend:
         return _json(builder.full(choices))
 
     async def _stream(self, request: web.Request, parsed: oa.Parsed, builder: oa.ResponseBuilder,
-                      tenant: str, resume: int | None = None) -> web.StreamResponse:
+                      tenant: Tenant, resume: int | None = None) -> web.StreamResponse:
         """SSE. With resume on, a stream of one choice carries ``id:`` lines (the response's seq), and a client that
         lost the connection sends the same request with ``Last-Event-ID`` (``resume``) and gets the rest."""
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -437,7 +451,7 @@ class HttpFrontend:
             if isinstance(first[1], Exception):
                 raise first[1]  # nothing was sent yet: the error keeps its status code
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": builder.id})
+                                               "X-Request-Id": builder.id, **tenant.ratelimit_headers()})
             await resp.prepare(request)
             started: set[int] = {0} if resume else set()  # a resumed stream's first chunk was sent before
             open_, failed = len(choices), None

@@ -5,7 +5,8 @@ Accepted fields: OpenAI's (``max_tokens`` / ``max_completion_tokens``, ``tempera
 ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logprobs`` / ``top_logprobs``, ``user``, ``stream``,
 ``stream_options.include_usage``) and vLLM's extras (``top_k``, ``min_p``, ``repetition_penalty``,
 ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``,
-``priority``, ``cache_salt``). Unknown fields are ignored, as OpenAI and vLLM do; features we do not serve
+``priority``, ``cache_salt``), and ``service_tier`` as the request's priority class (``SERVICE_TIERS``). Unknown
+fields are ignored, as OpenAI and vLLM do; features we do not serve
 (tools, structured output, ``echo``, ``suffix``, ``best_of`` > n, images) are a 400 that says so.
 """
 
@@ -29,6 +30,14 @@ _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGT
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
                503: "service_unavailable", 504: "timeout_error"}
+# OpenAI's service_tier → the priority class (None: the tenant's default); a class's own name is accepted too.
+# Responses carry the tier the request ran in (TIER_OF_CLASS).
+SERVICE_TIERS: dict[str, int | None] = {
+    "auto": None, "priority": common_pb2.PRIORITY_CLASS_INTERACTIVE, "default": common_pb2.PRIORITY_CLASS_STANDARD,
+    "flex": common_pb2.PRIORITY_CLASS_BATCH, "interactive": common_pb2.PRIORITY_CLASS_INTERACTIVE,
+    "standard": common_pb2.PRIORITY_CLASS_STANDARD, "batch": common_pb2.PRIORITY_CLASS_BATCH}
+TIER_OF_CLASS = {common_pb2.PRIORITY_CLASS_INTERACTIVE: "priority", common_pb2.PRIORITY_CLASS_STANDARD: "default",
+                 common_pb2.PRIORITY_CLASS_BATCH: "flex"}
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "min_tokens", "logprobs", "stop_token_ids", "stop")
 
@@ -69,6 +78,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
+    service_tier: int | None = None  # the priority class asked for (None: the tenant's default)
 
 
 # -- reading fields ------------------------------------------------------------------------------------------
@@ -256,6 +266,9 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
     include_usage = bool(opts and opts.get("include_usage"))
     params, want_logprobs = _params(body, kind)
     priority = _int(body, "priority", 0) or 0
+    tier = body.get("service_tier")
+    if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):
+        raise bad(f"service_tier must be one of {list(SERVICE_TIERS)}, got {tier!r}", "service_tier")
     salt = body.get("cache_salt") or ""
     if not isinstance(salt, str):
         raise bad("cache_salt must be a string", "cache_salt")
@@ -277,7 +290,8 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str]) -> 
             if n > 1 and params.HasField("seed"):
                 r.params.seed = params.seed + j  # n different samples, each reproducible
             reqs.append(r)
-    return Parsed(kind, model, reqs, n, len(inputs), stream, include_usage, want_logprobs)
+    return Parsed(kind, model, reqs, n, len(inputs), stream, include_usage, want_logprobs,
+                  SERVICE_TIERS[tier] if tier is not None else None)
 
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
@@ -381,13 +395,18 @@ def _finite(x: float) -> float:
 class ResponseBuilder:
     """Response objects of one request (same id, created and model in every chunk)."""
 
-    def __init__(self, parsed: Parsed, request_id: str, fmt: LogprobFormatter) -> None:
+    def __init__(self, parsed: Parsed, request_id: str, fmt: LogprobFormatter, service_tier: str | None = None
+                 ) -> None:
         self.p, self.id, self.fmt = parsed, request_id, fmt
         self.created = int(time.time())
         self.object = "chat.completion" if parsed.kind == "chat" else "text_completion"
+        self.service_tier = service_tier  # the tier the request runs in, as OpenAI's responses name it
 
     def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.p.model}
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.p.model}
+        if self.service_tier is not None:
+            out["service_tier"] = self.service_tier
+        return out
 
     def full(self, choices: list[Choice]) -> dict[str, Any]:
         out = self._head(self.object)

@@ -32,8 +32,9 @@ class StreamGone(NotFound):
 class StreamLog:
     """One stream's responses in order, the task that produces them, and who follows them."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, owner: str = "") -> None:
         self.request_id = request_id
+        self.owner = owner  # the tenant whose stream it is: only it may resume it
         self.items: list[frontend_pb2.GenerateResponse] = []
         self.done = False
         self.error: BaseException | None = None
@@ -68,13 +69,14 @@ class ResumableStreams:
     def __len__(self) -> int:
         return len(self._logs)
 
-    def start(self, request_id: str, source: AsyncIterator[frontend_pb2.GenerateResponse]) -> StreamLog:
-        """Run ``source`` in a task of its own, logging every response. Raises ValueError when a stream of that id
-        is still here (resume it instead)."""
+    def start(self, request_id: str, source: AsyncIterator[frontend_pb2.GenerateResponse], owner: str = ""
+              ) -> StreamLog:
+        """Run ``source`` (a generation of tenant ``owner``) in a task of its own, logging every response. Raises
+        ValueError when a stream of that id is still here (resume it instead)."""
         if request_id in self._logs:
             raise ValueError(f"request id {request_id!r} is already streaming here; resume it (Frontend.Resume, or "
                              f"Last-Event-ID over HTTP) or use another id")
-        sl = StreamLog(request_id)
+        sl = StreamLog(request_id, owner)
         self._logs[request_id] = sl
 
         async def produce() -> None:
@@ -91,9 +93,10 @@ class ResumableStreams:
         sl.producer = asyncio.get_running_loop().create_task(produce())
         return sl
 
-    def get(self, request_id: str) -> StreamLog:
+    def get(self, request_id: str, owner: str = "") -> StreamLog:
+        """The stream of that id, if it is tenant ``owner``'s; another tenant's is as good as none."""
         sl = self._logs.get(request_id)
-        if sl is None:
+        if sl is None or sl.owner != owner:
             raise StreamGone(f"no stream {request_id!r} to resume on this gateway: it never ran here, or nobody "
                              f"followed it for {self.window_s:g} s (gateway.resume_window_s)")
         return sl

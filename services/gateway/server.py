@@ -43,9 +43,11 @@ from tokenmill.v1 import (
 from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.wire import sampling_params_from_proto
+from services.gateway.accounting import Accounting, AuditRecord
 from services.gateway.http import HttpFrontend
 from services.gateway.pools import ChannelPool
 from services.gateway.resume import ResumableStreams, StreamGone
+from services.gateway.tenancy import CLASS_NAME, QuotaExceeded, RequestTooLarge, Tenancy, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,9 @@ def validate(req: frontend_pb2.GenerateRequest) -> None:
             raise ValueError(f"prompt_token_ids[{bad}] is {ids[bad]}; token ids are >= 0")
     if req.priority < 0:
         raise ValueError(f"priority must be >= 0 (0 = interactive, 10 = batch), got {req.priority}")
+    if req.priority_class not in CLASS_NAME and req.priority_class != common_pb2.PRIORITY_CLASS_UNSPECIFIED:
+        raise ValueError(f"priority_class {req.priority_class} is not a class; use PRIORITY_CLASS_INTERACTIVE, "
+                         "_STANDARD or _BATCH (unset: the tenant's default)")
     sampling_params_from_proto(req.params).validate(vocab_size=2**31 - 1)  # the worker checks the vocabulary
 
 
@@ -172,25 +177,42 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def Generate(self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         with telemetry.stream_span("generate"):  # the root of the request's trace (or a child of the client's)
-            streams = self.app.streams
-            if streams is None:
-                async for resp in self.app.generate(request, context):
+            tenant = self.app.identify(_metadata(context, "authorization"), _metadata(context, "x-tenant-id"),
+                                       request.request_id, request.model)
+            try:
+                self.app.admit_request(tenant, request.request_id, request.model)
+            except QuotaExceeded as e:
+                context.set_trailing_metadata(_grpc_headers(e.headers))
+                raise
+            if tenant.has_quotas:  # OpenAI's x-ratelimit-* headers, as metadata
+                await context.send_initial_metadata(_grpc_headers(tenant.ratelimit_headers()))
+            try:
+                streams = self.app.streams
+                if streams is None:
+                    async for resp in self.app.generate(request, context, tenant):
+                        yield resp
+                    return
+                req = frontend_pb2.GenerateRequest()
+                req.CopyFrom(request)
+                req.request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+                sl = streams.start(req.request_id, self.app.generate(req, _Detached(context), tenant),  # type: ignore[arg-type]
+                                   owner=tenant.name)
+                async for resp in streams.follow(sl):
                     yield resp
-                return
-            req = frontend_pb2.GenerateRequest()
-            req.CopyFrom(request)
-            req.request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-            sl = streams.start(req.request_id, self.app.generate(req, _Detached(context)))  # type: ignore[arg-type]
-            async for resp in streams.follow(sl):
-                yield resp
+            except (QuotaExceeded, RequestTooLarge) as e:
+                self.app.tenancy.refund_request(tenant)  # refused after the door: nothing is half-admitted
+                if isinstance(e, QuotaExceeded):
+                    context.set_trailing_metadata(_grpc_headers({**e.headers, **tenant.ratelimit_headers()}))
+                raise
 
     @rpc.translate_errors
     async def Resume(self, request: frontend_pb2.ResumeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         streams = self.app.streams
+        tenant = self.app.tenancy.identify(_metadata(context, "authorization"), _metadata(context, "x-tenant-id"))
         if streams is None:
             raise StreamGone("resume is off on this gateway (gateway.resume_window_s is 0)")
-        async for resp in streams.follow(streams.get(request.request_id), request.after_seq):
+        async for resp in streams.follow(streams.get(request.request_id, tenant.name), request.after_seq):
             yield resp
 
 
@@ -211,6 +233,8 @@ class GatewayService:
         self._background: set[asyncio.Task[Any]] = set()
         window = c.gateway.resume_window_s
         self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
+        self.tenancy = Tenancy.from_config(c)
+        self.accounting = Accounting(self.registry, c.gateway.audit_log, c.gateway.log_prompts)
         self.http = HttpFrontend(self)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
@@ -222,6 +246,7 @@ class GatewayService:
         if not self.tokenizers.addresses or not self.routers.addresses:
             raise RuntimeError("the gateway needs at least one tokenizer and one router address in the config")
         c = self.cfg.cluster
+        self.accounting.open()
         await self.http.start(c.host, c.gateway.http_port + self.cfg.index)
 
     async def begin_drain(self) -> None:
@@ -236,32 +261,79 @@ class GatewayService:
         await self.tokenizers.close()
         await self.routers.close()
         await self.workers.close()
+        self.accounting.close()
 
     # -- the request path ---------------------------------------------------------------------------------
-    async def generate(self, req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    def identify(self, authorization: str | None, claimed_tenant: str, request_id: str, model: str) -> Tenant:
+        """A request's tenant by its key (``claimed_tenant``, the client's x-tenant-id, only while no key is
+        configured). Raises Unauthenticated; the refusal is counted and audited."""
+        try:
+            return self.tenancy.identify(authorization, claimed_tenant)
+        except rpc.Unauthenticated:
+            self.accounting.refused(None, "unauthenticated", AuditRecord(
+                "", request_id, model or self.cfg.cluster.model, "UNAUTHENTICATED"))
+            raise
+
+    def admit_request(self, tenant: Tenant, request_id: str, model: str) -> None:
+        """Take the request's token from the tenant's requests-per-minute bucket (before any work). Raises
+        QuotaExceeded; the refusal is counted and audited."""
+        try:
+            self.tenancy.admit_request(tenant)
+        except QuotaExceeded:
+            self.accounting.refused(tenant, "requests", AuditRecord(
+                tenant.name, request_id, model or self.cfg.cluster.model, "RESOURCE_EXHAUSTED"))
+            raise
+
+    async def generate(self, req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, tenant: Tenant
                        ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        """One generation of ``tenant`` (admitted at the door by ``admit_request``): its tokens are charged to the tenant's
+        token quota after tokenization and settled with the real output when it ends."""
+        gw = self.cfg.cluster.gateway
         timing = _Timing(self.metrics)
+        st = _Attempts(gw.placement_retries, gw.migration_limit)
+        rec = AuditRecord(tenant.name, req.request_id, req.model or self.cfg.cluster.model, "CANCELLED")
+        charge = None
+        output: list[str] = []
         self.metrics.running.inc()
         outcome = "CANCELLED"
         try:
             validate(req)
             rid = req.request_id or f"gen-{uuid.uuid4().hex}"
-            meta = common_pb2.RequestMeta(request_id=rid, priority=req.priority, cache_salt=req.cache_salt,
-                                          # until API keys map to tenants, a client may name its tenant
-                                          tenant_id=_metadata(context, "x-tenant-id"))
+            rec.request_id = rid
+            meta = common_pb2.RequestMeta(request_id=rid, priority=req.priority, cache_salt=req.cache_salt)
+            self.tenancy.fill_meta(tenant, meta, req.priority_class)
+            rec.priority_class = CLASS_NAME[meta.priority_class]
+            if gw.log_prompts:
+                rec.prompt = _prompt_of(req)
             span = telemetry.current_span()
-            span.set_attributes({"request_id": rid, "tenant": meta.tenant_id, "priority": req.priority})
+            span.set_attributes({"request_id": rid, "tenant": meta.tenant_id, "priority": req.priority,
+                                 "priority_class": rec.priority_class})
             ids = await self.tokenize(req, meta, context.time_remaining())
             span.set_attribute("prompt_tokens", len(ids))
+            p = req.params
+            charge = self.tenancy.charge(tenant, len(ids), p.max_tokens if p.HasField("max_tokens") else 0)
+            rec.prompt_tokens = len(ids)
+            self.accounting.admitted(tenant)
             self.metrics.prompt_tokens.inc(len(ids))
             seq = 0
-            async for resp in self._place_and_run(req, meta, ids, context, timing):
+            async for resp in self._place_and_run(req, meta, ids, context, timing, st):
                 if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     outcome = _FINISH.get(resp.finish_reason, "stop")
                     self.metrics.success.labels(outcome).inc()
+                if resp.HasField("usage"):
+                    rec.cached_tokens = resp.usage.cached_tokens
+                if gw.log_prompts:
+                    output.append(resp.text)
                 seq += 1
                 resp.seq = seq
                 yield resp
+        except (QuotaExceeded, RequestTooLarge) as e:
+            outcome = rpc.status_for(e)[0].name
+            self.metrics.failure.labels(outcome).inc()
+            reason = "tokens" if isinstance(e, QuotaExceeded) else "too_large"
+            rec.status = outcome
+            self.accounting.refused(tenant, reason, rec)
+            raise
         except Exception as e:
             outcome = rpc.status_for(e)[0].name
             self.metrics.failure.labels(outcome).inc()
@@ -273,6 +345,16 @@ class GatewayService:
                 self.metrics.success.labels("abort").inc()
             else:
                 self.metrics.e2e.observe(time.perf_counter() - timing.t0)
+            if charge is not None:  # admitted: billed, counted and audited
+                self.tenancy.settle(charge, rec.prompt_tokens + timing.tokens)
+                rec.status, rec.completion_tokens, rec.migrations = outcome, timing.tokens, st.migrations
+                rec.latency_s = time.perf_counter() - timing.t0
+                if gw.log_prompts:
+                    rec.output = "".join(output)
+                self.accounting.served(tenant, rec)
+            elif rec.reason is None:  # failed before admission (invalid, or the tokenizer failed)
+                rec.status, rec.latency_s = outcome, time.perf_counter() - timing.t0
+                self.accounting.write(rec)
 
     async def tokenize(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta,
                        timeout: float | None) -> list[int]:
@@ -295,10 +377,8 @@ class GatewayService:
         return list(resp.token_ids)
 
     async def _place_and_run(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta,
-                             ids: list[int], context: grpc.aio.ServicerContext, timing: _Timing
+                             ids: list[int], context: grpc.aio.ServicerContext, timing: _Timing, st: _Attempts
                              ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
-        gw = self.cfg.cluster.gateway
-        st = _Attempts(gw.placement_retries, gw.migration_limit)
         try:
             while True:
                 # a moved stream is placed by its whole context and recomputes it on the decode worker
@@ -429,6 +509,21 @@ class GatewayService:
             task = asyncio.get_running_loop().create_task(release())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+
+def _grpc_headers(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """HTTP headers as gRPC metadata (keys in lower case)."""
+    return tuple((k.lower(), v) for k, v in headers.items())
+
+
+def _prompt_of(req: frontend_pb2.GenerateRequest) -> Any:
+    """The request's input for the audit log (only with gateway.log_prompts)."""
+    which = req.WhichOneof("input")
+    if which == "chat":
+        return [{"role": m.role, "content": m.content} for m in req.chat.messages]
+    if which == "prompt_token_ids":
+        return list(req.prompt_token_ids.ids)
+    return req.prompt
 
 
 def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:

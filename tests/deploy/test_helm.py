@@ -24,6 +24,7 @@ ALL_ON = {
     **copy.deepcopy(GPU_ON),
     "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
     "apiKeys": {"keys": ["team-a:sk-1", "sk-2"]},
+    "tenants": {"acme": {"keys_sha256": ["ab" * 32], "rpm": 600, "tpm": 200000, "max_class": "standard"}},
     "model": {"spec": "/models/host/llama", "volume": {"persistentVolumeClaim": {"claimName": "llama"}}},
     "imagePullSecrets": [{"name": "regcred"}],
     "engine": {"maxModelLen": 4096},
@@ -116,6 +117,8 @@ def test_config_wires_every_address_to_a_service_by_dns_and_ports_agree(tmp_path
                                       "TOKENMILL_INSTANCE_NAME": "tm-tokenmill-decode-abc"})
     assert cfg.model == "/models/host/llama" and cfg.router.prefill_threshold_tokens == 512
     assert cfg.engine.max_model_len == 4096 and cfg.host == "0.0.0.0"
+    acme = cfg.tenants["acme"]
+    assert (acme.keys_sha256, acme.rpm, acme.tpm, acme.max_class) == (("ab" * 32,), 600, 200000, "standard")
     assert cfg.service("decode").address == "10.1.2.3:20300" and cfg.service("decode").name.endswith("abc")
     services = by_kind(docs, "Service")
     for role in ("router", "tokenizer"):

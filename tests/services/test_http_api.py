@@ -12,8 +12,10 @@ import aiohttp
 import openai
 import pytest
 
+from common.cluster_config import load_cluster_config
 from common.loader import load_tokenizer
-from services.gateway.http import parse_api_keys, served_model_names
+from services.gateway.http import served_model_names
+from services.gateway.tenancy import Tenancy
 from tests.services.harness import HOST
 from tests.services.test_gateway import FakeDecode, stack
 
@@ -260,7 +262,8 @@ def test_client_disconnect_mid_stream_cancels_the_decode_call(tok):
 
 
 def test_config_helpers():
-    assert parse_api_keys(("a:k1", "k2", "x:y:k3")) == {"k1": "a", "k2": "key-1", "k3": "x:y"}
+    tenancy = Tenancy.from_config(load_cluster_config(overrides={"gateway.api_keys": "a:k1,k2,x:y:k3"}, env={}))
+    assert [tenancy.identify(f"Bearer {k}").name for k in ("k1", "k2", "k3")] == ["a", "key-1", "x:y"]
     assert served_model_names("smollm2", ()) == ["smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"]
     assert served_model_names("/m/llama.gguf", ("llama",)) == ["llama"]
 

@@ -1,0 +1,97 @@
+"""Tenants at the real gateway, tokenizer and router with fake decode workers (what the workers are sent is
+visible): RequestMeta's tenant fields on every worker call, the audit log with prompts, and resumable streams
+that only their tenant may follow."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import openai
+import pytest
+from tokenmill.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+
+from common.loader import load_tokenizer
+from services.gateway.tenancy import hash_key
+from tests.services.test_gateway import FakeDecode, stack
+from tests.services.test_http_api import client
+
+TENANTS = {"tenants.acme.keys_sha256": hash_key("sk-acme"), "tenants.acme.weight": 2.5,
+           "tenants.acme.max_running": 3, "tenants.acme.max_class": "standard",
+           "tenants.beta.keys_sha256": hash_key("sk-beta"), "tenants.beta.share_prefix_cache": True}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("smollm2")
+
+
+def test_request_meta_carries_the_tenant_to_the_workers(tok):
+    async def body():
+        d = FakeDecode(tokens=2)
+        async with stack(tok, {"decode-a": d}, **TENANTS) as st:
+            await client(st, "sk-acme").completions.create(model="smollm2", prompt="Hi", max_tokens=2,
+                                                           extra_body={"service_tier": "priority",
+                                                                       "cache_salt": "mine"})
+            m = d.requests[-1].meta
+            assert (m.tenant_id, m.priority_class, m.tenant_weight, m.tenant_max_running) == (
+                "acme", common_pb2.PRIORITY_CLASS_STANDARD, 2.5, 3)
+            assert m.cache_salt == "tenant\x00acme\x00mine"
+            async with grpc.aio.insecure_channel(st.gateway) as ch:
+                stub = frontend_pb2_grpc.FrontendStub(ch)
+                req = frontend_pb2.GenerateRequest(prompt="Hi", priority_class=common_pb2.PRIORITY_CLASS_BATCH)
+                [r async for r in stub.Generate(req, metadata=[("authorization", "Bearer sk-beta")])]
+                m = d.requests[-1].meta
+                assert (m.tenant_id, m.priority_class, m.tenant_weight, m.cache_salt) == (
+                    "beta", common_pb2.PRIORITY_CLASS_BATCH, 1.0, "")  # beta shares its prefix cache
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    bad = frontend_pb2.GenerateRequest(prompt="Hi", priority_class=7)
+                    [r async for r in stub.Generate(bad, metadata=[("authorization", "Bearer sk-beta")])]
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "priority_class 7" in e.value.details()
+
+    asyncio.run(body())
+
+
+def test_audit_log_holds_prompts_and_outputs_only_when_asked(tok, tmp_path):
+    async def body(log_prompts: bool):
+        path = tmp_path / f"audit-{log_prompts}.jsonl"
+        async with stack(tok, {"decode-a": FakeDecode(tokens=3)}, **TENANTS, **{
+                "gateway.audit_log": str(path), "gateway.log_prompts": log_prompts}) as st:
+            c = client(st, "sk-acme")
+            await c.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Secret plan"}],
+                                            extra_headers={"X-Request-Id": "a-1"})
+            with pytest.raises(openai.AuthenticationError):
+                await client(st, "sk-wrong").completions.create(model="smollm2", prompt="Hi")
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        served = next(r for r in lines if r["request_id"] == "a-1")
+        assert (served["tenant"], served["completion_tokens"], served["status"]) == ("acme", 3, "stop")
+        assert any(r["status"] == "UNAUTHENTICATED" and r["reason"] == "unauthenticated" for r in lines)
+        if log_prompts:
+            assert served["prompt"] == [{"role": "user", "content": "Secret plan"}]
+            assert served["output"] == "<0><1><2>"
+        else:
+            assert "Secret" not in path.read_text() and "output" not in served
+
+    asyncio.run(body(True))
+    asyncio.run(body(False))
+
+
+def test_only_its_tenant_may_resume_a_stream(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode("pause", tokens=4)}, **TENANTS,
+                         **{"gateway.resume_window_s": 5.0}) as st, grpc.aio.insecure_channel(st.gateway) as ch:
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            acme, beta = [("authorization", "Bearer sk-acme")], [("authorization", "Bearer sk-beta")]
+            call = stub.Generate(frontend_pb2.GenerateRequest(prompt="hi", request_id="mine"), metadata=acme)
+            await call.read()
+            call.cancel()
+            for md, code in ((beta, grpc.StatusCode.NOT_FOUND), (None, grpc.StatusCode.UNAUTHENTICATED)):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Resume(frontend_pb2.ResumeRequest(request_id="mine", after_seq=1), metadata=md).read()
+                assert e.value.code() == code
+            rest = [r async for r in stub.Resume(frontend_pb2.ResumeRequest(request_id="mine", after_seq=1),
+                                                 metadata=acme)]
+            assert [r.seq for r in rest] == [2, 3, 4]
+
+    asyncio.run(body())
