@@ -16,6 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         bench_offline,
         bench_serve,
         bench_serving_peer,
+        bench_tenants,
         report,
     )
 
@@ -26,4 +27,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_gpu_serving.add_parser(bsub)
     bench_disagg.add_parser(bsub)
     bench_fuzz.add_parser(bsub)
+    bench_tenants.add_parser(bsub)
     report.add_compare_parser(bsub)
