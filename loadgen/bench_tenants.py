@@ -5,8 +5,8 @@ in its config, each with an API key of its own, so every request goes through th
 resolution at the gateway:
 
 - ``interactive``: default and maximum class interactive, no quota;
-- ``flood``: class batch, ``--flood-rpm`` requests per minute (its excess gets 429 / RESOURCE_EXHAUSTED), an
-  optional per-worker cap (``--flood-max-running``);
+- ``flood``: class batch, ``--flood-rpm`` requests per minute (its excess gets 429 / RESOURCE_EXHAUSTED), a
+  per-worker cap on its running sequences (``--flood-max-running``);
 - ``probe``: class standard, no quota, only for the calibration.
 
 Then, over gRPC ``Generate``:
@@ -17,6 +17,9 @@ Then, over gRPC ``Generate``:
 2. (b) the same requests at the same times, beside the flood tenant sending at ``--flood-factor`` × its fair share
    (half the capacity: both weigh 1), Poisson. When the interactive tenant's last request ends the flood is
    cancelled.
+
+(a) and (b) alternate ``--rounds`` times and the figures pool the rounds, so a change in the machine's load
+(a shared machine) falls on both alike.
 
 It prints the interactive tenant's TTFT and TPOT p50/p99 in both runs and their ratio, the flood's throughput and
 its share of the capacity and of what the interactive tenant left, and who got the 429s. Requests due in the first
@@ -59,7 +62,9 @@ TPOT_TARGET = 1.10  # and its TPOT p99 by less than 10%
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tenants", help="noisy neighbour: an interactive tenant alone, then beside a flooding one",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of each run (default 40)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of each run (default 20)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs (a) and (b) alternate this many times; the figures pool them (default 2)")
     p.add_argument("--warmup-seconds", type=float, default=4.0,
                    help="requests due in a run's first S seconds are sent but left out (default 4)")
     p.add_argument("--interactive-rate", type=float, default=1.5, help="the interactive tenant's req/s (default 1.5)")
@@ -72,8 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flood-rpm", type=int, default=480,
                    help="the flood tenant's quota, requests per minute (default 480; 0: none)")
     p.add_argument("--flood-rpm-burst", type=int, default=8, help="its request bucket (default 8)")
-    p.add_argument("--flood-max-running", type=int, default=0,
-                   help="the flood tenant's running sequences per worker (default 0: no cap)")
+    p.add_argument("--flood-max-running", type=int, default=4,
+                   help="the flood tenant's running sequences per worker (default 4; 0: no cap)")
     p.add_argument("--calibrate-seconds", type=float, default=12.0, help="default 12")
     p.add_argument("--calibrate-concurrency", type=int, default=16, help="default 16")
     p.add_argument("--base-port", type=int, default=27000,
@@ -193,20 +198,29 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
                                 warmup_s=a.warmup_seconds, seed=a.seed + 4)
         flood_load = LoadConfig(request_rate=flood.rate, num_requests=None, duration_s=a.duration + 60,
                                 seed=a.seed + 5)
-        _say(f"run (a): the interactive tenant alone, {a.interactive_rate:g} req/s for {a.duration:g} s")
-        [alone], _, _ = await _phase(target, builder, [(inter, inter_w, inter_load)])
-        _say("run (b): the same beside the flood")
-        [beside], flood_recs, _ = await _phase(target, builder, [(inter, inter_w, inter_load)],
-                                               (flood, flood_w, flood_load))
+        alone: list[RequestRecord] = []
+        beside: list[RequestRecord] = []
+        flood_recs: list[RequestRecord] = []
+        flood_tokens, inter_tokens, window = 0, 0, 0.0
+        for k in range(a.rounds):  # (a) and (b) alternate, so a drift in the machine's load hits both alike
+            _say(f"round {k + 1}/{a.rounds}, run (a): the interactive tenant alone, {a.interactive_rate:g} req/s "
+                 f"for {a.duration:g} s")
+            [ra], _, _ = await _phase(target, builder, [(inter, inter_w, inter_load)])
+            _say(f"round {k + 1}/{a.rounds}, run (b): the same beside the flood")
+            [rb], rf, _ = await _phase(target, builder, [(inter, inter_w, inter_load)], (flood, flood_w, flood_load))
+            alone += ra
+            beside += rb
+            flood_recs += rf
+            # the flood's tokens over run (b)'s measured window: from the warm-up's end to the interactive tenant's
+            end = max(r.finished_at for r in rb)
+            flood_tokens += _tokens_in_window(rf, a.warmup_seconds, end)
+            inter_tokens += _tokens_in_window([r for r in rb if not r.warmup], a.warmup_seconds, end)
+            window += max(1e-9, end - a.warmup_seconds)
     finally:
         await target.close()
 
     sa, sb = summarize(alone), summarize(beside)
-    # the flood's tokens over run (b)'s measured window: from the warm-up's end to the interactive tenant's end
-    end = max(r.finished_at for r in beside)
-    window = max(1e-9, end - a.warmup_seconds)
-    flood_tok_s = _tokens_in_window(flood_recs, a.warmup_seconds, end) / window
-    inter_tok_s = _tokens_in_window([r for r in beside if not r.warmup], a.warmup_seconds, end) / window
+    flood_tok_s, inter_tok_s = flood_tokens / window, inter_tokens / window
     spare = max(1e-9, capacity_tok_s - inter_tok_s)
     sent = len(flood_recs)
     refused = {"interactive": _refused(alone) + _refused(beside), "flood": _refused(flood_recs),

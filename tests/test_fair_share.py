@@ -218,6 +218,8 @@ def test_a_flooding_tenant_does_not_starve_another_on_the_real_model(make_engine
             break
     assert steps <= 2 * params.max_tokens + 2  # two slots freeing at most, not ten rounds of them
     assert flood_done <= 3 and eng.num_waiting >= 15
+    waiting, running = eng.num_by_class(BAT)  # what the worker's per-class gauges read
+    assert (waiting, running) == (eng.num_waiting, eng.num_running) and eng.num_by_class(INT) == (0, 0)
     for rid in [f"flood-{i}" for i in range(20)] + ["calm-0"]:
         eng.abort(rid)
 
