@@ -113,7 +113,8 @@ class LLMEngine:
             self.runner.num_blocks, self.cfg.block_size, source.model_id, self.cfg.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs, self.cfg.enable_chunked_prefill
+            self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs, self.cfg.enable_chunked_prefill,
+            self.cfg.batch_prefill_tokens_beside_urgent,
         )
         self._seqs: dict[str, Sequence] = {}  # waiting or running
         self._pending_kv: dict[str, Sequence] = {}  # prefilled elsewhere, KV on its way

@@ -4,7 +4,8 @@ Every step the scheduler hands out at most ``max_num_batched_tokens`` tokens: ru
 takes one token, an unfinished prefill takes a chunk), then waiting sequences while their blocks fit, in the order
 of ``common/fair_share.py``: class by class, then the tenant with the lowest virtual token counter, then
 (priority, arrival); a tenant at its per-worker cap waits. With one tenant and one class that is (priority,
-arrival) order. When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
+arrival) order. With ``batch_prefill_tokens_beside_urgent`` set, batch-class prompts get at most that many tokens in a
+step that also runs interactive or standard work. When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
 class first, then the tenant furthest ahead on its counter, then the lowest priority and latest arrival. Its
 blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting, to be recomputed later with
 its generated tokens — it finishes with the same output.
@@ -61,11 +62,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
+        batch_prefill_tokens_beside_urgent: int | None = None,
     ) -> None:
+        """``batch_prefill_tokens_beside_urgent``: the most prompt tokens batch-class sequences get in a step that
+        also runs an interactive or standard sequence (None: no limit)."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.batch_prefill_tokens_beside_urgent = batch_prefill_tokens_beside_urgent
         self.waiting = FairQueue()
         self.running: list[Sequence] = []  # sorted by (class, priority, arrival)
         self.num_running_by_class = [0] * len(PriorityClass)
@@ -120,11 +125,26 @@ class Scheduler:
         decodes: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
 
+        urgent = False  # this step runs an interactive or standard sequence
+        batch_prefill = self.batch_prefill_tokens_beside_urgent
+
+        def limited(seq: Sequence) -> bool:
+            """A batch-class prompt chunk (not a decode) in a step that runs urgent work, under a limit."""
+            return (urgent and batch_prefill is not None and seq.tenancy.klass == PriorityClass.BATCH
+                    and seq.num_computed_tokens < seq.num_tokens - 1)
+
+        def limit(seq: Sequence, n: int) -> int:
+            """``n`` tokens for ``seq``, fewer when it is a batch-class prompt beside an urgent sequence."""
+            return min(n, batch_prefill) if limited(seq) and batch_prefill is not None else n
+
         # 1. running sequences, interactive and highest priority first
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = limit(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if n == 0:  # a batch prompt that waits for a step without urgent work
+                i += 1
+                continue
             while not self.bm.can_allocate(self.bm.num_new_blocks(seq, seq.num_computed_tokens + n)):
                 victim = self._victim(self.running[i:])  # never what this step already runs
                 self._preempt(victim)
@@ -137,6 +157,9 @@ class Scheduler:
                 (decodes if n == 1 and seq.output_ids else prefills).append(item)
                 self.waiting.charge(seq, n, item.samples)
                 budget -= n
+                if limited(seq) and batch_prefill is not None:
+                    batch_prefill -= n
+                urgent = urgent or seq.tenancy.klass != PriorityClass.BATCH
                 i += 1
                 continue
             if victim is seq:
@@ -149,8 +172,8 @@ class Scheduler:
             hit = self.bm.match_prefix(seq) if not seq.block_ids else []
             computed = len(hit) * self.bm.block_size
             remaining = seq.num_tokens - computed
-            n = min(remaining, budget)
-            if n < remaining and not self.enable_chunked_prefill:
+            n = limit(seq, min(remaining, budget))
+            if n == 0 or (n < remaining and not self.enable_chunked_prefill):
                 break
             # blocks to add beyond the cached hit; hit blocks that sit in the free list are taken from it too
             need = self.bm.blocks_needed(computed + n) - len(hit)
@@ -166,6 +189,9 @@ class Scheduler:
             prefills.append(item)
             self.waiting.charge(seq, n, item.samples)
             budget -= n
+            if limited(seq) and batch_prefill is not None:
+                batch_prefill -= n
+            urgent = urgent or seq.tenancy.klass != PriorityClass.BATCH
         return SchedulerOutput(prefills, decodes, preempted)
 
     def update_after_step(self, out: SchedulerOutput) -> None:

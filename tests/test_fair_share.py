@@ -15,7 +15,7 @@ from common.block_manager import BlockManager
 from common.fair_share import DECODE_WEIGHT, PREFILL_WEIGHT
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler
-from common.sequence import PriorityClass, Sequence, Tenancy
+from common.sequence import PriorityClass, Sequence, SequenceStatus, Tenancy
 
 BAT, INT, STD = PriorityClass.BATCH, PriorityClass.INTERACTIVE, PriorityClass.STANDARD
 _ids = itertools.count()
@@ -32,8 +32,10 @@ def seq(tenant: str = "", klass: PriorityClass = STD, weight: float = 1.0, cap: 
 class Loop:
     """The engine's step loop on the real scheduler, without a model; counts the weighted tokens served."""
 
-    def __init__(self, blocks: int = 256, budget: int = 64, max_seqs: int = 8) -> None:
-        self.sch = Scheduler(BlockManager(blocks, 4, "m", enable_prefix_caching=False), budget, max_seqs)
+    def __init__(self, blocks: int = 256, budget: int = 64, max_seqs: int = 8, batch_prefill: int | None = None
+                 ) -> None:
+        self.sch = Scheduler(BlockManager(blocks, 4, "m", enable_prefix_caching=False), budget, max_seqs,
+                             batch_prefill_tokens_beside_urgent=batch_prefill)
         self.served: Counter[str] = Counter()
         self.admitted: list[Sequence] = []
 
@@ -152,6 +154,32 @@ def test_a_tenant_is_capped_per_worker():
             assert {s.request_id for s in others} <= {s.request_id for s in loop.admitted}
     assert most == 2
     assert sum(1 for s in loop.admitted if s.tenancy.tenant == "capped") == 10
+
+
+def test_batch_prompts_go_on_in_small_chunks_beside_urgent_work():
+    loop = Loop(budget=64, batch_prefill=8)
+    urgent = seq("u", INT, prompt=4, max_tokens=6)
+    loop.sch.add(urgent)
+    loop.step()  # the interactive prompt; it decodes from now on
+    big, other = seq("b", BAT, prompt=40), seq("b", BAT, prompt=40)
+    loop.sch.add(big)
+    loop.sch.add(other)
+    chunks = []
+    while urgent.status is not SequenceStatus.FINISHED:
+        out = loop.sch.schedule()
+        chunks.append(sum(i.num_tokens for i in out.prefills if i.seq.tenancy.klass == BAT))
+        assert [i.seq for i in out.decodes] == [urgent]
+        loop.sch.update_after_step(out)
+        urgent.output_ids.append(1)
+        if len(urgent.output_ids) >= urgent.max_tokens:
+            urgent.status = SequenceStatus.FINISHED
+            loop.sch.remove(urgent)
+    assert chunks == [8] * 5  # 8 prompt tokens a step in all, shared by both batch prompts
+    out = loop.sch.schedule()  # nothing urgent left: both prompts' remaining 40 tokens at once
+    assert sum(i.num_tokens for i in out.prefills) == 80 - 40 and all(i.samples for i in out.prefills)
+    loop.sch.update_after_step(out)
+    for s in (big, other):
+        loop.sch.remove(s)
 
 
 def run_until_preempted(loop: Loop, seqs: list[Sequence]) -> list[str]:
