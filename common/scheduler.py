@@ -4,7 +4,8 @@ Every step the scheduler hands out at most ``max_num_batched_tokens`` tokens: ru
 takes one token, an unfinished prefill takes a chunk), then waiting sequences while their blocks fit, in the order
 of ``common/fair_share.py``: class by class, then the tenant with the lowest virtual token counter, then
 (priority, arrival); a tenant at its per-worker cap waits. With one tenant and one class that is (priority,
-arrival) order. With ``batch_prefill_tokens_beside_urgent`` set, batch-class prompts get at most that many tokens in a
+arrival) order. An interactive or standard sequence that finds no free slot (``max_num_seqs``) or no blocks for
+its first chunk preempts batch-class running ones. With ``batch_prefill_tokens_beside_urgent`` set, batch-class prompts get at most that many tokens in a
 step that also runs interactive or standard work. When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
 class first, then the tenant furthest ahead on its counter, then the lowest priority and latest arrival. Its
 blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting, to be recomputed later with
@@ -111,6 +112,21 @@ class Scheduler:
         """Batch class first, then the tenant furthest ahead on its counter, then lowest priority, latest arrival."""
         return max(candidates, key=lambda s: (s.tenancy.klass, self.waiting.counter(s.tenancy.tenant), s.order_key))
 
+    def _make_room(self, preempted: list[Sequence]) -> None:
+        """Preempt batch-class running sequences while the next waiting one is more urgent and lacks a slot or the
+        blocks of its first chunk (the prefix cache is not counted: it may free a little more than it needs)."""
+        head = next(self.waiting.candidates(), None)
+        if head is None or head.tenancy.klass == PriorityClass.BATCH:
+            return
+        need = self.bm.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
+        while len(self.running) >= self.max_num_seqs or not self.bm.can_allocate(need):
+            victims = [s for s in self.running if s.tenancy.klass == PriorityClass.BATCH]
+            if not victims:
+                return
+            victim = self._victim(victims)
+            self._preempt(victim)
+            preempted.append(victim)
+
     def _preempt(self, victim: Sequence) -> None:
         self.bm.free(victim)
         victim.num_computed_tokens = 0
@@ -137,6 +153,10 @@ class Scheduler:
             """``n`` tokens for ``seq``, fewer when it is a batch-class prompt beside an urgent sequence."""
             return min(n, batch_prefill) if limited(seq) and batch_prefill is not None else n
 
+        # 0. an interactive or standard sequence that finds no free slot or blocks takes them from batch-class ones
+        self._make_room(preempted)
+        starved = False  # a running sequence had to be preempted: no room to admit anything
+
         # 1. running sequences, interactive and highest priority first
         i = 0
         while i < len(self.running) and budget > 0:
@@ -149,6 +169,7 @@ class Scheduler:
                 victim = self._victim(self.running[i:])  # never what this step already runs
                 self._preempt(victim)
                 preempted.append(victim)
+                starved = True
                 if victim is seq:
                     break
             else:
@@ -165,8 +186,8 @@ class Scheduler:
             if victim is seq:
                 continue  # seq left the running list; the index now points at the next one
 
-        # 2. waiting sequences in fair-share order, unless this step had to preempt (no room to spare)
-        for seq in self.waiting.candidates() if not preempted else ():
+        # 2. waiting sequences in fair-share order, unless a running one had to be preempted
+        for seq in self.waiting.candidates() if not starved else ():
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             hit = self.bm.match_prefix(seq) if not seq.block_ids else []

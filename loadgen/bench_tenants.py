@@ -36,7 +36,9 @@ import dataclasses
 import hashlib
 import json
 import math
+import random
 import secrets
+import socket
 import sys
 import tempfile
 import time
@@ -79,10 +81,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flood-rpm-burst", type=int, default=8, help="its request bucket (default 8)")
     p.add_argument("--flood-max-running", type=int, default=4,
                    help="the flood tenant's running sequences per worker (default 4; 0: no cap)")
+    p.add_argument("--batch-prefill-tokens", type=int, default=16,
+                   help="engine.batch_prefill_tokens_beside_urgent: the flood's prompt tokens in a step that runs "
+                        "the interactive tenant's (default 16; 0: no limit)")
     p.add_argument("--calibrate-seconds", type=float, default=12.0, help="default 12")
     p.add_argument("--calibrate-concurrency", type=int, default=16, help="default 16")
-    p.add_argument("--base-port", type=int, default=27000,
-                   help="the cluster's internal ports from here (default 27000); gateway gRPC +450, HTTP +451")
+    p.add_argument("--base-port", type=int, default=None,
+                   help="the cluster's internal ports from here, gateway gRPC +450, HTTP +451 (default: a range "
+                        "below 32768 whose ports are free now)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to `tokenmill up --set` (repeatable), e.g. engine.max_num_seqs=32")
     p.add_argument("--seed", type=int, default=0)
@@ -107,14 +113,37 @@ def tenants_config(a: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any
     }}
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port() -> int:
+    """A base port whose cluster ports (every role's first three, their metrics ports, the gateway's) bind now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 30000, 100)
+        if all(_port_free(base + off + i) for off in (0, 100, 200, 300, 400, 450, 1000, 1100, 1200, 1300, 1400)
+               for i in range(3)):
+            return base
+    raise RuntimeError("no free port range below 32768; pass --base-port")
+
+
 @contextlib.contextmanager
 def cluster(a: argparse.Namespace, keys: dict[str, str], work: Path):
     """``tokenmill up`` with the tenants' config; yields the gateway's gRPC address once /health is 200."""
     cfg = work / "tenants-cluster.yaml"
     cfg.write_text(yaml.safe_dump(tenants_config(a, keys)))
-    grpc_port, http_port = a.base_port + 450, a.base_port + 451
-    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg), "--base-port", str(a.base_port),
+    base = a.base_port if a.base_port is not None else free_base_port()
+    grpc_port, http_port = base + 450, base + 451
+    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg), "--base-port", str(base),
            "--gateway-port", str(grpc_port), "--http-port", str(http_port), "--state-file", str(work / "state.json")]
+    if a.batch_prefill_tokens:
+        cmd += ["--set", f"engine.batch_prefill_tokens_beside_urgent={a.batch_prefill_tokens}"]
     for item in a.set:
         cmd += ["--set", item]
     _say(f"starting the cluster: {' '.join(cmd)} (log {work / 'cluster.log'})")

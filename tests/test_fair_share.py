@@ -125,7 +125,7 @@ def test_the_last_idle_tenants_counter_is_the_floor():
 
 def test_classes_are_admitted_in_order_whatever_the_counters():
     loop = Loop(budget=16, max_seqs=1)  # one admission at a time
-    loop.sch.add(seq("poor", BAT))  # arrives first, runs, and its decodes put poor's counter ahead
+    loop.sch.add(seq("poor", STD))  # arrives first, runs to its end, and its decodes put poor's counter ahead
     loop.step()
     for s in [seq("poor", BAT), seq("rich", BAT), seq("poor", STD), seq("rich", STD), seq("poor", INT), seq("rich", INT)]:
         loop.sch.add(s)
@@ -265,3 +265,26 @@ def test_request_meta_maps_to_tenancy():
         tenancy_from_meta(common_pb2.RequestMeta(tenant_weight=-1))
     with pytest.raises(ValueError, match="priority_class 9 is unknown"):
         tenancy_from_meta(common_pb2.RequestMeta(priority_class=9))
+
+
+def test_an_urgent_arrival_takes_a_batch_slot():
+    loop = Loop(max_seqs=2)
+    batch = [seq("b", BAT, max_tokens=100) for _ in range(3)]
+    for s in batch:
+        loop.sch.add(s)
+    loop.step()
+    assert [s.request_id for s in loop.sch.running] == [s.request_id for s in batch[:2]]  # the slots are full
+    urgent = seq("i", INT)
+    loop.sch.add(urgent)
+    out = loop.sch.schedule()
+    assert [s.request_id for s in out.preempted] == [batch[1].request_id]  # the latest of the batch tenant
+    assert urgent in [i.seq for i in out.prefills] and batch[1] in loop.sch.waiting
+    loop.sch.update_after_step(out)
+    standard = seq("s", STD)  # no batch sequence runs now but the one left: it goes too
+    loop.sch.add(standard)
+    out = loop.sch.schedule()
+    assert [s.request_id for s in out.preempted] == [batch[0].request_id]
+    loop.sch.update_after_step(out)
+    for s in [*batch, urgent, standard]:
+        loop.sch.remove(s)
+    assert loop.sch.bm.num_free_blocks == loop.sch.bm.num_blocks
