@@ -1,8 +1,9 @@
 """Continuous batching by token budget, chunked prefill, priorities, fair share, preemption by recompute.
 
 Every step the scheduler hands out at most ``max_num_batched_tokens`` tokens: running sequences first (a decode
-takes one token, an unfinished prefill takes a chunk), then waiting sequences while their blocks fit, in the order
-of ``common/fair_share.py``: class by class, then the tenant with the lowest virtual token counter, then
+takes one token, an unfinished prefill takes a chunk), then waiting sequences while their blocks fit, interactive
+and standard ones before batch ones (running batch sequences come after waiting urgent ones, so a batch prompt's
+chunk never takes an urgent sequence's budget); waiting ones in the order of ``common/fair_share.py``: class by class, then the tenant with the lowest virtual token counter, then
 (priority, arrival); a tenant at its per-worker cap waits. With one tenant and one class that is (priority,
 arrival) order. An interactive or standard sequence that finds no free slot (``max_num_seqs``) or no blocks for
 its first chunk preempts batch-class running ones. With ``batch_prefill_tokens_beside_urgent`` set, batch-class prompts get at most that many tokens in a
@@ -15,7 +16,7 @@ its generated tokens — it finishes with the same output.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.block_manager import BlockManager
 from common.fair_share import FairQueue
@@ -52,6 +53,19 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
+
+
+@dataclass(slots=True)
+class _Step:
+    """What one ``schedule`` call has handed out so far."""
+
+    budget: int
+    batch_prefill: int | None  # batch-class prompt tokens left for a step with urgent work (None: no limit)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    starved: bool = False  # a running sequence had to be preempted: nothing is admitted
+    urgent: bool = False  # the step runs an interactive or standard sequence
 
 
 class Scheduler:
@@ -112,7 +126,7 @@ class Scheduler:
         """Batch class first, then the tenant furthest ahead on its counter, then lowest priority, latest arrival."""
         return max(candidates, key=lambda s: (s.tenancy.klass, self.waiting.counter(s.tenancy.tenant), s.order_key))
 
-    def _make_room(self, preempted: list[Sequence]) -> None:
+    def _make_room(self, st: _Step) -> None:
         """Preempt batch-class running sequences while the next waiting one is more urgent and lacks a slot or the
         blocks of its first chunk (the prefix cache is not counted: it may free a little more than it needs)."""
         head = next(self.waiting.candidates(), None)
@@ -125,7 +139,7 @@ class Scheduler:
                 return
             victim = self._victim(victims)
             self._preempt(victim)
-            preempted.append(victim)
+            st.preempted.append(victim)
 
     def _preempt(self, victim: Sequence) -> None:
         self.bm.free(victim)
@@ -136,64 +150,80 @@ class Scheduler:
         self.detach(victim)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        prefills: list[ScheduledSeq] = []
-        decodes: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
-
-        urgent = False  # this step runs an interactive or standard sequence
-        batch_prefill = self.batch_prefill_tokens_beside_urgent
-
-        def limited(seq: Sequence) -> bool:
-            """A batch-class prompt chunk (not a decode) in a step that runs urgent work, under a limit."""
-            return (urgent and batch_prefill is not None and seq.tenancy.klass == PriorityClass.BATCH
-                    and seq.num_computed_tokens < seq.num_tokens - 1)
-
-        def limit(seq: Sequence, n: int) -> int:
-            """``n`` tokens for ``seq``, fewer when it is a batch-class prompt beside an urgent sequence."""
-            return min(n, batch_prefill) if limited(seq) and batch_prefill is not None else n
-
+        st = _Step(self.max_num_batched_tokens, self.batch_prefill_tokens_beside_urgent)
         # 0. an interactive or standard sequence that finds no free slot or blocks takes them from batch-class ones
-        self._make_room(preempted)
-        starved = False  # a running sequence had to be preempted: no room to admit anything
+        self._make_room(st)
+        # 1. running interactive and standard sequences, then those waiting (unless one had to be preempted), then
+        # running batch ones and waiting batch ones: a batch prompt's chunk never takes the budget of an urgent one
+        i = self._run(st, 0, urgent_only=True)
+        if not st.starved:
+            self._admit(st, urgent_only=True)
+        i = sum(self.num_running_by_class[:PriorityClass.BATCH])  # admissions were inserted before the batch ones
+        self._run(st, i, urgent_only=False)
+        if not st.starved:
+            self._admit(st, urgent_only=False)
+        return SchedulerOutput(st.prefills, st.decodes, st.preempted)
 
-        # 1. running sequences, interactive and highest priority first
-        i = 0
-        while i < len(self.running) and budget > 0:
+    def _limit(self, st: _Step, seq: Sequence, n: int) -> int:
+        """``n`` tokens for ``seq``, fewer when it is a batch-class prompt chunk beside urgent work."""
+        if self._limited(st, seq):
+            assert st.batch_prefill is not None
+            return min(n, st.batch_prefill)
+        return n
+
+    @staticmethod
+    def _limited(st: _Step, seq: Sequence) -> bool:
+        return (st.urgent and st.batch_prefill is not None and seq.tenancy.klass == PriorityClass.BATCH
+                and seq.num_computed_tokens < seq.num_tokens - 1)
+
+    def _scheduled(self, st: _Step, item: ScheduledSeq, prefill: bool) -> None:
+        seq, n = item.seq, item.num_tokens
+        (st.prefills if prefill else st.decodes).append(item)
+        self.waiting.charge(seq, n, item.samples)
+        st.budget -= n
+        if self._limited(st, seq):
+            assert st.batch_prefill is not None
+            st.batch_prefill -= n
+        st.urgent = st.urgent or seq.tenancy.klass != PriorityClass.BATCH
+
+    def _run(self, st: _Step, i: int, urgent_only: bool) -> int:
+        """Schedule running sequences from index ``i`` (only interactive and standard ones if ``urgent_only``),
+        preempting when blocks run out. Returns the index it stopped at."""
+        while i < len(self.running) and st.budget > 0:
             seq = self.running[i]
-            n = limit(seq, min(seq.num_tokens - seq.num_computed_tokens, budget))
+            if urgent_only and seq.tenancy.klass == PriorityClass.BATCH:
+                break
+            n = self._limit(st, seq, min(seq.num_tokens - seq.num_computed_tokens, st.budget))
             if n == 0:  # a batch prompt that waits for a step without urgent work
                 i += 1
                 continue
             while not self.bm.can_allocate(self.bm.num_new_blocks(seq, seq.num_computed_tokens + n)):
                 victim = self._victim(self.running[i:])  # never what this step already runs
                 self._preempt(victim)
-                preempted.append(victim)
-                starved = True
+                st.preempted.append(victim)
+                st.starved = True
                 if victim is seq:
                     break
             else:
                 self.bm.allocate(seq, seq.num_computed_tokens + n)
-                item = ScheduledSeq(seq, n)
-                (decodes if n == 1 and seq.output_ids else prefills).append(item)
-                self.waiting.charge(seq, n, item.samples)
-                budget -= n
-                if limited(seq) and batch_prefill is not None:
-                    batch_prefill -= n
-                urgent = urgent or seq.tenancy.klass != PriorityClass.BATCH
+                self._scheduled(st, ScheduledSeq(seq, n), prefill=not (n == 1 and seq.output_ids))
                 i += 1
                 continue
             if victim is seq:
                 continue  # seq left the running list; the index now points at the next one
+        return i
 
-        # 2. waiting sequences in fair-share order, unless a running one had to be preempted
-        for seq in self.waiting.candidates() if not starved else ():
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+    def _admit(self, st: _Step, urgent_only: bool) -> None:
+        """Admit waiting sequences in fair-share order while the budget, the slots and the blocks allow."""
+        for seq in self.waiting.candidates():
+            if st.budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if urgent_only and seq.tenancy.klass == PriorityClass.BATCH:
                 break
             hit = self.bm.match_prefix(seq) if not seq.block_ids else []
             computed = len(hit) * self.bm.block_size
             remaining = seq.num_tokens - computed
-            n = limit(seq, min(remaining, budget))
+            n = self._limit(st, seq, min(remaining, st.budget))
             if n == 0 or (n < remaining and not self.enable_chunked_prefill):
                 break
             # blocks to add beyond the cached hit; hit blocks that sit in the free list are taken from it too
@@ -206,14 +236,7 @@ class Scheduler:
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)
-            item = ScheduledSeq(seq, n)
-            prefills.append(item)
-            self.waiting.charge(seq, n, item.samples)
-            budget -= n
-            if limited(seq) and batch_prefill is not None:
-                batch_prefill -= n
-            urgent = urgent or seq.tenancy.klass != PriorityClass.BATCH
-        return SchedulerOutput(prefills, decodes, preempted)
+            self._scheduled(st, ScheduledSeq(seq, n), prefill=True)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` for everything that ran, and register newly full blocks."""
