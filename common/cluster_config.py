@@ -161,8 +161,25 @@ class RouterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClassWindows:
+    """How long the tokenizer pool holds a request of each priority class for a batch, in ms (seed 001's T_pack):
+    short for interactive (latency), long for batch (fuller batches). ``standard`` None: ``batch_wait_ms``."""
+
+    interactive: float = 0.5
+    standard: float | None = None
+    batch: float = 20.0
+
+    def __post_init__(self) -> None:
+        for name in ("interactive", "standard", "batch"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name} must be >= 0 ms, got {v}")
+
+
+@dataclass(frozen=True, slots=True)
 class TokenizerConfig:
-    """The tokenizer pool and its batching: fire at ``batch_max_tokens`` or after ``batch_wait_ms``."""
+    """The tokenizer pool and its batching: a batch fires at ``batch_max_tokens`` or when its first request's
+    class window (``class_windows_ms``; standard: ``batch_wait_ms``) is over."""
 
     count: int = 2
     port: int | None = None
@@ -170,6 +187,12 @@ class TokenizerConfig:
     hosts: tuple[str, ...] | None = None  # where the instances are (containers); see the module doc
     batch_max_tokens: int = 16384
     batch_wait_ms: float = 2.0
+    class_windows_ms: ClassWindows = field(default_factory=ClassWindows)
+
+    def window_s(self, klass: str) -> float:
+        """The batching window of ``klass`` (interactive, standard or batch), in seconds."""
+        ms = getattr(self.class_windows_ms, klass)
+        return (self.batch_wait_ms if ms is None else ms) / 1000
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,6 +133,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # the most prompt tokens batch-class sequences get in a step that also runs an interactive or standard one: their
+    # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit)
+    batch_prefill_tokens_beside_urgent: int | None = None
     seed: int = 0
     # Ranks of Megatron-style tensor parallelism (common/tensor_parallel.py): one process each, rank r on cuda:r on
     # CUDA. 1: one process, no torch.distributed. The KV pool's size (kv_cache_memory, the GPU share) is per rank.
@@ -148,6 +151,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.batch_prefill_tokens_beside_urgent is not None and self.batch_prefill_tokens_beside_urgent < 1:
+            raise ValueError("batch_prefill_tokens_beside_urgent must be >= 1 (or unset: no limit), got "
+                             f"{self.batch_prefill_tokens_beside_urgent}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device == "cpu" and self.dtype == "float16":

@@ -25,7 +25,7 @@ from common.output_processor import OutputProcessor
 from common.sampler import Sampler, SampleRow
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
-from common.sequence import FinishReason, Sequence, SequenceStatus
+from common.sequence import DEFAULT_TENANCY, FinishReason, PriorityClass, Sequence, SequenceStatus, Tenancy
 from common.structured import GrammarCompiler, GrammarError, GrammarMatcher
 from common.tensor_parallel import SINGLE, TensorParallelWorkers
 from common.tokenizer import TextTokenizer
@@ -115,7 +115,8 @@ class LLMEngine:
             self.runner.num_blocks, self.cfg.block_size, source.model_id, self.cfg.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs, self.cfg.enable_chunked_prefill
+            self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs, self.cfg.enable_chunked_prefill,
+            self.cfg.batch_prefill_tokens_beside_urgent,
         )
         self._seqs: dict[str, Sequence] = {}  # waiting or running
         self._pending_kv: dict[str, Sequence] = {}  # prefilled elsewhere, KV on its way
@@ -215,7 +216,7 @@ class LLMEngine:
 
     def _new_seq(
         self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, priority: int, cache_salt: str,
-        prior_output_ids: Seq[int] = (),
+        prior_output_ids: Seq[int] = (), tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> Sequence:
         if request_id in self._seqs or request_id in self._pending_kv or request_id in self._leased:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -234,6 +235,7 @@ class LLMEngine:
             priority=priority,
             arrival_seq=next(self._counter),
             cache_salt=cache_salt,
+            tenancy=tenancy,
         )
 
     def add_request(
@@ -245,14 +247,17 @@ class LLMEngine:
         cache_salt: str = "",
         prefill_only: bool = False,
         prior_output_ids: Seq[int] = (),
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> None:
         """Queue a request. Raises RequestError for invalid input, ValueError for a duplicate id.
+
+        ``tenancy``: whose request it is, its class, the tenant's weight and cap (the scheduler's fair share).
 
         ``prefill_only``: compute the prompt, sample the first token, then keep the prompt's blocks under a lease
         (the output carries ``kv_block_ids``) until ``release``. ``prior_output_ids``: tokens this request already
         generated elsewhere (a stream moved off a failed worker): they count as outputs (max_tokens, penalties,
         a seeded row's positions), are recomputed with the prompt, and only what follows them is returned."""
-        seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt, prior_output_ids)
+        seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt, prior_output_ids, tenancy)
         self._seqs[request_id] = seq
         if prefill_only:
             self._prefill_only.add(request_id)
@@ -267,11 +272,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str = "",
         first_logprob: TokenLogprob | None = None,
+        tenancy: Tenancy = DEFAULT_TENANCY,
     ) -> tuple[RequestOutput, KvImport | None]:
         """A request whose prompt another worker computed. Returns the first token's output and, when it goes
         on, the local blocks to fill (``kv_ready`` / ``kv_failed`` afterwards). With no room for its blocks now, it
         is queued to recompute locally instead (KvImport is None, same output)."""
-        seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt)
+        seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt, tenancy=tenancy)
         if seq.matcher is not None and not seq.matcher.accept(int(first_token)):
             raise RequestError(f"the first token {first_token} does not follow the request's "
                                f"{params.structured.kind.replace('_', ' ')} constraint")  # type: ignore[union-attr]
@@ -339,6 +345,10 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def num_by_class(self, klass: PriorityClass) -> tuple[int, int]:
+        """(waiting, running) sequences of ``klass``."""
+        return self.scheduler.waiting.num_waiting_by_class[klass], self.scheduler.num_running_by_class[klass]
 
     @property
     def num_leased(self) -> int:
@@ -425,7 +435,7 @@ class LLMEngine:
         if o.finished:
             self.scheduler.remove(s)
             return
-        self.scheduler.running.remove(s)
+        self.scheduler.detach(s)
         prompt_blocks = self.block_manager.blocks_needed(s.num_prompt_tokens)
         o.kv_block_ids = s.block_ids[:prompt_blocks]
         o.finished = True

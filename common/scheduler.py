@@ -1,19 +1,30 @@
-"""Continuous batching by token budget, chunked prefill, priorities, preemption by recompute.
+"""Continuous batching by token budget, chunked prefill, priorities, fair share, preemption by recompute.
 
 Every step the scheduler hands out at most ``max_num_batched_tokens`` tokens: running sequences first (a decode
-takes one token, an unfinished prefill takes a chunk), then waiting sequences in (priority, arrival) order while
-their blocks fit. When a running sequence cannot get a block, the lowest-priority, latest-arrived running
-sequence is preempted: its blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting,
-to be recomputed later with its generated tokens — it finishes with the same output.
+takes one token, an unfinished prefill takes a chunk), then waiting sequences while their blocks fit, interactive
+and standard ones before batch ones (running batch sequences come after waiting urgent ones, so a batch prompt's
+chunk never takes an urgent sequence's budget); waiting ones in the order of ``common/fair_share.py``: class by class, then the tenant with the lowest virtual token counter, then
+(priority, arrival); a tenant at its per-worker cap waits. With one tenant and one class that is (priority,
+arrival) order. An interactive or standard sequence that finds no free slot (``max_num_seqs``) or no blocks for
+its first chunk preempts batch-class running ones. With ``batch_prefill_tokens_beside_urgent`` set, batch-class prompts get at most that many tokens in a
+step that also runs interactive or standard work. When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
+class first, then the tenant furthest ahead on its counter, then the lowest priority and latest arrival. Its
+blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting, to be recomputed later with
+its generated tokens — it finishes with the same output.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.block_manager import BlockManager
-from common.sequence import Sequence, SequenceStatus
+from common.fair_share import FairQueue
+from common.sequence import PriorityClass, Sequence, SequenceStatus
+
+
+def _running_key(s: Sequence) -> tuple[int, int, float, int]:
+    return (s.tenancy.klass, *s.order_key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +55,19 @@ class SchedulerOutput:
         return not self.prefills and not self.decodes
 
 
+@dataclass(slots=True)
+class _Step:
+    """What one ``schedule`` call has handed out so far."""
+
+    budget: int
+    batch_prefill: int | None  # batch-class prompt tokens left for a step with urgent work (None: no limit)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    starved: bool = False  # a running sequence had to be preempted: nothing is admitted
+    urgent: bool = False  # the step runs an interactive or standard sequence
+
+
 class Scheduler:
     """Owns the waiting and running queues. Not thread-safe: only the engine loop calls it."""
 
@@ -53,23 +77,29 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
+        batch_prefill_tokens_beside_urgent: int | None = None,
     ) -> None:
+        """``batch_prefill_tokens_beside_urgent``: the most prompt tokens batch-class sequences get in a step that
+        also runs an interactive or standard sequence (None: no limit)."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: list[Sequence] = []  # sorted by order_key
-        self.running: list[Sequence] = []  # sorted by order_key
+        self.batch_prefill_tokens_beside_urgent = batch_prefill_tokens_beside_urgent
+        self.waiting = FairQueue()
+        self.running: list[Sequence] = []  # sorted by (class, priority, arrival)
+        self.num_running_by_class = [0] * len(PriorityClass)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.order_key)
+        self.waiting.add(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose blocks are allocated and computed already (its KV was pulled from a peer)."""
         seq.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, seq, key=lambda s: s.order_key)
+        self._insert_running(seq)
+        self.waiting.started(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -77,72 +107,136 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Take ``seq`` out of whichever queue holds it and free its blocks (finish or abort)."""
         if seq in self.running:
-            self.running.remove(seq)
+            self.detach(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free(seq)
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running ``seq`` out of the batch, keeping its blocks (a prefill-only request's go to a lease)."""
+        self.running.remove(seq)
+        self.num_running_by_class[seq.tenancy.klass] -= 1
+        self.waiting.stopped(seq)
+
+    def _insert_running(self, seq: Sequence) -> None:
+        bisect.insort(self.running, seq, key=_running_key)
+        self.num_running_by_class[seq.tenancy.klass] += 1
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """Batch class first, then the tenant furthest ahead on its counter, then lowest priority, latest arrival."""
+        return max(candidates, key=lambda s: (s.tenancy.klass, self.waiting.counter(s.tenancy.tenant), s.order_key))
+
+    def _make_room(self, st: _Step) -> None:
+        """Preempt batch-class running sequences while the next waiting one is more urgent and lacks a slot or the
+        blocks of its first chunk (the prefix cache is not counted: it may free a little more than it needs)."""
+        head = next(self.waiting.candidates(), None)
+        if head is None or head.tenancy.klass == PriorityClass.BATCH:
+            return
+        need = self.bm.blocks_needed(min(head.num_tokens, self.max_num_batched_tokens))
+        while len(self.running) >= self.max_num_seqs or not self.bm.can_allocate(need):
+            victims = [s for s in self.running if s.tenancy.klass == PriorityClass.BATCH]
+            if not victims:
+                return
+            victim = self._victim(victims)
+            self._preempt(victim)
+            st.preempted.append(victim)
+
     def _preempt(self, victim: Sequence) -> None:
-        self.running.remove(victim)
         self.bm.free(victim)
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(victim)
+        self.add(victim)  # queued before it stops running, so its tenant stays active and is not lifted
+        self.detach(victim)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
-        prefills: list[ScheduledSeq] = []
-        decodes: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
-        scheduled: set[int] = set()
+        st = _Step(self.max_num_batched_tokens, self.batch_prefill_tokens_beside_urgent)
+        # 0. an interactive or standard sequence that finds no free slot or blocks takes them from batch-class ones
+        self._make_room(st)
+        # 1. running interactive and standard sequences, then those waiting (unless one had to be preempted), then
+        # running batch ones and waiting batch ones: a batch prompt's chunk never takes the budget of an urgent one
+        i = self._run(st, 0, urgent_only=True)
+        if not st.starved:
+            self._admit(st, urgent_only=True)
+        i = sum(self.num_running_by_class[:PriorityClass.BATCH])  # admissions were inserted before the batch ones
+        self._run(st, i, urgent_only=False)
+        if not st.starved:
+            self._admit(st, urgent_only=False)
+        return SchedulerOutput(st.prefills, st.decodes, st.preempted)
 
-        # 1. running sequences, highest priority first
-        i = 0
-        while i < len(self.running) and budget > 0:
+    def _limit(self, st: _Step, seq: Sequence, n: int) -> int:
+        """``n`` tokens for ``seq``, fewer when it is a batch-class prompt chunk beside urgent work."""
+        if self._limited(st, seq):
+            assert st.batch_prefill is not None
+            return min(n, st.batch_prefill)
+        return n
+
+    @staticmethod
+    def _limited(st: _Step, seq: Sequence) -> bool:
+        return (st.urgent and st.batch_prefill is not None and seq.tenancy.klass == PriorityClass.BATCH
+                and seq.num_computed_tokens < seq.num_tokens - 1)
+
+    def _scheduled(self, st: _Step, item: ScheduledSeq, prefill: bool) -> None:
+        seq, n = item.seq, item.num_tokens
+        (st.prefills if prefill else st.decodes).append(item)
+        self.waiting.charge(seq, n, item.samples)
+        st.budget -= n
+        if self._limited(st, seq):
+            assert st.batch_prefill is not None
+            st.batch_prefill -= n
+        st.urgent = st.urgent or seq.tenancy.klass != PriorityClass.BATCH
+
+    def _run(self, st: _Step, i: int, urgent_only: bool) -> int:
+        """Schedule running sequences from index ``i`` (only interactive and standard ones if ``urgent_only``),
+        preempting when blocks run out. Returns the index it stopped at."""
+        while i < len(self.running) and st.budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if urgent_only and seq.tenancy.klass == PriorityClass.BATCH:
+                break
+            n = self._limit(st, seq, min(seq.num_tokens - seq.num_computed_tokens, st.budget))
+            if n == 0:  # a batch prompt that waits for a step without urgent work
+                i += 1
+                continue
             while not self.bm.can_allocate(self.bm.num_new_blocks(seq, seq.num_computed_tokens + n)):
-                victim = self.running[-1]
-                if id(victim) in scheduled:  # never preempt what this step already runs
-                    victim = seq
+                victim = self._victim(self.running[i:])  # never what this step already runs
                 self._preempt(victim)
-                preempted.append(victim)
+                st.preempted.append(victim)
+                st.starved = True
                 if victim is seq:
                     break
             else:
                 self.bm.allocate(seq, seq.num_computed_tokens + n)
-                item = ScheduledSeq(seq, n)
-                (decodes if n == 1 and seq.output_ids else prefills).append(item)
-                scheduled.add(id(seq))
-                budget -= n
+                self._scheduled(st, ScheduledSeq(seq, n), prefill=not (n == 1 and seq.output_ids))
                 i += 1
                 continue
             if victim is seq:
                 continue  # seq left the running list; the index now points at the next one
+        return i
 
-        # 2. waiting sequences, unless this step had to preempt (no room to spare)
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+    def _admit(self, st: _Step, urgent_only: bool) -> None:
+        """Admit waiting sequences in fair-share order while the budget, the slots and the blocks allow."""
+        for seq in self.waiting.candidates():
+            if st.budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            if urgent_only and seq.tenancy.klass == PriorityClass.BATCH:
+                break
             hit = self.bm.match_prefix(seq) if not seq.block_ids else []
             computed = len(hit) * self.bm.block_size
             remaining = seq.num_tokens - computed
-            n = min(remaining, budget)
-            if n < remaining and not self.enable_chunked_prefill:
+            n = self._limit(st, seq, min(remaining, st.budget))
+            if n == 0 or (n < remaining and not self.enable_chunked_prefill):
                 break
             # blocks to add beyond the cached hit; hit blocks that sit in the free list are taken from it too
             need = self.bm.blocks_needed(computed + n) - len(hit)
             need += sum(1 for b in hit if self.bm.blocks[b].ref_count == 0)
             if not self.bm.can_allocate(need):
                 break
-            self.waiting.pop(0)
+            self.waiting.admit(seq)
             self.bm.admit(seq)
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.order_key)
-            prefills.append(ScheduledSeq(seq, n))
-            budget -= n
-        return SchedulerOutput(prefills, decodes, preempted)
+            self._insert_running(seq)
+            self._scheduled(st, ScheduledSeq(seq, n), prefill=True)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance ``num_computed_tokens`` for everything that ran, and register newly full blocks."""

@@ -16,6 +16,36 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class PriorityClass(enum.IntEnum):
+    """Admission order (lower first) and preemption order (higher first)."""
+
+    INTERACTIVE = 0
+    STANDARD = 1
+    BATCH = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Tenancy:
+    """Whose request this is, as the gateway resolved it: the scheduler's fair share reads it.
+
+    ``weight`` scales the tenant's share of served tokens; ``max_running`` caps its running sequences on this
+    worker (None: no cap)."""
+
+    tenant: str = ""
+    klass: PriorityClass = PriorityClass.STANDARD
+    weight: float = 1.0
+    max_running: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"tenant weight must be > 0, got {self.weight}")
+        if self.max_running is not None and self.max_running < 1:
+            raise ValueError(f"tenant max_running must be >= 1 (or unset), got {self.max_running}")
+
+
+DEFAULT_TENANCY = Tenancy()
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context limit
@@ -39,6 +69,7 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0  # tie-break for equal arrival times
     cache_salt: str = ""
+    tenancy: Tenancy = DEFAULT_TENANCY
     output_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
@@ -51,6 +82,7 @@ class Sequence:
     admitted: bool = False
     # a constrained request: its grammar, advanced past every output token (outputs survive preemption, so it does)
     matcher: GrammarMatcher | None = None
+    num_charged_tokens: int = 0  # tokens billed to the tenant's fair-share counter (a recompute is not billed again)
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,37 @@ from __future__ import annotations
 from tokenmill.v1 import common_pb2
 
 from common.sampling import SamplingParams, StructuredOutput
+from common.sequence import PriorityClass, Tenancy
+
+_CLASSES = {
+    common_pb2.PRIORITY_CLASS_UNSPECIFIED: PriorityClass.STANDARD,
+    common_pb2.PRIORITY_CLASS_INTERACTIVE: PriorityClass.INTERACTIVE,
+    common_pb2.PRIORITY_CLASS_STANDARD: PriorityClass.STANDARD,
+    common_pb2.PRIORITY_CLASS_BATCH: PriorityClass.BATCH,
+}
+
+
+def priority_class_from_proto(value: int) -> PriorityClass:
+    """Unset: standard. Raises ValueError for a value this build does not know."""
+    try:
+        return _CLASSES[value]  # type: ignore[index]
+    except KeyError:
+        raise ValueError(f"priority_class {value} is unknown; use interactive, standard or batch") from None
+
+
+def tenancy_from_meta(meta: common_pb2.RequestMeta) -> Tenancy:
+    """The scheduler's view of a request's tenant (weight 0: 1.0; max_running 0: no cap).
+
+    Raises ValueError naming the field for a negative weight or cap, or an unknown class."""
+    if meta.tenant_weight < 0 or meta.tenant_max_running < 0:
+        raise ValueError(f"tenant_weight ({meta.tenant_weight}) and tenant_max_running ({meta.tenant_max_running}) "
+                         "must be >= 0 (0: the default)")
+    return Tenancy(
+        tenant=meta.tenant_id,
+        klass=priority_class_from_proto(meta.priority_class),
+        weight=meta.tenant_weight or 1.0,
+        max_running=meta.tenant_max_running or None,
+    )
 
 
 def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:

@@ -24,7 +24,7 @@ from common.loader import load_model_source
 from common.model_runner import KV_LAYOUT
 from common.rpc import Unavailable
 from common.sampling import SamplingParams
-from common.sequence import FinishReason
+from common.sequence import FinishReason, PriorityClass
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ class WorkerMetrics:
                                 registry=r)
         self.running = Gauge("tokenmill:num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("tokenmill:num_requests_waiting", "Sequences waiting for blocks", registry=r)
+        self.class_running = Gauge("tokenmill:num_requests_running_by_class", "Sequences in the running batch, "
+                                   "by priority class", ["priority_class"], registry=r)
+        self.class_waiting = Gauge("tokenmill:num_requests_waiting_by_class", "Sequences waiting, by priority class",
+                                   ["priority_class"], registry=r)
         self.kv_used = Gauge("tokenmill:kv_cache_usage_perc", "Fraction of KV blocks in use", registry=r)
         self.kv_free = Gauge("tokenmill:kv_blocks_free", "Free KV blocks", registry=r)
         self.kv_total = Gauge("tokenmill:kv_blocks_total", "KV blocks in the pool", registry=r)
@@ -90,6 +94,10 @@ class WorkerMetrics:
         bm = engine.block_manager
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
+        for klass in PriorityClass:
+            label = klass.name.lower()
+            self.class_waiting.labels(label).set_function(lambda k=klass: engine.num_by_class(k)[0])
+            self.class_running.labels(label).set_function(lambda k=klass: engine.num_by_class(k)[1])
         self.kv_used.set_function(bm.usage)
         self.kv_free.set_function(lambda: bm.num_free_blocks)
         self.kv_total.set_function(lambda: bm.num_blocks)

@@ -244,7 +244,7 @@ def decode_speed(bandwidth: float, batch: int, ctx: int, steps: int = 32,
     p = SamplingParams(max_tokens=(len(_MODES) + 1) * (steps + 3) + 4, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         eng.add_request(f"b{batch}-{i}", torch.randint(0, m.vocab_size, (ctx,), generator=g).tolist(), p)
-    while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running + eng.scheduler.waiting) \
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in [*eng.scheduler.running, *eng.scheduler.waiting]) \
             or eng.scheduler.waiting:
         eng.step()
     weight_bytes = (m.num_params() - m.vocab_size * m.hidden_size) * 2  # every matrix but the embedding table

@@ -38,12 +38,14 @@ from loadgen.workloads import (
     ratio_range,
 )
 
+PRIORITY_CLASSES = ("interactive", "standard", "batch")
 WARMUP_SEED_OFFSET = 7_919  # warm-up prompts come from their own stream: they never prime the measured prompts
 SWEEP_SEED_STRIDE = 1_000  # each sweep point draws fresh prompts: no point is served from an earlier one's cache
 
 
 def parse_tenant(s: str) -> Tenant:
-    """``NAME[:rate=R][,priority=P][,key=K]`` (``:`` or ``,`` between fields)."""
+    """``NAME[:rate=R][,priority=P][,key=K][,class=C]`` (``:`` or ``,`` between fields; C: interactive,
+    standard or batch)."""
     name, _, rest = s.partition(":")
     if not name:
         raise argparse.ArgumentTypeError(f"--tenant {s!r}: start with the tenant's name")
@@ -59,11 +61,14 @@ def parse_tenant(s: str) -> Tenant:
                 fields["priority"] = int(v)
             elif k == "key" and sep:
                 fields["api_key"] = v
+            elif k == "class" and sep and v in PRIORITY_CLASSES:
+                fields["priority_class"] = v
             else:
                 raise ValueError
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"--tenant {s!r}: field {part!r}; use NAME:rate=R,priority=P,key=K") from None
+                f"--tenant {s!r}: field {part!r}; use NAME:rate=R,priority=P,key=K,class=C (C: "
+                f"{', '.join(PRIORITY_CLASSES)})") from None
     t = Tenant(name, **fields)
     if not t.rate > 0 or t.priority < 0:
         raise argparse.ArgumentTypeError(f"--tenant {s!r}: rate must be > 0 and priority >= 0")
@@ -214,7 +219,8 @@ async def _main(a: argparse.Namespace) -> dict[str, Any]:
     if len(runs) > 1:
         print(format_sweep(runs), flush=True)
     cfg = {k: v for k, v in vars(a).items() if k not in ("func", "api_key") and not callable(v)}
-    cfg["tenant"] = [{"name": t.name, "rate": t.rate, "priority": t.priority} for t in tenants]
+    cfg["tenant"] = [{"name": t.name, "rate": t.rate, "priority": t.priority, "priority_class": t.priority_class}
+                     for t in tenants]
     return {"tool": "tokenmill bench serve", "backend": a.backend, "target": where,
             "interrupted": any(r["interrupted"] for r in runs),
             "model": getattr(target, "model", None) or a.model, "config": cfg, "runs": runs}
@@ -319,7 +325,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--chat-length", choices=("content", "total"), default="content",
                    help="openai-chat: input length counts the message (content, the default, as vLLM) or the "
                         "whole prompt after the chat template (total)")
-    w.add_argument("--tenant", action="append", type=parse_tenant, metavar="NAME:rate=R,priority=P,key=K",
+    w.add_argument("--tenant", action="append", type=parse_tenant, metavar="NAME:rate=R,priority=P,key=K,class=C",
                    help="multi-tenant mix (repeat): each tenant's share of requests follows its rate; without "
                         "--request-rate the offered rate is the sum of the tenants' rates")
     w.add_argument("--seed", type=int, default=0, help="same seed, same request stream and arrival times (default 0)")

@@ -19,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         bench_serve,
         bench_serving_peer,
         bench_structured,
+        bench_tenants,
         report,
     )
 
@@ -32,4 +33,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_resilience.add_parser(bsub)
     bench_output_filter.add_parser(bsub)
     bench_structured.add_parser(bsub)
+    bench_tenants.add_parser(bsub)
     report.add_compare_parser(bsub)

@@ -74,7 +74,7 @@ async def _timed(coro: Any, rec: RequestRecord, timeout: float | None) -> None:
 
 class GrpcTarget:
     """``tokenmill.v1.Frontend/Generate``: prompt token ids (exact input length), the tenant as ``x-tenant-id``
-    metadata, its priority as ``GenerateRequest.priority``, the API key as ``authorization: Bearer``."""
+    metadata, its priority and class as ``GenerateRequest.priority`` and ``priority_class``, the API key as ``authorization: Bearer``."""
 
     name = "grpc"
 
@@ -104,9 +104,11 @@ class GrpcTarget:
 
         params = common_pb2.SamplingParams(max_tokens=spec.output_len, ignore_eos=self.opts.ignore_eos,
                                            **self.opts.sampling())
+        klass = spec.tenant.priority_class if spec.tenant else None
         return frontend_pb2.GenerateRequest(
             model=self.model or "", prompt_token_ids=frontend_pb2.TokenIds(ids=spec.prompt_ids), params=params,
-            priority=spec.tenant.priority if spec.tenant else 0, cache_salt=self.opts.cache_salt or "")
+            priority=spec.tenant.priority if spec.tenant else 0, cache_salt=self.opts.cache_salt or "",
+            priority_class=f"PRIORITY_CLASS_{klass.upper()}" if klass else "PRIORITY_CLASS_UNSPECIFIED")
 
     async def send(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
         import grpc
@@ -205,6 +207,8 @@ class OpenAITarget:
         p.update(self.opts.sampling())
         if spec.tenant and spec.tenant.priority:
             p["priority"] = spec.tenant.priority
+        if spec.tenant and spec.tenant.priority_class:
+            p["service_tier"] = spec.tenant.priority_class  # the gateway takes the class names as tiers too
         if self.opts.cache_salt:
             p["cache_salt"] = self.opts.cache_salt
         return p

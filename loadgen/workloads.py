@@ -22,12 +22,14 @@ _WORD = re.compile(r"^Ġ[a-z]{2,12}$")
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """One tenant of a multi-tenant mix: its own API key, open-loop rate (requests/s) and priority."""
+    """One tenant of a multi-tenant mix: its own API key, open-loop rate (requests/s), priority, and priority class
+    (interactive, standard or batch; None: not sent, the tenant's default at the gateway)."""
 
     name: str
     rate: float = 1.0
     priority: int = 0
     api_key: str | None = None
+    priority_class: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,8 @@ from common.kv_transfer import KvCompat, KvIncompatibleError, KvReadHandle, KvTr
 from common.output_filter import PolicySet
 from common.output_processor import OutputProcessor, TextDelta
 from common.sampling import SamplingParams
-from common.wire import sampling_params_from_proto
+from common.sequence import Tenancy
+from common.wire import sampling_params_from_proto, tenancy_from_meta
 from common.worker import FINISH_TO_PROTO, WorkerBase, compat_proto, logprob_proto
 
 log = logging.getLogger(__name__)
@@ -210,20 +211,21 @@ class DecodeWorker(WorkerBase):
         pull.observe_after = time.monotonic() + self._delay_after
 
     def _admit(self, engine: LLMEngine, rid: str, req: decode_pb2.DecodeRequest, params: SamplingParams,
-               trace_ctx: Any = None, deadline: float | None = None) -> None:
+               tenancy: Tenancy, trace_ctx: Any = None, deadline: float | None = None) -> None:
         """Add the request (engine thread). With a KV handle: ``deadline`` is its claim's (None: the claim was
         refused, so the prompt is recomputed here)."""
         meta = req.meta
         if not req.HasField("kv"):
             engine.add_request(rid, list(req.prompt_token_ids), params, meta.priority, meta.cache_salt,
-                               prior_output_ids=list(req.prior_output_ids))
+                               prior_output_ids=list(req.prior_output_ids), tenancy=tenancy)
             return
         first_lp = None
         if req.HasField("first_logprob"):
             lp = req.first_logprob
             first_lp = TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
         out, plan = engine.add_prefilled(
-            rid, list(req.prompt_token_ids), req.first_token_id, params, meta.priority, meta.cache_salt, first_lp
+            rid, list(req.prompt_token_ids), req.first_token_id, params, meta.priority, meta.cache_salt, first_lp,
+            tenancy,
         )
         self._detok_q.put(("out", out))  # the first token streams before the pull
         kv = req.kv
@@ -380,6 +382,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if prior and request.HasField("kv"):
             raise ValueError("prior_output_ids and kv cannot come together: a moved stream recomputes its context")
         w.engine.validate(prompt, params)  # reads only config: safe off the engine thread
+        tenancy = tenancy_from_meta(request.meta)
         deadline = None
         if request.HasField("kv"):
             try:
@@ -397,8 +400,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         trace_ctx = telemetry.context_with(span)
         try:
             w._detok_q.put(("add", rid, prompt, params, prior, w.policies.for_request(request.meta.tenant_id)))
-            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, trace_ctx,
-                                                                        deadline)))
+            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, tenancy,
+                                                                        trace_ctx, deadline)))
             while not finished:
                 items = [await q.get()]
                 while not q.empty():

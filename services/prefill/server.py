@@ -24,7 +24,8 @@ from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine, RequestOutput
 from common.kv_transfer import KvCompat, KvIncompatibleError
 from common.sampling import SamplingParams
-from common.wire import sampling_params_from_proto
+from common.sequence import Tenancy
+from common.wire import sampling_params_from_proto, tenancy_from_meta
 from common.worker import FINISH_TO_PROTO, WorkerBase, compat_proto, logprob_proto
 
 log = logging.getLogger(__name__)
@@ -133,8 +134,8 @@ class PrefillWorker(WorkerBase):
         return self.lease_s
 
     def _add(self, engine: LLMEngine, rid: str, prompt: list[int], params: SamplingParams,
-             meta: common_pb2.RequestMeta, queued: _Queued) -> None:
-        engine.add_request(rid, prompt, params, meta.priority, meta.cache_salt, prefill_only=True)
+             meta: common_pb2.RequestMeta, tenancy: Tenancy, queued: _Queued) -> None:
+        engine.add_request(rid, prompt, params, meta.priority, meta.cache_salt, prefill_only=True, tenancy=tenancy)
         self._unscheduled[rid] = queued
 
     def _grant(self, engine: LLMEngine, o: RequestOutput, lease_id: str) -> None:
@@ -159,6 +160,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         params = sampling_params_from_proto(request.params)
         prompt = list(request.prompt_token_ids)
         w.engine.validate(prompt, params)
+        tenancy = tenancy_from_meta(request.meta)
         fut: asyncio.Future[RequestOutput] = asyncio.get_running_loop().create_future()
         w._waiters[rid] = fut
         w.metrics.prompt_tokens.inc(len(prompt))
@@ -166,7 +168,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         telemetry.current_span().set_attributes({"request_id": rid, "prompt_tokens": len(prompt)})
         queued, submitted_ns = _Queued(), time.time_ns()
         try:
-            await asyncio.wrap_future(w.loop.submit(lambda e: w._add(e, rid, prompt, params, meta, queued)))
+            await asyncio.wrap_future(w.loop.submit(lambda e: w._add(e, rid, prompt, params, meta, tenancy, queued)))
             o = await fut
         except asyncio.CancelledError:
             w._waiters.pop(rid, None)

@@ -18,7 +18,9 @@ from tokenmill.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.loader import load_tokenizer
+from common.sequence import PriorityClass
 from common.tokenizer import TextTokenizer
+from common.wire import priority_class_from_proto
 from services.tokenizer.batcher import BatchStats, EncodeBatcher
 
 log = logging.getLogger(__name__)
@@ -148,7 +150,7 @@ class TokenizerService:
         tcfg = self.cfg.cluster.tokenizer
         self._batcher = EncodeBatcher(
             lambda texts, special: tok.encode_batch(texts, add_special_tokens=special),
-            tcfg.batch_max_tokens, tcfg.batch_wait_ms / 1000, self.metrics.on_batch,
+            tcfg.batch_max_tokens, {k: tcfg.window_s(k.name.lower()) for k in PriorityClass}, self.metrics.on_batch,
         )
         await self._batcher.encode("warm up the tokenizer", True)
 
@@ -172,7 +174,7 @@ class TokenizerService:
             text, special = req.text, req.add_special_tokens
         else:
             raise ValueError("TokenizeRequest needs 'text' or 'chat'")
-        ids = await self._batcher.encode(text, special)
+        ids = await self._batcher.encode(text, special, priority_class_from_proto(req.meta.priority_class))
         self.metrics.tokens.inc(len(ids))
         return ids
 

@@ -40,9 +40,10 @@ def test_vllm_options_parse_to_the_same_load_and_workload():
 def test_tenants_parse_and_set_the_rate():
     t = parse_tenant("alice:rate=2.5,priority=10,key=sk-a")
     assert (t.name, t.rate, t.priority, t.api_key) == ("alice", 2.5, 10, "sk-a")
+    assert parse_tenant("bob:class=batch").priority_class == "batch"
     a = build_parser().parse_args(["bench", "serve", "--tenant", "a:rate=1", "--tenant", "b:rate=3"])
     assert _loads(a, a.tenant)[0].request_rate == 4.0
-    for bad in ("", "x:rate=0", "x:speed=3", "x:priority=-1"):
+    for bad in ("", "x:rate=0", "x:speed=3", "x:priority=-1", "x:class=urgent"):
         with pytest.raises(Exception, match="--tenant"):
             parse_tenant(bad)
 

@@ -108,3 +108,43 @@ def test_serve_tokenizer_process_reaches_serving_and_exits_on_sigterm(tmp_path):
     assert f"tokenizer-0 ready: grpc {addr} metrics :{base + 1100}" in out
     assert "draining" in out and "stopped" in out and "Traceback" not in out
     assert health_status(addr, timeout=0.5) == "UNREACHABLE"
+
+
+def test_each_class_has_its_own_batching_window(tok):
+    """An interactive request fires the batch at once and takes a waiting batch-class request with it; over the
+    token budget, interactive requests are encoded first."""
+    from common.cluster_config import ConfigError, TokenizerConfig
+    from common.sequence import PriorityClass
+    from services.tokenizer.batcher import BatchStats, EncodeBatcher
+
+    cfg = TokenizerConfig()
+    assert cfg.window_s("standard") == cfg.batch_wait_ms / 1000  # today's window for standard
+    assert cfg.window_s("interactive") < cfg.window_s("standard") < cfg.window_s("batch")
+    with pytest.raises(ConfigError, match="batch must be >= 0 ms"):
+        cluster(**{"tokenizer.class_windows_ms.batch": -1})
+
+    async def body():
+        encoded: list[list[str]] = []
+        fired: list[BatchStats] = []
+
+        def encode(texts, special):
+            encoded.append(list(texts))
+            return [tok.encode(t, add_special_tokens=special) for t in texts]
+
+        windows = {PriorityClass.INTERACTIVE: 0.0, PriorityClass.STANDARD: 3600.0, PriorityClass.BATCH: 3600.0}
+        b = EncodeBatcher(encode, 16384, windows, fired.append)
+        slow = asyncio.ensure_future(b.encode("a batch request", True, PriorityClass.BATCH))
+        await asyncio.sleep(0)  # the batcher holds it for its hour-long window
+        fast = await b.encode("an interactive one", True, PriorityClass.INTERACTIVE)
+        assert fast == tok.encode("an interactive one") and await slow == tok.encode("a batch request")
+        assert [f.requests for f in fired] == [2]
+        await b.close()
+
+        encoded.clear()
+        b = EncodeBatcher(encode, 1, windows)  # every request fills the token budget alone
+        await asyncio.gather(b.encode("batch", True, PriorityClass.BATCH), b.encode("std", True),
+                             b.encode("inter", True, PriorityClass.INTERACTIVE))
+        assert encoded == [["inter"], ["std"], ["batch"]]
+        await b.close()
+
+    asyncio.run(body())

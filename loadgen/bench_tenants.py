@@ -1,0 +1,326 @@
+"""``tokenmill bench tenants``: the noisy-neighbour benchmark.
+
+It starts a cluster (``tokenmill up`` with the machine's default layout, what ``make up`` runs) with three tenants
+in its config, each with an API key of its own, so every request goes through the real key check, quotas and class
+resolution at the gateway:
+
+- ``interactive``: default and maximum class interactive, no quota;
+- ``flood``: class batch, ``--flood-rpm`` requests per minute (its excess gets 429 / RESOURCE_EXHAUSTED), a
+  per-worker cap on its running sequences (``--flood-max-running``);
+- ``probe``: class standard, no quota, only for the calibration.
+
+Then, over gRPC ``Generate``:
+
+0. calibration: the probe tenant closed-loop at ``--calibrate-concurrency`` for ``--calibrate-seconds``: the
+   cluster's capacity in the flood's request shape (requests/s and output tokens/s);
+1. (a) the interactive tenant alone at ``--interactive-rate`` (Poisson) for ``--duration`` seconds;
+2. (b) the same requests at the same times, beside the flood tenant sending at ``--flood-factor`` × its fair share
+   (half the capacity: both weigh 1), Poisson. When the interactive tenant's last request ends the flood is
+   cancelled.
+
+(a) and (b) alternate ``--rounds`` times and the figures pool the rounds, so a change in the machine's load
+(a shared machine) falls on both alike.
+
+It prints the interactive tenant's TTFT and TPOT p50/p99 in both runs and their ratio, the flood's throughput and
+its share of the capacity and of what the interactive tenant left, and who got the 429s. Requests due in the first
+``--warmup-seconds`` of a run are sent but left out. Each run has a cache salt of its own, so run (b) does not hit
+run (a)'s prefix cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import random
+import secrets
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loadgen.bench_offline import _machine, _say, _source_state
+from loadgen.bench_serve import _finite
+from loadgen.bench_serving_peer import _serving
+from loadgen.clients import GrpcTarget, SendOptions
+from loadgen.metrics import RequestRecord, summarize
+from loadgen.runner import LoadConfig, run_load, run_warmups
+from loadgen.workloads import PromptBuilder, Tenant, WorkloadConfig, iter_requests
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TTFT_TARGET = 1.20  # the flood may move the interactive tenant's TTFT p99 by less than 20%
+TPOT_TARGET = 1.10  # and its TPOT p99 by less than 10%
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tenants", help="noisy neighbour: an interactive tenant alone, then beside a flooding one",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=20.0, help="seconds of each run (default 20)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs (a) and (b) alternate this many times; the figures pool them (default 2)")
+    p.add_argument("--warmup-seconds", type=float, default=4.0,
+                   help="requests due in a run's first S seconds are sent but left out (default 4)")
+    p.add_argument("--interactive-rate", type=float, default=1.5, help="the interactive tenant's req/s (default 1.5)")
+    p.add_argument("--interactive-input-len", type=int, default=64, help="default 64")
+    p.add_argument("--interactive-output-len", type=int, default=32, help="default 32")
+    p.add_argument("--flood-factor", type=float, default=10.0,
+                   help="the flood's offered rate in multiples of its fair share (default 10)")
+    p.add_argument("--flood-input-len", type=int, default=128, help="default 128")
+    p.add_argument("--flood-output-len", type=int, default=64, help="default 64")
+    p.add_argument("--flood-rpm", type=int, default=480,
+                   help="the flood tenant's quota, requests per minute (default 480; 0: none)")
+    p.add_argument("--flood-rpm-burst", type=int, default=8, help="its request bucket (default 8)")
+    p.add_argument("--flood-max-running", type=int, default=4,
+                   help="the flood tenant's running sequences per worker (default 4; 0: no cap)")
+    p.add_argument("--batch-prefill-tokens", type=int, default=16,
+                   help="engine.batch_prefill_tokens_beside_urgent: the flood's prompt tokens in a step that runs "
+                        "the interactive tenant's (default 16; 0: no limit)")
+    p.add_argument("--calibrate-seconds", type=float, default=12.0, help="default 12")
+    p.add_argument("--calibrate-concurrency", type=int, default=16, help="default 16")
+    p.add_argument("--base-port", type=int, default=None,
+                   help="the cluster's internal ports from here, gateway gRPC +450, HTTP +451 (default: a range "
+                        "below 32768 whose ports are free now)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="passed to `tokenmill up --set` (repeatable), e.g. engine.max_num_seqs=32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", help="write the results as JSON here")
+    p.add_argument("--log-dir", help="the cluster's log, config and state file (default: a temporary directory)")
+    p.set_defaults(func=run)
+
+
+# -- the cluster -------------------------------------------------------------------------------------------------
+def tenants_config(a: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any]:
+    """The cluster config's ``tenants:`` section; ``keys``: tenant → its API key (only the hash goes in)."""
+    def sha(k: str) -> list[str]:
+        return [hashlib.sha256(k.encode()).hexdigest()]
+
+    return {"tenants": {
+        "interactive": {"keys_sha256": sha(keys["interactive"]), "default_class": "interactive",
+                        "max_class": "interactive", "weight": 1.0},
+        "flood": {"keys_sha256": sha(keys["flood"]), "default_class": "batch", "max_class": "batch", "weight": 1.0,
+                  "rpm": a.flood_rpm, "rpm_burst": a.flood_rpm_burst if a.flood_rpm else 0,
+                  "max_running": a.flood_max_running},
+        "probe": {"keys_sha256": sha(keys["probe"]), "default_class": "standard", "max_class": "standard"},
+    }}
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port() -> int:
+    """A base port whose cluster ports (every role's first three, their metrics ports, the gateway's) bind now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 30000, 100)
+        if all(_port_free(base + off + i) for off in (0, 100, 200, 300, 400, 450, 1000, 1100, 1200, 1300, 1400)
+               for i in range(3)):
+            return base
+    raise RuntimeError("no free port range below 32768; pass --base-port")
+
+
+@contextlib.contextmanager
+def cluster(a: argparse.Namespace, keys: dict[str, str], work: Path):
+    """``tokenmill up`` with the tenants' config; yields the gateway's gRPC address once /health is 200."""
+    cfg = work / "tenants-cluster.yaml"
+    cfg.write_text(yaml.safe_dump(tenants_config(a, keys)))
+    base = a.base_port if a.base_port is not None else free_base_port()
+    grpc_port, http_port = base + 450, base + 451
+    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg), "--base-port", str(base),
+           "--gateway-port", str(grpc_port), "--http-port", str(http_port), "--state-file", str(work / "state.json")]
+    if a.batch_prefill_tokens:
+        cmd += ["--set", f"engine.batch_prefill_tokens_beside_urgent={a.batch_prefill_tokens}"]
+    for item in a.set:
+        cmd += ["--set", item]
+    _say(f"starting the cluster: {' '.join(cmd)} (log {work / 'cluster.log'})")
+    with _serving(cmd, work / "cluster.log", http_port, 600, "tokenmill", cwd=REPO_ROOT):
+        yield f"127.0.0.1:{grpc_port}"
+
+
+# -- the runs ----------------------------------------------------------------------------------------------------
+def _workload(inp: int, out: int, seed: int) -> WorkloadConfig:
+    return WorkloadConfig(dataset="random", input_len=(inp, inp), output_len=(out, out), seed=seed)
+
+
+async def _phase(target: GrpcTarget, builder: PromptBuilder, loads: list[tuple[Tenant, WorkloadConfig, LoadConfig]],
+                 background: tuple[Tenant, WorkloadConfig, LoadConfig] | None = None
+                 ) -> tuple[list[list[RequestRecord]], list[RequestRecord], float]:
+    """Run ``loads`` to the end, and ``background`` beside them until they end (then it is cancelled).
+
+    Returns each load's records, the background's, and the phase's start (perf_counter)."""
+    target.opts = dataclasses.replace(target.opts, cache_salt=uuid.uuid4().hex)
+    t0 = time.perf_counter()
+    bg_recs: list[RequestRecord] = []
+    bg = None
+    if background is not None:
+        tenant, w, load = background
+        bg = asyncio.create_task(run_load(target, iter_requests(w, builder, [tenant]), load, into=bg_recs))
+    try:
+        out = await asyncio.gather(*(run_load(target, iter_requests(w, builder, [t]), load)
+                                     for t, w, load in loads))
+    finally:
+        if bg is not None:
+            bg.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await bg
+    return list(out), bg_recs, t0
+
+
+def _tokens_in_window(recs: list[RequestRecord], lo: float, hi: float) -> int:
+    """Output tokens that reached the client between run times ``lo`` and ``hi`` (cancelled requests too)."""
+    n = 0
+    for r in recs:
+        for t, k in zip(r.chunk_times, r.chunk_tokens):
+            if lo <= r.start + t <= hi:
+                n += k
+    return n
+
+
+def _refused(recs: list[RequestRecord]) -> int:
+    return sum(1 for r in recs if r.error_kind == "RESOURCE_EXHAUSTED")
+
+
+def _p(s: dict[str, Any], key: str, q: str) -> float:
+    v = s[key][q]
+    return math.nan if v is None else float(v)
+
+
+async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> dict[str, Any]:
+    from common.loader import load_tokenizer
+
+    builder = PromptBuilder(load_tokenizer(None))
+    target = GrpcTarget(address, None, SendOptions(ignore_eos=True, temperature=0.0, timeout=120.0))
+    inter = Tenant("interactive", a.interactive_rate, api_key=keys["interactive"])
+    probe = Tenant("probe", 1.0, api_key=keys["probe"])
+    flood_w = _workload(a.flood_input_len, a.flood_output_len, a.seed + 2)
+    inter_w = _workload(a.interactive_input_len, a.interactive_output_len, a.seed + 1)
+    await target.open()
+    try:
+        await run_warmups(target, iter_requests(_workload(a.flood_input_len, 8, a.seed + 9), builder, [probe]),
+                          LoadConfig(num_warmups=4, max_concurrency=4))
+        _say(f"calibrating: the probe tenant at concurrency {a.calibrate_concurrency} for {a.calibrate_seconds:g} s")
+        cal_load = LoadConfig(max_concurrency=a.calibrate_concurrency, num_requests=None,
+                              duration_s=a.calibrate_seconds, seed=a.seed + 3)
+        [cal], _, _ = await _phase(target, builder, [(probe, flood_w, cal_load)])
+        cal_s = summarize(cal)
+        capacity_rps, capacity_tok_s = cal_s["request_throughput"], cal_s["output_throughput"]
+        fair_rps = capacity_rps / 2  # two tenants of weight 1
+        flood = Tenant("flood", a.flood_factor * fair_rps, api_key=keys["flood"])
+        _say(f"capacity {capacity_rps:.2f} req/s, {capacity_tok_s:.0f} output tok/s; the flood offers "
+             f"{flood.rate:.2f} req/s ({a.flood_factor:g}x its fair share of {fair_rps:.2f})")
+
+        inter_load = LoadConfig(request_rate=a.interactive_rate, num_requests=None, duration_s=a.duration,
+                                warmup_s=a.warmup_seconds, seed=a.seed + 4)
+        flood_load = LoadConfig(request_rate=flood.rate, num_requests=None, duration_s=a.duration + 60,
+                                seed=a.seed + 5)
+        alone: list[RequestRecord] = []
+        beside: list[RequestRecord] = []
+        flood_recs: list[RequestRecord] = []
+        flood_tokens, inter_tokens, window = 0, 0, 0.0
+        for k in range(a.rounds):  # (a) and (b) alternate, so a drift in the machine's load hits both alike
+            _say(f"round {k + 1}/{a.rounds}, run (a): the interactive tenant alone, {a.interactive_rate:g} req/s "
+                 f"for {a.duration:g} s")
+            [ra], _, _ = await _phase(target, builder, [(inter, inter_w, inter_load)])
+            _say(f"round {k + 1}/{a.rounds}, run (b): the same beside the flood")
+            [rb], rf, _ = await _phase(target, builder, [(inter, inter_w, inter_load)], (flood, flood_w, flood_load))
+            alone += ra
+            beside += rb
+            flood_recs += rf
+            # the flood's tokens over run (b)'s measured window: from the warm-up's end to the interactive tenant's
+            end = max(r.finished_at for r in rb)
+            flood_tokens += _tokens_in_window(rf, a.warmup_seconds, end)
+            inter_tokens += _tokens_in_window([r for r in rb if not r.warmup], a.warmup_seconds, end)
+            window += max(1e-9, end - a.warmup_seconds)
+    finally:
+        await target.close()
+
+    sa, sb = summarize(alone), summarize(beside)
+    flood_tok_s, inter_tok_s = flood_tokens / window, inter_tokens / window
+    spare = max(1e-9, capacity_tok_s - inter_tok_s)
+    sent = len(flood_recs)
+    refused = {"interactive": _refused(alone) + _refused(beside), "flood": _refused(flood_recs),
+               "probe": _refused(cal)}
+    return {
+        "tool": "tokenmill bench tenants", "machine": _machine(), "source": _source_state(),
+        "config": {k: v for k, v in vars(a).items() if k != "func"},
+        "capacity": {"request_throughput": capacity_rps, "output_throughput": capacity_tok_s,
+                     "calibration": cal_s},
+        "flood": {"offered_rps": flood.rate, "fair_share_rps": fair_rps, "sent": sent,
+                  "refused_429": refused["flood"], "output_throughput": flood_tok_s,
+                  "share_of_capacity": flood_tok_s / capacity_tok_s if capacity_tok_s else math.nan,
+                  "share_of_spare": flood_tok_s / spare,
+                  "spare_output_throughput": spare},
+        "interactive": {"alone": sa, "beside_flood": sb, "output_throughput_beside": inter_tok_s},
+        "refused_429": refused,
+        "ratio": {"ttft_p50": _p(sb, "ttft_ms", "p50") / _p(sa, "ttft_ms", "p50"),
+                  "ttft_p99": _p(sb, "ttft_ms", "p99") / _p(sa, "ttft_ms", "p99"),
+                  "tpot_p50": _p(sb, "tpot_ms", "p50") / _p(sa, "tpot_ms", "p50"),
+                  "tpot_p99": _p(sb, "tpot_ms", "p99") / _p(sa, "tpot_ms", "p99")},
+    }
+
+
+def format_result(r: dict[str, Any]) -> str:
+    sa, sb = r["interactive"]["alone"], r["interactive"]["beside_flood"]
+    f, q = r["flood"], r["ratio"]
+
+    def row(name: str, s: dict[str, Any], flood: str) -> str:
+        return (f"| {name} | {s['completed']}/{s['requests']} | {_p(s, 'ttft_ms', 'p50'):.0f} / "
+                f"{_p(s, 'ttft_ms', 'p99'):.0f} | {_p(s, 'tpot_ms', 'p50'):.1f} / {_p(s, 'tpot_ms', 'p99'):.1f} | "
+                f"{flood} |")
+
+    ok_ttft, ok_tpot = q["ttft_p99"] < TTFT_TARGET, q["tpot_p99"] < TPOT_TARGET
+    lines = [
+        f"capacity (calibration, flood-shaped requests): {r['capacity']['request_throughput']:.2f} req/s, "
+        f"{r['capacity']['output_throughput']:.0f} output tok/s",
+        "",
+        "| interactive tenant | completed | TTFT p50 / p99 ms | TPOT p50 / p99 ms | flood output tok/s |",
+        "|---|---:|---:|---:|---:|",
+        row("(a) alone", sa, "-"),
+        row("(b) beside the flood", sb, f"{f['output_throughput']:.0f}"),
+        f"| (b) ÷ (a) | | {q['ttft_p50']:.2f}× / {q['ttft_p99']:.2f}× | {q['tpot_p50']:.2f}× / "
+        f"{q['tpot_p99']:.2f}× | |",
+        "",
+        f"flood: offered {f['offered_rps']:.2f} req/s ({f['offered_rps'] / f['fair_share_rps']:.0f}× its fair share "
+        f"of {f['fair_share_rps']:.2f}), sent {f['sent']}, refused with 429 {f['refused_429']}",
+        f"flood throughput {f['output_throughput']:.0f} output tok/s = {100 * f['share_of_capacity']:.0f}% of the "
+        f"capacity, {100 * f['share_of_spare']:.0f}% of the spare capacity ({f['spare_output_throughput']:.0f} tok/s "
+        f"left by the interactive tenant's {r['interactive']['output_throughput_beside']:.0f})",
+        "429s by tenant: " + ", ".join(f"{k} {v}" for k, v in r["refused_429"].items()),
+        f"targets: TTFT p99 moved {100 * (q['ttft_p99'] - 1):+.0f}% (< +20%: {'met' if ok_ttft else 'MISSED'}), "
+        f"TPOT p99 moved {100 * (q['tpot_p99'] - 1):+.0f}% (< +10%: {'met' if ok_tpot else 'MISSED'})",
+    ]
+    return "\n".join(lines)
+
+
+def run(a: argparse.Namespace) -> int:
+    keys = {t: f"tm-bench-{t}-{secrets.token_urlsafe(12)}" for t in ("interactive", "flood", "probe")}
+    with contextlib.ExitStack() as stack:
+        work = Path(a.log_dir) if a.log_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        work.mkdir(parents=True, exist_ok=True)
+        try:
+            with cluster(a, keys, work) as address:
+                result = asyncio.run(_main(a, address, keys))
+        except (RuntimeError, OSError, ValueError) as e:
+            print(f"tokenmill bench tenants: {e}", file=sys.stderr)
+            return 2
+    print(format_result(result), flush=True)
+    if a.result_file:
+        path = Path(a.result_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_finite(result), indent=1, default=str, allow_nan=False))
+        print(f"results: {path}")
+    return 0
