@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common import cpu_kernels
@@ -255,10 +256,9 @@ class Sampler:
                 idx, bitmask = filled
                 words = bitmask.numpy()
                 redo = [j for j, i in enumerate(idx) if not (int(words[j, toks[i] >> 5]) >> (toks[i] & 31)) & 1]
-                if redo:
-                    dev = logits.device
-                    rows_t = torch.tensor([idx[j] for j in redo]).to(dev)
-                    sub = logits.index_select(0, rows_t).float().add_(self._bias(bitmask[redo], dev))
+                if redo:  # rows copied one by one: index_select of bfloat16 rows is slow on the CPU
+                    sub = torch.stack([logits[idx[j]] for j in redo]).float()
+                    sub.add_(self._bias(bitmask[redo], logits.device))
                     for j, t in zip(redo, _argmax(sub)):
                         toks[idx[j]] = t
             return SampleResult(toks, [None] * logits.shape[0])
@@ -319,6 +319,9 @@ class Sampler:
             bias = self._bias(bitmask, dev)
             if len(idx) == n:  # every row constrained
                 x.add_(bias)
+            elif dev.type == "cpu":
+                for j, i in enumerate(idx):
+                    x[i].add_(bias[j])
             else:
                 x.index_add_(0, torch.tensor(idx).to(dev), bias)
         return x, prm, spec
@@ -348,6 +351,9 @@ class Sampler:
             bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
             lut = self._byte_bias = torch.where(bits > 0, 0.0, _MASK).to(dev)  # [256, 8]: a byte's 8 tokens
         m = bitmask.shape[0]
+        if dev.type == "cpu":  # numpy's take: torch's CPU index_select took 10x longer on this gather
+            flat = np.take(lut.numpy(), bitmask.numpy().view(np.uint8).reshape(-1), axis=0)
+            return torch.from_numpy(flat).view(m, -1)[:, : self.vocab_size]
         byte_ids = bitmask.view(torch.uint8).to(dev, non_blocking=True).view(-1).long()
         return lut.index_select(0, byte_ids).view(m, -1)[:, : self.vocab_size]
 

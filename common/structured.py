@@ -9,6 +9,7 @@ module to validate a constraint before dispatch.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -69,10 +70,20 @@ def _describe(so: StructuredOutput, error: str) -> str:
 
 
 def check(so: StructuredOutput) -> None:
-    """Check the constraint without a tokenizer (the gateway, before dispatch). Raises GrammarError."""
-    err = llg.LLMatcher.validate_grammar(grammar_text(so))
-    if err and not err.startswith("WARNING"):
-        raise GrammarError(_describe(so, err))
+    """Check the constraint without a tokenizer (the gateway, before dispatch). Raises GrammarError. The last
+    answers are remembered: the n choices of a request, and clients that repeat a schema, check once."""
+    err = _check(so)
+    if err:
+        raise GrammarError(err)
+
+
+@functools.lru_cache(maxsize=256)
+def _check(so: StructuredOutput) -> str:
+    try:
+        err = llg.LLMatcher.validate_grammar(grammar_text(so))
+    except GrammarError as e:
+        return str(e)
+    return _describe(so, err) if err and not err.startswith("WARNING") else ""
 
 
 _executor: llg.LLExecutor | None = None
