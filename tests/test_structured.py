@@ -16,6 +16,7 @@ from common.sampler import Sampler, SampleRow
 from common.sampling import SamplingParams, StructuredOutput
 from common.structured import GrammarCompiler, GrammarError, check
 from tests.test_disaggregation import prefill, run
+from tests.test_sampling import DEVICES
 
 V = 49152
 EOS = (2,)
@@ -52,10 +53,11 @@ def spiked_logits(n: int, spike_at: list[int], seed: int) -> torch.Tensor:
     {"temperature": 1.5, "top_k": 5},  # the top-k candidate pick: every candidate but the disallowed may be masked
     {"temperature": 1.0, "top_p": 0.9, "min_p": 0.05},
 ], ids=["greedy-fast", "greedy-processed", "sampled", "top-k", "top-p-min-p"])
-def test_a_masked_row_never_picks_a_masked_token(compiler, knobs):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_masked_row_never_picks_a_masked_token(compiler, knobs, device):
     """Rows under a grammar beside unconstrained ones: each constrained pick is allowed, although the raw logits
     put a disallowed token far on top; the unconstrained rows pick as if no grammar were in the batch."""
-    sampler = Sampler(V, "cpu", max_rows=8)
+    sampler = Sampler(V, device, max_rows=8)
     constraints = [PERSON_SO, StructuredOutput("choice", choices=("yes", "no")),
                    StructuredOutput("regex", r"[0-9]{2,4}")]
     prefix = load_tokenizer().encode('{"name": "', add_special_tokens=False)
@@ -66,7 +68,7 @@ def test_a_masked_row_never_picks_a_masked_token(compiler, knobs):
             assert matchers[0].accept(t)
         allowed = [allowed_ids(m) for m in matchers]
         banned = [min(set(range(1000, V)) - a) for a in allowed]  # a disallowed token per constrained row
-        logits = spiked_logits(5, [*banned, 777, 1234], step_seed)
+        logits = spiked_logits(5, [*banned, 777, 1234], step_seed).to(device)
         p = SamplingParams(seed=step_seed, **knobs)
         rows = [SampleRow(p, step_seed, 0, [1], [], EOS, grammar=m) for m in matchers]
         rows += [SampleRow(p, step_seed, 0, [1], [], EOS) for _ in range(2)]
@@ -75,7 +77,7 @@ def test_a_masked_row_never_picks_a_masked_token(compiler, knobs):
             assert got[i] in allowed[i], (i, got[i])
         if p.greedy:
             assert got[3:] == [777, 1234]
-        alone = Sampler(V, "cpu").sample(logits[3:], rows[3:]).token_ids
+        alone = Sampler(V, device).sample(logits[3:], rows[3:]).token_ids
         assert got[3:] == alone
 
 
