@@ -40,7 +40,7 @@ test: install lint
 #                                        triton (an offline GPU machine, our packages and stubs on PYTHONPATH)
 # INSTALL: 1 (default) makes `install` a prerequisite, 0 drops it. PY: the interpreter (default $(VENV)/bin/python).
 INSTALL ?= 1
-GPU_TESTS ?= tests/gpu tests/test_sampling.py
+GPU_TESTS ?= tests/gpu tests/test_sampling.py tests/test_structured.py
 test-gpu: $(if $(filter 1,$(INSTALL)),install)
 	$(PY) -m pytest -q -m gpu $(GPU_TESTS)
 
