@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from common.cluster_config import with_backend_env
 from common.config import EngineConfig, parse_bytes
 from common.loader import DEFAULT_MODEL, ModelSource, load_model_source
 from common.machine import default_dtype
@@ -44,8 +45,9 @@ def model_source_from_args(a: argparse.Namespace) -> ModelSource:
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    """The engine flags, and the backend keys from the environment (``TOKENMILL_ENGINE__CPU_KERNELS`` etc.)."""
     dtype = a.dtype or default_dtype(a.device)
-    return EngineConfig(
+    return with_backend_env(EngineConfig(
         device=a.device,
         dtype=dtype,
         block_size=a.block_size,
@@ -58,4 +60,4 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=not a.no_chunked_prefill,
         seed=a.seed,
         tensor_parallel_size=a.tp,
-    )
+    ))

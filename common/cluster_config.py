@@ -9,7 +9,9 @@ Every address and port a service uses comes from here. Ports:
 
 A role's ``port`` / ``metrics_port`` fields, when set, replace the derived first port of that role (instance ``i``
 takes ``port + i``). Env overrides are ``TOKENMILL_`` + the dotted key in upper case with ``.`` → ``__``, e.g.
-``TOKENMILL_BASE_PORT=21000`` or ``TOKENMILL_TOKENIZER__COUNT=4``; other ``TOKENMILL_*`` variables are ignored.
+``TOKENMILL_BASE_PORT=21000`` or ``TOKENMILL_TOKENIZER__COUNT=4``; other ``TOKENMILL_*`` variables are ignored,
+except three shorter names of the compute backend's keys (``ENV_ALIASES``: ``TOKENMILL_CPU_KERNELS=0`` is
+``engine.cpu_kernels=false``).
 
 In containers (docker-compose, Helm, Ray) every process has its own host: ``host`` is the interface it binds
 (``0.0.0.0``), ``advertise_host`` the name the others reach it by (a DNS name or the pod IP), ``instance_name``
@@ -45,6 +47,10 @@ ROLES: tuple[Role, ...] = ("router", "tokenizer", "prefill", "decode", "gateway"
 _ROLE_OFFSET: dict[str, int] = {"router": 0, "tokenizer": 100, "prefill": 200, "decode": 300, "gateway": 400}
 _METRICS_OFFSET = 1000
 ENV_PREFIX = "TOKENMILL_"
+# Shorter environment names of the backend choices; the TOKENMILL_ENGINE__* form wins where both are set
+ENV_ALIASES = {"TOKENMILL_CPU_KERNELS": "engine.cpu_kernels", "TOKENMILL_CUDA_FAST": "engine.cuda_fast_path",
+               "TOKENMILL_CUDA_GRAPHS": "engine.cuda_graphs"}
+BACKEND_KEYS = ("cpu_kernels", "cuda_fast_path", "cuda_graphs")
 OTHER_TENANT = "other"  # the metrics' tenant label of every tenant the config does not name
 _TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
@@ -437,6 +443,9 @@ def _merged(path: str | Path | None, overrides: Mapping[str, Any] | None,
             raise ConfigError(f"config file {p} must hold a mapping at the top level")
         data = loaded
     env = os.environ if env is None else env
+    for name, key in ENV_ALIASES.items():
+        if name in env:
+            _set_dotted(data, key, env[name])
     keys = set(_dotted_keys(ClusterConfig))
     for name, value in env.items():
         if name.startswith(ENV_PREFIX):
@@ -447,6 +456,16 @@ def _merged(path: str | Path | None, overrides: Mapping[str, Any] | None,
         if value is not None:
             _set_dotted(data, key, value)
     return data
+
+
+def with_backend_env(cfg: EngineConfig, env: Mapping[str, str] | None = None) -> EngineConfig:
+    """``cfg`` with the backend keys (``BACKEND_KEYS``) the environment sets, read as the cluster config reads them:
+    for the commands that build an EngineConfig from flags of their own (``generate``, the benchmarks), which have
+    no flags for these. Raises ConfigError naming the variable's key when a value is not a boolean."""
+    engine = _merged(None, None, env).get("engine", {})
+    hints = typing.get_type_hints(EngineConfig)
+    given = {k: _coerce(hints[k], engine[k], f"engine.{k}") for k in BACKEND_KEYS if k in engine}
+    return dataclasses.replace(cfg, **given) if given else cfg
 
 
 def _given_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:

@@ -143,6 +143,14 @@ class EngineConfig:
     # Benchmark-only: no model at all; every step samples from constant logits. Measures the control plane
     # (scheduler, detokenizer, gRPC) without the model's cost.
     noop_model: bool = False
+    # The compute backend, resolved once when the model runner is built (common/model_runner.py).
+    # CPU: the C++ kernels (common/cpu_kernels.py: paged decode attention, fused stages, small-batch matmuls).
+    # None: on where they compiled vectorized (AVX-512); True: on wherever they compiled; False: the portable path.
+    cpu_kernels: bool | None = None
+    # CUDA: the Triton forward (common/model_cuda.py); False: the portable path, and no CUDA graphs
+    cuda_fast_path: bool = True
+    # CUDA: decode-only steps replay CUDA graphs (common/cuda_graphs.py); False: eager
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -6,9 +6,9 @@
 ``argmax_rows`` is the greedy pick; ``linear_small_batch`` is the bfloat16 matmul of decode batches (up to
 32 rows) and ``prefill_attention`` a prompt's causal attention, both on torch's AMX brgemm micro-kernel. All in
 csrc/paged_attention_cpu.cpp.
-The engine uses them on CPU, in bfloat16 and float32, when they compiled with AVX-512 (``TOKENMILL_CPU_KERNELS=0``
-turns them off, ``=1`` on even without AVX-512; see common/model_runner.py). If the compiler is missing,
-``available()`` is False and the model keeps the portable PyTorch path.
+The engine uses them on CPU, in bfloat16 and float32, when they compiled with AVX-512 (``engine.cpu_kernels``
+false turns them off, true on even without AVX-512; see common/model_runner.py and common/model_cpu.py). If the
+compiler is missing, ``available()`` is False and the model keeps the portable PyTorch path.
 """
 
 from __future__ import annotations

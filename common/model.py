@@ -1,7 +1,9 @@
-"""A Llama-family decoder over a paged KV cache, in plain PyTorch (the portable path).
+"""A Llama-family decoder over a paged KV cache: the model, its weights, and the portable PyTorch forward.
 
 One forward runs a flat batch of tokens from many sequences (prefill chunks and decodes mixed): the matmuls see
-all tokens at once, attention is per sequence over its block table. The same code runs on ``cpu`` and ``cuda``.
+all tokens at once, attention is per sequence over its block table. The portable forward runs on ``cpu`` and
+``cuda``; the runner (common/model_runner.py) picks the model's ``backend`` once: this one, the CPU fast path
+(common/model_cpu.py: prepacked matmuls, fused C++ stages) or the CUDA fast path (common/model_cuda.py: Triton).
 
 Weights are taken with Hugging Face names (``model.layers.0.self_attn.q_proj.weight``) and fused here
 (q/k/v into one projection, gate/up into one), so every loader only has to speak one naming scheme.
@@ -12,12 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import cpu_kernels
 from common.config import ModelConfig
 from common.tensor_parallel import SINGLE, Shard, check_divisible
 
@@ -136,14 +137,10 @@ class LlamaModel(torch.nn.Module):
             self.layers.append(layer)
         self.norm = empty(h)
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else empty(cfg.vocab_size, h)
-        self._packed: dict[int, torch.Tensor] = {}
-        self._packed_min_rows = 0  # fewer rows than this take the plain matmul
-        self._small: dict[int, torch.Tensor] = {}  # bf16 layer matrices for decode batches (linear_small_batch)
-        self._prefill_kernel = False  # prompts' attention by cpu_kernels.prefill_attention (set with _small)
-        # CUDA fast path (Triton kernels, common/triton_ops.py); the runner turns it on, see use_fast_path()
-        self.use_triton = False
-        # CPU fast path (fused C++ stages, common/cpu_kernels); the runner turns it on
-        self.fused_cpu = False
+        # CPU: the matrices in oneDNN's layout (common/model_cpu.py, prepack); None: the plain matmul
+        self.packed: PackedLinear | None = None
+        # which forward runs, set once by the runner (common/model_runner.py)
+        self.backend: Backend = PORTABLE
         inv = rope_inv_freq(cfg).to(self.device)
         t = torch.arange(cfg.max_position_embeddings, dtype=torch.float32, device=self.device)
         freqs = torch.outer(t, inv)
@@ -262,257 +259,125 @@ class LlamaModel(torch.nn.Module):
     ) -> torch.Tensor:
         """Run T tokens. ``kv_cache`` is ``[num_blocks, layers, 2, block_size, kv_heads, head_dim]``
         and is written in place at ``meta``'s slots. Returns hidden states ``[T, hidden]`` after the final norm."""
-        if self.use_triton:
-            return self._forward_cuda(input_ids, positions, meta, kv_cache)
-        if self.fused_cpu:
-            return self._forward_cpu_fused(input_ids, positions, meta, kv_cache)
-        cfg = self.cfg
-        x = F.embedding(input_ids, self.embed_tokens)
-        # cos/sin in the activation dtype, as the reference applies them
-        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
-        q_sz, kv_sz = self.q_size, self.kv_size
-        nh, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
-        t = x.shape[0]
-        kv_rows = kv_cache.view(-1, nkv, d)
-        eps = cfg.rms_norm_eps
-        reduce = self.shard.all_reduce
-        for li, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, eps)
-            qkv = self._linear(h, layer.qkv, layer.qkv_bias)
-            qk = apply_rope(qkv[:, : q_sz + kv_sz].view(t, nh + nkv, d), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
-            attn = paged_attention(q, k, v, kv_rows, li * meta.layer_stride, meta, kv_cache, li)
-            x = x + reduce(self._linear(attn.reshape(t, q_sz), layer.o_proj))
-            h = rms_norm(x, layer.post_norm, eps)
-            g, u = self._linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + reduce(self._linear(F.silu(g) * u, layer.down))
-        return rms_norm(x, self.norm, eps)
-
-    def _forward_cpu_fused(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """The CPU fast path (bfloat16, float32): the portable forward with its elementwise stages fused in C++
-        (common/cpu_kernels), each rounding as the ops it replaces: the residual add with the next RMSNorm (x updated
-        in place), RoPE with this step's K/V write into the pool, SiLU with its product; decode attention reads the
-        pool in place. Nine calls a layer instead of about sixty."""
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        nh, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
-        q_sz, kv_sz = self.q_size, self.kv_size
-        x = F.embedding(input_ids, self.embed_tokens)
-        t = x.shape[0]
-        kv_rows = kv_cache.view(-1, nkv, d)
-        layers = self.layers
-        reduce = self.shard.all_reduce
-        h = cpu_kernels.add_rms_norm(x, None, layers[0].input_norm, eps)
-        for li, layer in enumerate(layers):
-            qkv = self._linear(h, layer.qkv, layer.qkv_bias)
-            k_off = li * meta.layer_stride
-            cpu_kernels.rope_write_kv(qkv, positions, self.rope_cos, self.rope_sin, kv_cache, meta.slot_rows, k_off,
-                                      k_off + meta.kv_stride, nh, nkv)
-            q = qkv[:, :q_sz].view(t, nh, d)
-            k = qkv[:, q_sz : q_sz + kv_sz].view(t, nkv, d)
-            v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
-            attn = paged_attention(q, k, v, kv_rows, k_off, meta, kv_cache, li, kv_written=True,
-                                   prefill_kernel=self._prefill_kernel)
-            o = reduce(self._linear(attn.reshape(t, q_sz), layer.o_proj))
-            h = cpu_kernels.add_rms_norm(x, o, layer.post_norm, eps)
-            down = reduce(self._linear(cpu_kernels.silu_mul(self._linear(h, layer.gate_up)), layer.down))
-            nxt = layers[li + 1].input_norm if li + 1 < len(layers) else self.norm
-            h = cpu_kernels.add_rms_norm(x, down, nxt, eps)
-        return h
-
-    def _forward_cuda(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: torch.Tensor
-    ) -> torch.Tensor:
-        """The CUDA fast path: the portable forward's function with fused Triton stages (RMSNorm + residual,
-        RoPE + KV write, SiLU·mul) and decode attention read in place from the pool. Free of host syncs and of
-        data-dependent shapes for a decode-only batch, so a CUDA graph can hold it (common/cuda_graphs.py); with a
-        tensor-parallel shard the graph holds the two NCCL all-reduces of each layer too."""
-        from common import triton_ops as tk
-
-        cfg = self.cfg
-        eps = cfg.rms_norm_eps
-        nh, nkv, d = self.num_heads, self.num_kv_heads, cfg.head_dim
-        q_sz = self.q_size
-        x = F.embedding(input_ids, self.embed_tokens)
-        t = x.shape[0]
-        layers = self.layers
-        reduce = self.shard.all_reduce
-        h = tk.add_rms_norm(x, None, layers[0].input_norm, eps)
-        for li, layer in enumerate(layers):
-            qkv = tk.linear(h, layer.qkv, layer.qkv_bias)
-            tk.rope_kv_write(qkv, positions, meta.slot_rows, self.rope_cos, self.rope_sin, kv_cache, li, nh, nkv, d)
-            attn = _attention_cuda(qkv, kv_cache, li, meta, nh, nkv, d)
-            # an o_proj / down output may be split-K partials (fp32, summed by add_rms_norm): all-reduced all the same
-            h = tk.add_rms_norm(x, reduce(tk.residual_linear(attn.view(t, q_sz), layer.o_proj)), layer.post_norm, eps)
-            down = reduce(tk.down_proj(tk.linear(h, layer.gate_up), layer.down))
-            nxt = layers[li + 1].input_norm if li + 1 < len(layers) else self.norm
-            h = tk.add_rms_norm(x, down, nxt, eps)
-        return h
+        return self.backend.forward(self, input_ids, positions, meta, kv_cache)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Project hidden rows to vocabulary logits: float32, or the model's dtype if not ``float32``."""
-        if self.use_triton:
-            from common import triton_ops as tk
-
-            logits = tk.linear(hidden, self.lm_head)
-        else:
-            logits = self._linear(hidden, self.lm_head)
+        logits = self.backend.logits(self, hidden)
         return logits.float() if float32 else logits
 
-    # ---- CPU: prepacked matmuls -----------------------------------------------------------------------
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= _SMALL_BATCH_ROWS and self._small:
-            small = self._small.get(id(w))
-            if small is not None:
-                return cpu_kernels.linear_small_batch(x, small, b)
-        packed = self._packed.get(id(w)) if self._packed else None
-        if packed is None or x.shape[0] < self._packed_min_rows:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear``, through the prepacked form of ``w`` where ``model_cpu.prepack`` made one."""
+        if self.packed is None:
             return F.linear(x, w, b)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-
-    def prepack(self, small_batch: bool = False) -> bool:
-        """On CPU, reorder every matrix once into oneDNN's blocked layout (faster from 4 rows; smaller batches keep
-        MKL's plain matmul in float32; docs/performance-notes.md). float32 results differ from the plain matmul's in
-        the last bits (summation order); greedy output still equals transformers' (tests/test_reference.py). In
-        bfloat16 the plain matrices are freed (nothing reads them again; a tied head's stays, as the embedding
-        table); float32 keeps them for its small batches.
-
-        With ``small_batch`` (the runner's choice: the C++ kernels are on) and AMX, bfloat16 layer matrices are also
-        packed for ``cpu_kernels.linear_small_batch``, which takes batches of up to 32 rows: oneDNN's result bit for
-        bit without its per-call overhead, at the cost of a second packed copy of the layer matrices;
-        ``TOKENMILL_CPU_KERNELS=0`` turns it off with the kernels. With them, prompts of up to 1,024 tokens without
-        a cached prefix take ``cpu_kernels.prefill_attention``. Returns whether it packed."""
-        if self.device.type != "cpu" or self.dtype not in (torch.bfloat16, torch.float32):
-            return False
-        if not torch.backends.mkldnn.is_available():
-            return False
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        mats = [self.lm_head] + [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up,
-                                                                       layer.down)]
-        self._packed = {id(w): reorder(w.data, 16) for w in mats}
-        if small_batch and self.dtype == torch.bfloat16 and cpu_kernels.amx_bf16():
-            self._small = {id(w): cpu_kernels.pack_small_batch(w.data) for w in mats[1:]
-                           if w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0}
-            self._prefill_kernel = self.cfg.head_dim % 16 == 0
-        self._packed_min_rows = 4 if self.dtype == torch.float32 else 0
-        if self._packed_min_rows == 0:
-            for w in mats:
-                if w is not self.embed_tokens:  # a tied head's weight is also the embedding table
-                    w.data = torch.empty(0, dtype=self.dtype, device=self.device)
-        return True
+        return self.packed.linear(x, w, b)
 
 
-# Batches of up to this many rows take linear_small_batch where a matrix has it (see LlamaModel.prepack). Above 32
-# rows oneDNN changes how it sums (its results move by an ulp in some elements), so the small path stops here and
-# every batch size keeps oneDNN's results bit for bit.
-_SMALL_BATCH_ROWS = 32
-# Longest prompt that cpu_kernels.prefill_attention takes (it keeps whole score rows: slower than SDPA at 2,000)
-_PREFILL_KERNEL_MAX = 1024
+class PackedLinear(Protocol):
+    """Matrices of a model in another layout (``common.model_cpu.PackedMatrices``)."""
 
-# Prefill SDPA backends of the CUDA path: not cuDNN, which builds a new execution plan for every new sequence length
-# (its CPU cost per step: docs/performance-notes.md).
-_PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, w, b)``, with ``w``'s packed form where it has one."""
+        ...
 
 
-def _attention_cuda(
-    qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, nh: int, nkv: int, d: int
-) -> torch.Tensor:
-    """Attention of the CUDA fast path; K/V of this step are already in the pool and Q/K rotated in ``qkv``.
+class Backend:
+    """How a ``LlamaModel`` computes, chosen once by the runner: this portable PyTorch forward (any device) and its
+    logits matmul. ``common/model_cpu.py`` and ``common/model_cuda.py`` subclass it with their fast paths."""
 
-    Prefill sequences: SDPA (flash) over the chunk's own K/V, or over the gathered context when a prefix is cached;
-    decodes: the Triton paged kernel. Returns [T, heads, d]."""
-    from common import triton_ops as tk
+    name: Literal["portable", "cpu", "cuda"] = "portable"
 
-    t = qkv.shape[0]
-    q_sz, kv_sz = nh * d, nkv * d
-    q = qkv[:, :q_sz].view(t, nh, d)
-    out = torch.empty((t, nh, d), dtype=qkv.dtype, device=qkv.device)
-    start = 0
-    if meta.prefill_query_lens:
-        k = qkv[:, q_sz : q_sz + kv_sz].view(t, nkv, d)
-        v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
+    def forward(self, model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """``LlamaModel.forward``: writes this step's K/V into ``kv_cache``, returns the final hidden states."""
+        cfg = model.cfg
+        x = F.embedding(input_ids, model.embed_tokens)
+        # cos/sin in the activation dtype, as the reference applies them
+        cos = model.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        sin = model.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        q_sz, kv_sz = model.q_size, model.kv_size
+        nh, nkv, d = model.num_heads, model.num_kv_heads, cfg.head_dim
+        t = x.shape[0]
         kv_rows = kv_cache.view(-1, nkv, d)
-        k_off = layer * meta.layer_stride
-        v_off = k_off + meta.kv_stride
-        rep = nh // nkv
-        with sdpa_kernel(_PREFILL_SDPA):
-            for qlen, ctx, rows in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_rows):
-                qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)
-                if rows is None:
-                    ks, vs, causal, mask = k[start : start + qlen], v[start : start + qlen], True, None
-                else:
-                    ks, vs = kv_rows.index_select(0, rows + k_off), kv_rows.index_select(0, rows + v_off)
-                    qpos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(1)
-                    causal, mask = False, torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
-                # expanded K/V heads keep SDPA on its flash kernel
-                ks = ks.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-                vs = vs.repeat_interleave(rep, dim=1).transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal)
-                out[start : start + qlen] = o.squeeze(0).transpose(0, 1)
-                start += qlen
-    if meta.num_decode_tokens:
-        assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-        tk.paged_decode_attention(q[start:], kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens,
-                                  d**-0.5, out[start:], meta.decode_num_splits)
-    return out
+        eps = cfg.rms_norm_eps
+        reduce = model.shard.all_reduce
+        linear = model.linear
+        for li, layer in enumerate(model.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            qk = apply_rope(qkv[:, : q_sz + kv_sz].view(t, nh + nkv, d), cos, sin)
+            q, k = qk[:, :nh], qk[:, nh:]
+            v = qkv[:, q_sz + kv_sz :].view(t, nkv, d)
+            attn = paged_attention(q, k, v, kv_rows, li * meta.layer_stride, meta)
+            x = x + reduce(linear(attn.reshape(t, q_sz), layer.o_proj))
+            h = rms_norm(x, layer.post_norm, eps)
+            g, u = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + reduce(linear(F.silu(g) * u, layer.down))
+        return rms_norm(x, model.norm, eps)
+
+    def logits(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+        """Hidden rows → logits in the model's dtype."""
+        return model.linear(hidden, model.lm_head)
+
+
+PORTABLE = Backend()
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor, layer_offset: int,
-    meta: AttentionMetadata, kv_cache: torch.Tensor | None = None, layer: int = 0, kv_written: bool = False,
-    prefill_kernel: bool = False,
+    meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """Write this step's K/V into the paged cache (unless ``kv_written``), then attend. Portable PyTorch path.
+    """Write this step's K/V into the paged cache, then attend. Portable PyTorch path.
 
-    q: [T, heads, d]; k, v: [T, kv_heads, d]; kv_rows: the whole cache as [-1, kv_heads, d]. With
-    ``prefill_kernel`` (bf16, AMX), prompts of up to ``_PREFILL_KERNEL_MAX`` tokens without a cached prefix take
-    ``cpu_kernels.prefill_attention`` instead of SDPA. Returns [T, heads, d].
+    q: [T, heads, d]; k, v: [T, kv_heads, d]; kv_rows: the whole cache as [-1, kv_heads, d]. Returns [T, heads, d].
     """
     k_off = layer_offset
     v_off = layer_offset + meta.kv_stride
-    if not kv_written:
-        kv_rows.index_copy_(0, meta.slot_rows + k_off, k)
-        kv_rows.index_copy_(0, meta.slot_rows + v_off, v)
-    heads, d = q.shape[1], q.shape[2]
-    kvh = k.shape[1]
+    kv_rows.index_copy_(0, meta.slot_rows + k_off, k)
+    kv_rows.index_copy_(0, meta.slot_rows + v_off, v)
     outs: list[torch.Tensor] = []
     start = 0
     for qlen, ctx, rows in zip(meta.prefill_query_lens, meta.prefill_context_lens, meta.prefill_rows):
-        if rows is None and prefill_kernel and qlen <= _PREFILL_KERNEL_MAX:
-            outs.append(cpu_kernels.prefill_attention(q[start : start + qlen], k[start : start + qlen],
-                                                      v[start : start + qlen], d**-0.5))
-            start += qlen
-            continue
-        qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        if rows is None:
-            # no cached prefix: the chunk's own K/V are the whole context
-            ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0)
-            vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
-        else:
-            ks = kv_rows.index_select(0, rows + k_off).transpose(0, 1).unsqueeze(0)
-            vs = kv_rows.index_select(0, rows + v_off).transpose(0, 1).unsqueeze(0)
-            qpos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(1)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
-        outs.append(o.squeeze(0).transpose(0, 1))
+        outs.append(prefill_attention(q, k, v, kv_rows, k_off, v_off, start, qlen, ctx, rows))
         start += qlen
-    if meta.num_decode_tokens and kv_cache is not None and meta.decode_block_tables is not None:
-        # CPU: read K/V in place from the pool (common/csrc/paged_attention_cpu.cpp)
-        outs.append(cpu_kernels.paged_decode_attention(
-            q[start:], kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens, d**-0.5
-        ))
-    elif meta.num_decode_tokens:
-        assert meta.decode_rows is not None and meta.decode_mask is not None
-        b = meta.num_decode_tokens
-        width = meta.decode_rows.shape[1]
-        qd = q[start:].reshape(b, kvh, heads // kvh, d)  # a KV head's query heads act as its query rows
-        kd = kv_rows.index_select(0, (meta.decode_rows + k_off).view(-1)).view(b, width, kvh, d).transpose(1, 2)
-        vd = kv_rows.index_select(0, (meta.decode_rows + v_off).view(-1)).view(b, width, kvh, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
-        outs.append(o.reshape(b, heads, d))
+    if meta.num_decode_tokens:
+        outs.append(gathered_decode_attention(q[start:], kv_rows, k_off, v_off, meta))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_rows: torch.Tensor, k_off: int, v_off: int, start: int,
+    qlen: int, ctx: int, rows: torch.Tensor | None,
+) -> torch.Tensor:
+    """SDPA of one prefill sequence (rows ``start : start + qlen`` of q/k/v), over its own K/V or, with ``rows``,
+    over its whole context read from the cache. Returns [qlen, heads, d]."""
+    qs = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+    if rows is None:
+        # no cached prefix: the chunk's own K/V are the whole context
+        ks = k[start : start + qlen].transpose(0, 1).unsqueeze(0)
+        vs = v[start : start + qlen].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+    else:
+        ks = kv_rows.index_select(0, rows + k_off).transpose(0, 1).unsqueeze(0)
+        vs = kv_rows.index_select(0, rows + v_off).transpose(0, 1).unsqueeze(0)
+        qpos = torch.arange(ctx - qlen, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def gathered_decode_attention(
+    q: torch.Tensor, kv_rows: torch.Tensor, k_off: int, v_off: int, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Decode attention over each sequence's K/V gathered into a padded copy (``meta.decode_rows``, masked by
+    ``meta.decode_mask``). q: [B, heads, d]; returns [B, heads, d]."""
+    assert meta.decode_rows is not None and meta.decode_mask is not None
+    heads, d = q.shape[1], q.shape[2]
+    kvh = kv_rows.shape[1]
+    b = meta.num_decode_tokens
+    width = meta.decode_rows.shape[1]
+    qd = q.reshape(b, kvh, heads // kvh, d)  # a KV head's query heads act as its query rows
+    kd = kv_rows.index_select(0, (meta.decode_rows + k_off).view(-1)).view(b, width, kvh, d).transpose(1, 2)
+    vd = kv_rows.index_select(0, (meta.decode_rows + v_off).view(-1)).view(b, width, kvh, d).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask)
+    return o.reshape(b, heads, d)

@@ -13,7 +13,6 @@ forward, and theirs run it in ``follow``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -23,7 +22,8 @@ from common import cpu_kernels
 from common.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, ModelConfig
 from common.cuda_graphs import CudaGraphDecoder
 from common.loader import ModelSource
-from common.model import AttentionMetadata, LlamaModel, cache_rows
+from common.model import PORTABLE, AttentionMetadata, LlamaModel, cache_rows
+from common.model_cpu import FusedCpu, prefill_kernel_fits, prepack
 from common.scheduler import SchedulerOutput
 from common.tensor_parallel import SINGLE, Op, Shard, rank_device, send_step
 
@@ -92,9 +92,18 @@ class StepInputs:
     sample_indices: list[int]  # row of each sampling sequence in the flat batch
 
 
-def use_fast_path(device: torch.device, noop_model: bool = False) -> bool:
-    """The CUDA fast path (Triton kernels, CUDA graphs) runs on CUDA only, unless ``TOKENMILL_CUDA_FAST=0``."""
-    return device.type == "cuda" and not noop_model and os.environ.get("TOKENMILL_CUDA_FAST", "1") != "0"
+def use_fast_path(device: torch.device, cfg: EngineConfig) -> bool:
+    """The CUDA fast path (Triton kernels, CUDA graphs) runs on CUDA only, unless ``engine.cuda_fast_path`` is off."""
+    return device.type == "cuda" and not cfg.noop_model and cfg.cuda_fast_path
+
+
+def use_cpu_kernels(device: torch.device, dtype: torch.dtype, cfg: EngineConfig) -> bool:
+    """``engine.cpu_kernels`` resolved: the C++ kernels (common/csrc) read K/V in place, faster than gather + SDPA
+    where they compiled with AVX-512 (docs/performance-notes.md); the scalar build is slower, so unset (None) means
+    on only there, True on wherever they compiled, False off. CPU only, bfloat16 and float32."""
+    if device.type != "cpu" or cfg.noop_model or dtype == torch.float16 or cfg.cpu_kernels is False:
+        return False
+    return cpu_kernels.available() if cfg.cpu_kernels else cpu_kernels.vectorized()
 
 
 def kv_cache_budget(total: int, free: int, utilization: float, own: int, peak: int, min_bytes: int = 1) -> int:
@@ -149,24 +158,20 @@ class ModelRunner:
             else:
                 self.model.load_weights(source.weights())
         shard.barrier()  # every rank has its weights
-        # The C++ paged decode-attention kernel (common/csrc) reads K/V in place, faster than gather + SDPA where it
-        # compiled with AVX-512 (docs/performance-notes.md); the scalar build is slower, so it is on by default only
-        # there. TOKENMILL_CPU_KERNELS=1 forces it on (the scalar build too), =0 off.
-        on_cpu = self.device.type == "cpu" and not cfg.noop_model and self.dtype != torch.float16
-        choice = os.environ.get("TOKENMILL_CPU_KERNELS")
-        self.use_cpu_kernel = on_cpu and (
-            (choice == "1" and cpu_kernels.available())
-            or (choice is None and cpu_kernels.vectorized())
-        )
+        # The backend, decided here once (engine.cpu_kernels, engine.cuda_fast_path, engine.cuda_graphs)
+        self.use_cpu_kernel = use_cpu_kernels(self.device, self.dtype, cfg)
+        self.fast_cuda = use_fast_path(self.device, cfg)
         if model is None:  # a model handed in is used as it is
-            self.model.prepack(small_batch=self.use_cpu_kernel)
-        # with them, the forward's fused C++ stages (add + RMSNorm, RoPE + KV write, SiLU·mul)
-        self.model.fused_cpu = self.use_cpu_kernel
-        # CUDA fast path: Triton kernels in the forward (TOKENMILL_CUDA_FAST=0: the portable path) and CUDA graphs
-        # for decode-only steps (TOKENMILL_CUDA_GRAPHS=0: eager)
-        self.fast_cuda = use_fast_path(self.device, cfg.noop_model)
+            prepack(self.model, small_batch=self.use_cpu_kernel)
         if self.fast_cuda:
-            self.model.use_triton = True
+            # Triton: imported only where the CUDA path runs, so a CPU-only install never needs it
+            from common.model_cuda import CUDA_FAST
+
+            self.model.backend = CUDA_FAST
+        elif self.use_cpu_kernel:  # the forward's fused C++ stages (add + RMSNorm, RoPE + KV write, SiLU·mul)
+            self.model.backend = FusedCpu(prefill_kernel_fits(self.model))
+        else:
+            self.model.backend = PORTABLE
         self.load_seconds = time.perf_counter() - t0
         self.block_size = cfg.block_size
         self.num_blocks = shard.min_over_ranks(self._num_blocks())  # one block table serves every rank's pool
@@ -179,7 +184,7 @@ class ModelRunner:
             device=self.device,
         )
         self.graphs: CudaGraphDecoder | None = None
-        if self.fast_cuda and os.environ.get("TOKENMILL_CUDA_GRAPHS", "1") != "0":
+        if self.fast_cuda and cfg.cuda_graphs:
             # the other ranks' graphs stop at the hidden states: only rank 0 needs logits (the head is replicated)
             self.graphs = CudaGraphDecoder(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
                                            cfg.max_model_len or m.max_position_embeddings, logits=shard.rank == 0)

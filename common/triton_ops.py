@@ -1,7 +1,7 @@
 """Triton kernels of the CUDA fast path: paged decode attention straight from the block-major KV pool, fused
 RoPE + KV write, fused residual add + RMSNorm, fused SiLU·mul.
 
-Imported only on CUDA (``common.model`` imports it lazily); the portable PyTorch path in ``common.model`` stays the
+Imported only on CUDA, through ``common.model_cuda``; the portable PyTorch path in ``common.model`` stays the
 reference for CPU and tests. ``tests/gpu/test_kernels.py`` (``make test-gpu``) checks every kernel here against
 float64 / portable references on random data; ``loadgen/bench_gpu.py`` times them.
 

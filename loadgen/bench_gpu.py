@@ -207,10 +207,13 @@ _MODES = ("graphs", "eager", "portable")
 
 def _set_mode(eng, mode: str, graphs) -> None:
     """CUDA graphs + Triton kernels | Triton kernels without graphs | the portable PyTorch path, same engine."""
+    from common.model import PORTABLE
+    from common.model_cuda import CUDA_FAST
+
     r = eng.runner
     r.graphs = graphs if mode == "graphs" else None
     r.fast_cuda = mode != "portable"
-    r.model.use_triton = mode != "portable"
+    r.model.backend = CUDA_FAST if mode != "portable" else PORTABLE
 
 
 def engine_8b():

@@ -214,13 +214,15 @@ def common_prefix_fraction(a: Sequence[int], b: Sequence[int]) -> float:
 def run_tokenmill(
     model: str, prompts: list[list[int]], dtype: str, batch: int, max_tokens: int, progress: Progress = _print_progress
 ) -> RunResult:
+    from common.cluster_config import with_backend_env
     from common.config import EngineConfig
     from common.engine import LLMEngine
     from common.sampling import SamplingParams
 
     res = RunResult("tokenmill", dtype, batch, len(prompts))
     t0 = time.perf_counter()
-    eng = LLMEngine.from_spec(model, EngineConfig(device="cpu", dtype=dtype, max_num_seqs=batch))  # type: ignore[arg-type]
+    cfg = with_backend_env(EngineConfig(device="cpu", dtype=dtype, max_num_seqs=batch))  # type: ignore[arg-type]
+    eng = LLMEngine.from_spec(model, cfg)
     res.load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     eng.generate(warmup_prompts(batch), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))

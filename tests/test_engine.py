@@ -169,18 +169,19 @@ def test_bfloat16_prepacked_matmuls_equal_plain_ones(make_engine, source, france
 
     eng = make_engine(dtype="bfloat16")
     model = eng.runner.model
-    assert model._packed, "CPU bfloat16 should prepack its matrices"
+    assert model.packed is not None, "CPU bfloat16 should prepack its matrices"
     assert model.layers[0].qkv.numel() == 0, "the plain copies of packed matrices are freed"
     # with AMX, batches of up to 32 rows (this prompt too) take the small-batch matmul
-    assert bool(model._small) == cpu_kernels.amx_bf16()
+    assert bool(model.packed.small) == cpu_kernels.amx_bf16()
     packed = eng.runner.score([france])[0]
     # the same weights, never packed: a model handed to an engine is used as it is
     plain_model = LlamaModel(source.config, torch.bfloat16, "cpu")
     plain_model.load_weights(source.weights())
     plain_eng = LLMEngine(source, EngineConfig(dtype="bfloat16", kv_cache_memory=32 << 20), model=plain_model)
-    assert not plain_model._packed
-    assert model._prefill_kernel == cpu_kernels.amx_bf16()
-    plain_model._prefill_kernel = model._prefill_kernel  # the same attention: this compares the matmuls
+    assert plain_model.packed is None
+    # the same backend, so the same attention: this compares the matmuls
+    assert plain_model.backend.name == model.backend.name == "cpu"
+    assert plain_model.backend.prefill_kernel == model.backend.prefill_kernel == cpu_kernels.amx_bf16()
     plain = plain_eng.runner.score([france])[0]
     assert torch.equal(packed, plain)
     [r] = eng.generate([france], SamplingParams(max_tokens=12, temperature=0))

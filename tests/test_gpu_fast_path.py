@@ -17,23 +17,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from common.config import EngineConfig
 from common.cuda_graphs import DecodeStaging, decode_num_splits, graph_batch_sizes, padded_size
 from common.model_runner import use_fast_path
 from common.scheduler import ScheduledSeq
 
 
-def test_fast_path_only_on_cuda(monkeypatch):
-    monkeypatch.delenv("TOKENMILL_CUDA_FAST", raising=False)
-    assert not use_fast_path(torch.device("cpu"))
-    assert use_fast_path(torch.device("cuda"))
-    assert not use_fast_path(torch.device("cuda"), noop_model=True)
-    monkeypatch.setenv("TOKENMILL_CUDA_FAST", "0")
-    assert not use_fast_path(torch.device("cuda"))
+def test_fast_path_only_on_cuda():
+    assert not use_fast_path(torch.device("cpu"), EngineConfig())
+    assert use_fast_path(torch.device("cuda"), EngineConfig())
+    assert not use_fast_path(torch.device("cuda"), EngineConfig(noop_model=True))
+    assert not use_fast_path(torch.device("cuda"), EngineConfig(cuda_fast_path=False))
 
 
 def test_cpu_runner_keeps_the_portable_path(make_engine):
     eng = make_engine()
-    assert not eng.runner.fast_cuda and eng.runner.graphs is None and not eng.runner.model.use_triton
+    assert not eng.runner.fast_cuda and eng.runner.graphs is None and eng.runner.model.backend.name != "cuda"
 
 
 def test_graph_batch_sizes_and_padding():
@@ -126,7 +125,7 @@ g = torch.Generator().manual_seed(0)
 ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 37, 20)]
 p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 ref = [r.token_ids for r in LLMEngine.from_spec("dummy:tiny-llama", cfg).generate(ps, p)]
-with mock.patch.object(model_runner, "use_fast_path", lambda d, n=False: True), \
+with mock.patch.object(model_runner, "use_fast_path", lambda d, c: True), \
      mock.patch.object(model_runner, "CudaGraphDecoder", NoGraphs):
     eng = LLMEngine.from_spec("dummy:tiny-llama", cfg)
     out = [r.token_ids for r in eng.generate(ps, p)]

@@ -46,8 +46,9 @@ def test_first_forward_logits_match_transformers(engine, hf_model, prompts):
     # matmuls from 4 rows up), the path the engine takes by default
     from common import cpu_kernels
 
-    assert engine.runner.model.fused_cpu == cpu_kernels.vectorized()
-    assert engine.runner.model._packed_min_rows == 4
+    model = engine.runner.model
+    assert (model.backend.name == "cpu") == cpu_kernels.vectorized()
+    assert model.packed is not None and model.packed.min_rows == 4
     for ids in (prompts[0], prompts[13], prompts[19]):
         ours = _prefill_logits(engine, ids)
         with torch.inference_mode():

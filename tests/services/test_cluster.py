@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.cluster_config import ConfigError, load_cluster_config, parse_set_option
+from common.cluster_config import ConfigError, load_cluster_config, parse_set_option, with_backend_env
 from common.rpc import health_status
 from services.cli import build_parser
 from services.cluster.launcher import read_state
@@ -45,6 +45,26 @@ def test_file_then_env_then_flags(tmp_path):
     c = load_cluster_config(f, overrides={"tokenizer.count": 5, "base_port": None, **parse_set_option(
         ["decode.count=0", "engine.enable_prefix_caching=false"])}, env=env)
     assert (c.tokenizer.count, c.base_port, c.decode.count, c.engine.enable_prefix_caching) == (5, 22000, 0, False)
+
+
+def test_backend_keys_from_env_short_names_and_flags():
+    from common.config import EngineConfig
+
+    c = load_cluster_config(env={})
+    assert (c.engine.cpu_kernels, c.engine.cuda_fast_path, c.engine.cuda_graphs) == (None, True, True)
+    c = load_cluster_config(env={"TOKENMILL_ENGINE__CPU_KERNELS": "0", "TOKENMILL_CUDA_GRAPHS": "off"})
+    assert (c.engine.cpu_kernels, c.engine.cuda_fast_path, c.engine.cuda_graphs) == (False, True, False)
+    # the short name gives way to the engine key, and a flag to neither
+    env = {"TOKENMILL_CPU_KERNELS": "0", "TOKENMILL_ENGINE__CPU_KERNELS": "1", "TOKENMILL_CUDA_FAST": "0"}
+    c = load_cluster_config(overrides=parse_set_option(["engine.cuda_fast_path=true"]), env=env)
+    assert (c.engine.cpu_kernels, c.engine.cuda_fast_path) == (True, True)
+    # commands that build an EngineConfig from their own flags read the same variables
+    cfg = EngineConfig(dtype="bfloat16", max_num_seqs=8)
+    assert with_backend_env(cfg, env={}) == cfg
+    got = with_backend_env(cfg, env={"TOKENMILL_CPU_KERNELS": "0", "TOKENMILL_ENGINE__MAX_NUM_SEQS": "2"})
+    assert (got.cpu_kernels, got.max_num_seqs, got.dtype) == (False, 8, "bfloat16")
+    with pytest.raises(ConfigError, match=r"engine\.cuda_graphs: 'maybe' is not valid"):
+        with_backend_env(cfg, env={"TOKENMILL_CUDA_GRAPHS": "maybe"})
 
 
 @pytest.mark.parametrize(
