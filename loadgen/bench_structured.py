@@ -166,7 +166,8 @@ def _long_schema(s: dict[str, Any]) -> str:
     return json.dumps({"type": "array", "items": s, "minItems": 8, "maxItems": 16})
 
 
-def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0) -> dict[str, Any]:
+def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, device: str = "cpu"
+                 ) -> dict[str, Any]:
     import torch
 
     from common.config import EngineConfig
@@ -174,7 +175,8 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0) 
     from common.sampling import SamplingParams, StructuredOutput
 
     t0 = time.perf_counter()
-    eng = LLMEngine.from_spec(None, EngineConfig(dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20))
+    cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20)  # type: ignore[arg-type]
+    eng = LLMEngine.from_spec(None, cfg)
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     tok = eng.tokenizer
     assert tok is not None
@@ -257,10 +259,11 @@ def run(a: argparse.Namespace) -> int:
               f" | {r['fill_us_mean']:.1f} | {r['fill_us_p50']:.1f} | {r['fill_us_max']:.0f} | {par} |")
     if xg is None:
         print("(xgrammar left out: " + ("--skip-libraries)" if a.skip_libraries else "not installed)"))
-    dtype = a.dtype or default_dtype("cpu")
-    print(f"\nengine step at batch {BATCH} ({dtype}, temperature {a.temperature}, {a.steps} steps × {a.rounds} "
+    dtype = a.dtype or default_dtype(a.device)
+    print(f"\nengine step at batch {BATCH} on {a.device} ({dtype}, temperature {a.temperature}, {a.steps} steps × "
+          f"{a.rounds} "
           f"rounds each) ...", flush=True)
-    e = bench_engine(dtype, a.steps, a.rounds, a.temperature)
+    e = bench_engine(dtype, a.steps, a.rounds, a.temperature, a.device)
     print()
     print("| batch | dtype | temperature | step ms: none constrained | all constrained | "
           "update ms (sample + stop checks): none | all | constrained cost | target | step ratio, end to end |")
@@ -286,6 +289,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the engine's dtype (default: the machine's, as tokenmill up picks it)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every row's temperature (default 0: greedy; 1 samples from the masked distribution)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the engine's device (default cpu)")
     p.add_argument("--skip-libraries", action="store_true", help="leave out the xgrammar comparison")
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)
