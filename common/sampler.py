@@ -15,9 +15,9 @@ of its outputs disagrees, so a slot lost or evicted is only a rebuild, never a w
 A constrained row (structured outputs) carries its grammar matcher: the rows' allowed tokens are filled as one
 int32 bitmask on the host (``common/structured.py``), copied to the device once, unpacked with one gather and
 added to those rows only, after the penalties and before temperature, top-k/p and the pick, so no path (greedy or
-sampled) can pick a token the grammar disallows. On the all-greedy fast path the argmax is checked against the
-bitmask first and only rows whose argmax is disallowed are masked and picked again. Rows without a constraint take
-no part in it.
+sampled) can pick a token the grammar disallows. On the CPU's all-greedy fast path the argmax is checked against the
+bitmask first and only rows whose argmax is disallowed are masked and picked again; on a GPU that costs a second
+sync, so a constrained batch takes the processed path. Rows without a constraint take no part in it.
 
 One device→host copy per step returns the picked ids (and the asked logprobs with them).
 """
@@ -249,7 +249,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         """Pick one token per row of ``logits`` ([N, V], V the vocab given at construction; float32, or the
         model's dtype: an all-greedy batch is picked from it as is). Does not modify ``logits``."""
-        if all(_plain_greedy(r) for r in rows):
+        if all(_plain_greedy(r) for r in rows) and (logits.device.type == "cpu" or all(r.grammar is None for r in rows)):
             toks = _argmax(logits)
             filled = self._fill(rows)
             if filled is not None:  # a constrained row whose argmax its grammar disallows is picked again, masked
