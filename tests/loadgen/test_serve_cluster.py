@@ -16,7 +16,8 @@ from tests.services.harness import running_cluster
 
 MAX_LEN = 1024
 PNG = b"\x89PNG\r\n\x1a\n"
-KEYS = "alice:sk-alice,bob:sk-bob,sk-default"  # the HTTP API wants a key; a key names its tenant
+KEYS = "alice:sk-alice,bob:sk-bob,sk-default"  # both front doors want a key; a key names its tenant
+KEY = ("--api-key", "sk-default")
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def _in_flight_max(recs: list[dict]) -> int:
 
 def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tmp_path):
     out = tmp_path / "a.json"
-    code, text = bench(capsys, "serve", "--backend", "grpc", "--base-url", cluster["grpc"], "--num-prompts", "4",
+    code, text = bench(capsys, "serve", "--backend", "grpc", "--base-url", cluster["grpc"], *KEY,
+                       "--num-prompts", "4",
                        "--max-concurrency", "1", "3", "--random-input-len", "300", "--random-output-len", "5",
                        "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000", "--cluster-state", cluster["state"],
                        "--metrics-interval", "0.2",
@@ -162,7 +164,7 @@ def test_ctrl_c_keeps_what_was_measured(cluster, tmp_path):
         assert time.monotonic() < deadline, "requests of an earlier test are still running"
         time.sleep(0.1)
     out = tmp_path / "i.json"
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", cluster["grpc"],
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "bench", "serve", "--base-url", cluster["grpc"], *KEY,
                              "--num-prompts", "200", "--request-rate", "20", "--random-input-len", "16",
                              "--random-output-len", "64", "--ignore-eos", "--num-warmups", "0", "--result-file",
                              str(out), "--no-plots", "--disable-tqdm"], stdout=subprocess.PIPE,
@@ -188,7 +190,8 @@ def test_ctrl_c_keeps_what_was_measured(cluster, tmp_path):
 def test_duration_runs_stop_sending_in_time_and_warmup_seconds_are_left_out(cluster, capsys, tmp_path, mode):
     out = tmp_path / "d.json"
     load = ["--max-concurrency", "2"] if mode == "closed" else ["--request-rate", "6", "--warmup-seconds", "0.5"]
-    code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], "--duration", "1.5", *load,
+    code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], *KEY,
+                       "--duration", "1.5", *load,
                        "--random-input-len", "8", "--random-output-len", "3", "--ignore-eos", "--num-warmups", "0",
                        "--result-file", str(out), "--no-plots", "--disable-tqdm")
     assert code == 0, text
@@ -206,7 +209,8 @@ def test_duration_runs_stop_sending_in_time_and_warmup_seconds_are_left_out(clus
 
 def test_token_id_prompts_for_models_without_a_tokenizer(cluster, capsys, tmp_path):
     out = tmp_path / "ids.json"
-    code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], "--tokenizer", "ids:49152", "--num-prompts",
+    code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], *KEY,
+                       "--tokenizer", "ids:49152", "--num-prompts",
                        "2", "--random-input-len", "30", "--random-output-len", "2", "--ignore-eos", "--num-warmups",
                        "0", "--result-file", str(out), "--no-plots", "--disable-tqdm", "--fail-on-error")
     assert code == 0, text
@@ -220,7 +224,8 @@ def test_a_rerun_of_one_seed_hits_the_prefix_cache_unless_salted(cluster, capsys
     hits = []
     for i, salt in enumerate(([], [], ["--cache-salt", "auto"])):
         out = tmp_path / f"s{i}.json"
-        code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], "--num-prompts", "2", "--seed", "77",
+        code, text = bench(capsys, "serve", "--base-url", cluster["grpc"], *KEY,
+                           "--num-prompts", "2", "--seed", "77",
                            "--random-input-len", "64", "--random-output-len", "2", "--ignore-eos", "--num-warmups",
                            "0", "--cluster-state", cluster["state"], "--result-file", str(out), "--no-plots",
                            "--disable-tqdm", *salt)
