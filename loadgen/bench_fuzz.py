@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loadgen.server_metrics import parse
+from services.cluster.launcher import pid_alive
 
 if TYPE_CHECKING:  # loadgen.fuzz needs hypothesis (the dev extra): imported when the command runs
     from loadgen import fuzz
@@ -51,16 +51,6 @@ def draw_cases(n: int, seed: int, max_len: int, max_body_bytes: int) -> list[fuz
 
 
 # -- the cluster's side: processes and KV blocks (from the state file of `tokenmill up`) -------------------------
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _processes(state_file: str) -> list[dict[str, Any]]:
     return json.loads(Path(state_file).read_text())["processes"]
 
@@ -73,7 +63,7 @@ def process_violations(before: list[dict[str, Any]], state_file: str) -> list[st
         q = now.get(p["name"])
         if q is None or q["pid"] != p["pid"] or q.get("restarts", 0) != p.get("restarts", 0):
             out.append(f"{p['name']} (pid {p['pid']}) was restarted")
-        elif not _pid_alive(int(p["pid"])):
+        elif not pid_alive(int(p["pid"])):
             out.append(f"{p['name']} (pid {p['pid']}) is dead")
     return out
 

@@ -36,9 +36,7 @@ import dataclasses
 import hashlib
 import json
 import math
-import random
 import secrets
-import socket
 import sys
 import tempfile
 import time
@@ -48,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from loadgen.bench_gpu_serving import free_base_port
 from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.bench_serve import _finite
 from loadgen.bench_serving_peer import _serving
@@ -111,26 +110,6 @@ def tenants_config(a: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any
                   "max_running": a.flood_max_running},
         "probe": {"keys_sha256": sha(keys["probe"]), "default_class": "standard", "max_class": "standard"},
     }}
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_base_port() -> int:
-    """A base port whose cluster ports (every role's first three, their metrics ports, the gateway's) bind now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(10000, 30000, 100)
-        if all(_port_free(base + off + i) for off in (0, 100, 200, 300, 400, 450, 1000, 1100, 1200, 1300, 1400)
-               for i in range(3)):
-            return base
-    raise RuntimeError("no free port range below 32768; pass --base-port")
 
 
 @contextlib.contextmanager

@@ -2,8 +2,9 @@
 requests and tokens per minute), which priority class it runs in, and how its prefix cache is scoped.
 
 Identity. Keys come from ``tenants.<name>.keys_sha256`` (SHA-256 of each key, hex) and from ``gateway.api_keys``
-(``TENANT:KEY`` in plain text, hashed at start-up). A presented key is hashed and compared with every configured
-hash in constant time. With any key configured, a request without a known key is refused (HTTP 401, gRPC
+(``TENANT:KEY`` in plain text, hashed at start-up). A presented key is hashed and its digest looked up: one
+dictionary probe whatever the number of keys. The lookup's timing can only tell about the SHA-256 of what was sent,
+which says nothing of a stored key. With any key configured, a request without a known key is refused (HTTP 401, gRPC
 UNAUTHENTICATED) and the client's ``x-tenant-id`` header is ignored; with none, there is no identity and a request's
 tenant is whatever ``x-tenant-id`` says (a development cluster).
 
@@ -18,7 +19,6 @@ given back, and it never reaches the router or a worker.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import math
 import time
 from collections.abc import Callable
@@ -151,18 +151,18 @@ class Tenancy:
     """Identity, quotas, classes and cache scope for every request of one gateway."""
 
     tenants: dict[str, Tenant]
-    keys: list[tuple[bytes, str]] = field(default_factory=list)  # (SHA-256 digest, tenant name)
+    keys: dict[bytes, str] = field(default_factory=dict)  # SHA-256 digest → tenant name
     _default: TenantConfig = field(default_factory=TenantConfig)
 
     @classmethod
     def from_config(cls, cluster: ClusterConfig, clock: Clock = time.monotonic) -> Tenancy:
         """Every configured tenant, its buckets full."""
         tenants = {name: _tenant(name, t, clock) for name, t in cluster.tenants.items()}
-        keys = [(bytes.fromhex(h), name) for name, t in cluster.tenants.items() for h in t.keys_sha256]
+        keys = {bytes.fromhex(h): name for name, t in cluster.tenants.items() for h in t.keys_sha256}
         for i, entry in enumerate(cluster.gateway.api_keys):
             name, sep, key = entry.rpartition(":")
             name = name if sep and name else f"key-{i}"  # a bare key's tenant is never the key itself
-            keys.append((hashlib.sha256(key.encode()).digest(), name))
+            keys[hashlib.sha256(key.encode()).digest()] = name
             if name not in tenants:
                 tenants[name] = _tenant(name, TenantConfig(), clock)
         return cls(tenants, keys)
@@ -178,10 +178,7 @@ class Tenancy:
         if authorization[:len(_BEARER)].lower() != _BEARER:
             raise Unauthenticated("invalid API key; send it as 'Authorization: Bearer <key>'")
         digest = hashlib.sha256(authorization[len(_BEARER):].strip().encode()).digest()
-        found = None
-        for h, name in self.keys:  # every hash compared, in constant time: no timing tells how close a key came
-            if hmac.compare_digest(h, digest):
-                found = name
+        found = self.keys.get(digest)
         if found is None:
             raise Unauthenticated("invalid API key; check the key you were given")
         return self.tenants[found]

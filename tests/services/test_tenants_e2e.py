@@ -19,6 +19,7 @@ from tokenmill.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from services.gateway.tenancy import hash_key
 from tests.services.harness import running_cluster
 from tests.services.test_cluster_e2e import all_blocks_free, wait_for
+from tests.services.test_openai_e2e import http_metric
 
 MAX_LEN = 1024
 TENANTS = {
@@ -61,16 +62,6 @@ def grpc_generate(info, req, key: str | None = None, tenant_header: str | None =
         return list(call), dict(call.trailing_metadata() or ())
 
 
-def tenant_metric(info, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(info["http"] + "/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
-        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
 def audit(info) -> list[dict]:
     return [json.loads(line) for line in info["audit"].read_text().splitlines()]
 
@@ -95,13 +86,13 @@ def test_unknown_keys_are_refused_on_both_doors_and_x_tenant_id_is_not_trusted(c
     assert out[-1].finish_reason
     line = next(r for r in audit(cluster) if r["request_id"] == "who-am-i")
     assert line["tenant"] == "beta"
-    assert tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="other",
+    assert http_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="other",
                          reason="unauthenticated") >= 5
 
 
 def test_token_quota_refuses_with_retry_after_refunds_and_settles(cluster):
     def rejected(reason):
-        return tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="tight", reason=reason)
+        return http_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="tight", reason=reason)
 
     before = rejected("tokens"), rejected("too_large")
     c = client(cluster, "tight")
@@ -147,7 +138,7 @@ def test_token_quota_refuses_with_retry_after_refunds_and_settles(cluster):
 
 
 def test_request_quota_refuses_on_both_doors(cluster):
-    before = tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="few", reason="requests")
+    before = http_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="few", reason="requests")
     c = client(cluster, "few")
     remaining = [c.completions.with_raw_response.create(model="smollm2", prompt="Hi", max_tokens=2).headers[
         "x-ratelimit-remaining-requests"] for _ in range(2)]
@@ -160,7 +151,7 @@ def test_request_quota_refuses_on_both_doors(cluster):
         grpc_generate(cluster, req("Hi"), "sk-few")
     assert g.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "(rpm" in g.value.details()
     assert 1 <= int(dict(g.value.trailing_metadata())["retry-after"]) <= 60
-    assert tenant_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="few",
+    assert http_metric(cluster, "tokenmill:tenant_rejected_requests_total", tenant="few",
                          reason="requests") - before == 2
 
 
@@ -197,7 +188,7 @@ def test_prefix_cache_is_private_to_a_tenant_unless_shared(cluster):
 
 def test_per_tenant_metrics_cost_and_audit_log(cluster):
     def snapshot():
-        return [tenant_metric(cluster, f"tokenmill:tenant_{m}_total", tenant="acme")
+        return [http_metric(cluster, f"tokenmill:tenant_{m}_total", tenant="acme")
                 for m in ("requests", "input_tokens", "output_tokens", "cost")]
 
     before = snapshot()
