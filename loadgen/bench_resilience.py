@@ -33,7 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from loadgen.arrivals import inter_arrivals
 from loadgen.bench_fuzz import block_report
+from loadgen.clients import SseDecoder
 from loadgen.server_metrics import parse
 
 RSS_GROWTH_TARGET = 0.05
@@ -131,21 +135,18 @@ class Load:
                         out.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                         return
                     finished = False
-                    async for raw in r.content:
-                        line = raw.decode(errors="replace").strip()
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            break
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            out.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
-                            return
-                        for c in chunk.get("choices", []):
-                            if c.get("text"):
-                                out.tokens += 1
-                            finished = finished or bool(c.get("finish_reason"))
+                    sse = SseDecoder()
+                    async for raw in r.content.iter_any():
+                        for data in sse.feed(raw):
+                            if data.strip() == "[DONE]":
+                                break
+                            chunk = json.loads(data)
+                            if "error" in chunk:
+                                out.error = f"stream error: {chunk['error'].get('message', '')[:200]}"
+                                return
+                            for c in chunk.get("choices", []):
+                                out.tokens += bool(c.get("text"))
+                                finished = finished or bool(c.get("finish_reason"))
                     if not finished:
                         out.error = "stream ended without a finish_reason"
                     out.end = time.monotonic()
@@ -175,11 +176,12 @@ class Load:
     async def poisson(self, session: Any, rate: float, seconds: float, stop: asyncio.Event | None = None) -> None:
         """Poisson arrivals at ``rate``/s for ``seconds`` (or until ``stop``), then waits for those in flight."""
         rng = random.Random(self.seed + 1)
+        gaps = np.random.default_rng(self.seed)
         t0 = time.monotonic()
         due = 0.0
         tasks: list[asyncio.Task[Outcome]] = []
         while True:
-            due += rng.expovariate(rate)
+            due += float(inter_arrivals(rate, 1.0, 1, gaps)[0])
             if due >= seconds or (stop is not None and stop.is_set()):
                 break
             await asyncio.sleep(max(0.0, t0 + due - time.monotonic()))
