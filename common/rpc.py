@@ -18,6 +18,7 @@ makes the handler's spans its children.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -119,14 +120,18 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoRetu
 def translate_errors(method: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate a servicer method (unary or server-streaming): exceptions become gRPC statuses via ``status_for``.
 
-    ``context.abort`` inside the method and client cancellation pass through untouched.
+    ``context.abort`` inside the method and client cancellation pass through untouched. A streaming method is closed
+    as soon as its call ends: a client that cancels while the method waits at a ``yield`` (gRPC is sending) runs its
+    ``finally`` blocks then, not whenever the garbage collector finds the suspended generator.
     """
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            gen = method(self, request, context)
+            context.add_done_callback(lambda _ctx: _close_soon(gen))
             try:
-                async for item in method(self, request, context):
+                async for item in gen:
                     yield item
             except grpc.aio.AbortError:
                 raise
@@ -145,6 +150,23 @@ def translate_errors(method: Callable[..., Any]) -> Callable[..., Any]:
             await abort(context, e)
 
     return unary
+
+
+def _close_soon(gen: Any) -> None:
+    """Close an async generator that waits at a ``yield`` (one inside an ``await`` gets the call's cancellation)."""
+    if gen.ag_running or gen.ag_frame is None:
+        return
+
+    async def close() -> None:
+        with contextlib.suppress(RuntimeError):  # it started running again meanwhile: it ends on its own
+            await gen.aclose()
+
+    task = asyncio.get_running_loop().create_task(close())
+    _closing.add(task)
+    task.add_done_callback(_closing.discard)
+
+
+_closing: set[asyncio.Task[None]] = set()
 
 
 def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: Any) -> None:

@@ -8,7 +8,8 @@ carries ``FINISH_REASON_CONTENT_FILTER`` and ``filter_reason``). A request with 
 pulls the blocks with one NIXL READ, checked once per step while the running batch goes on; when it lands the
 sequence joins the batch. A refused claim, a failed READ, or a READ still running ``LEASE_SAFETY_S`` before the
 claim's hold ends (timed on this worker's monotonic clock from before the Claim was sent) is given up and the prompt
-recomputed here, so no READ ever runs past the hold.
+recomputed here, so no READ ever runs past the hold. A stream that ends before its request reached the engine
+(cancelled during the handshake or the claim) releases the lease itself (``Prefill.Release``).
 
 Fault injection for tests (``KV_PULL_FAULT``): ``before:S`` holds each pull S seconds between its claim
 and its READ; ``after:S`` treats each READ as in flight for at least S seconds after posting it.
@@ -76,6 +77,14 @@ class _Pull:
 
 
 @dataclass
+class _Handoff:
+    """Who frees a request's prefill lease: this handler until ``_admit`` runs on the engine thread (then the pull)."""
+
+    kv: common_pb2.KvHandle | None
+    admitted: bool = False  # engine thread
+
+
+@dataclass
 class _Item:
     """What the detokenizer hands a stream: text plus the engine's token-level facts."""
 
@@ -97,7 +106,8 @@ class DecodeWorker(WorkerBase):
         self._pulls: dict[str, _Pull] = {}  # engine thread only
         self._peers: dict[str, str] = {}  # prefill address → its agent name (handshake done)
         self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._prefills = rpc.StubCache()  # Claim and KvHandshake, one channel per prefill worker
+        self._prefills = rpc.StubCache()  # Claim, Release and KvHandshake, one channel per prefill worker
+        self._releases: set[asyncio.Task[None]] = set()
         self._delay_before, self._delay_after = _fault_delays(os.environ.get("KV_PULL_FAULT"))
         self.policies = PolicySet(cfg.cluster.output_filter, cfg.cluster.model)
 
@@ -211,9 +221,10 @@ class DecodeWorker(WorkerBase):
         pull.observe_after = time.monotonic() + self._delay_after
 
     def _admit(self, engine: LLMEngine, rid: str, req: decode_pb2.DecodeRequest, params: SamplingParams,
-               tenancy: Tenancy, trace_ctx: Any = None, deadline: float | None = None) -> None:
+               tenancy: Tenancy, handoff: _Handoff, trace_ctx: Any = None, deadline: float | None = None) -> None:
         """Add the request (engine thread). With a KV handle: ``deadline`` is its claim's (None: the claim was
         refused, so the prompt is recomputed here)."""
+        handoff.admitted = True
         meta = req.meta
         if not req.HasField("kv"):
             engine.add_request(rid, list(req.prompt_token_ids), params, meta.priority, meta.cache_salt,
@@ -247,6 +258,13 @@ class DecodeWorker(WorkerBase):
             pull.post_at = time.monotonic() + self._delay_before
         else:
             self._post(engine, rid, pull)
+
+    def _end_stream(self, engine: LLMEngine, rid: str, handoff: _Handoff) -> None:
+        """The stream ended unfinished (engine thread, after its ``_admit`` ran or was cancelled before running)."""
+        if handoff.admitted:
+            self._abort(engine, rid)
+        elif handoff.kv is not None:  # never admitted, so no READ of ours runs under the lease: give it back
+            self.call_in_aio(self.release_lease, handoff.kv)
 
     def _abort(self, engine: LLMEngine, rid: str) -> None:
         pull = self._pulls.get(rid)
@@ -300,6 +318,20 @@ class DecodeWorker(WorkerBase):
             q.put_nowait(item)
 
     # -- leases and handshakes with prefill workers (asyncio) -------------------------------------------
+    def release_lease(self, kv: common_pb2.KvHandle) -> None:
+        """Release a lease we took no READ under (claimed or not), in the background; best effort (it expires)."""
+
+        async def release() -> None:
+            try:
+                await self._prefills.get(kv.address, prefill_pb2_grpc.PrefillStub).Release(
+                    prefill_pb2.ReleaseRequest(lease_id=kv.lease_id), timeout=CLAIM_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                log.info("could not release lease %s on %s: %s (it expires)", kv.lease_id, kv.address, e.details())
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
     async def claim(self, kv: common_pb2.KvHandle) -> float | None:
         """Claim the lease: the monotonic time by which our READ must be over (LEASE_SAFETY_S inside the hold,
         counted from before the Claim left), or None when the lease is gone or its holder unreachable."""
@@ -383,15 +415,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise ValueError("prior_output_ids and kv cannot come together: a moved stream recomputes its context")
         w.engine.validate(prompt, params)  # reads only config: safe off the engine thread
         tenancy = tenancy_from_meta(request.meta)
-        deadline = None
-        if request.HasField("kv"):
-            try:
-                await w.ensure_peer(request.kv)
-            except grpc.aio.AioRpcError as e:  # the prefill worker is gone: recompute here
-                log.warning("no KV handshake with %s (%s: %s): recomputing here", request.kv.address,
-                            e.code().name, e.details())
-            else:
-                deadline = await w.claim(request.kv)
+        handoff = _Handoff(request.kv if request.HasField("kv") else None)
         q: asyncio.Queue[_Item | BaseException] = asyncio.Queue()
         w.streams[rid] = q
         w.metrics.prompt_tokens.inc(len(prompt))
@@ -399,8 +423,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         span = telemetry.start_span("decode", attributes={"request_id": rid, "prompt_tokens": len(prompt)})
         trace_ctx = telemetry.context_with(span)
         try:
+            deadline = None
+            if handoff.kv is not None:
+                try:
+                    await w.ensure_peer(handoff.kv)
+                except grpc.aio.AioRpcError as e:  # the prefill worker is gone: recompute here
+                    log.warning("no KV handshake with %s (%s: %s): recomputing here", handoff.kv.address,
+                                e.code().name, e.details())
+                else:
+                    deadline = await w.claim(handoff.kv)
             w._detok_q.put(("add", rid, prompt, params, prior, w.policies.for_request(request.meta.tenant_id)))
-            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, tenancy,
+            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, tenancy, handoff,
                                                                         trace_ctx, deadline)))
             while not finished:
                 items = [await q.get()]
@@ -421,8 +454,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise
         finally:
             w.streams.pop(rid, None)
-            if not finished:  # the client went away (or an error): free the blocks within a step
-                w.loop.submit(lambda e: w._abort(e, rid))
+            if not finished:  # the client went away (or an error): free the blocks (and lease) within a step
+                w.loop.submit(lambda e: w._end_stream(e, rid, handoff))
                 w._detok_q.put(("discard", rid))
 
 

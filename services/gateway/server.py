@@ -4,8 +4,10 @@
 
 - The first token is not held back for the KV transfer: the decode worker streams it as its first message,
   before it pulls the KV.
-- Client cancellation cancels the Decode call (the decode worker frees its blocks); cancelled after prefill but
-  before Decode was called, the gateway releases the prefill lease.
+- Client cancellation cancels the Decode call (the decode worker frees its blocks and gives the prefill lease
+  back). The gateway names each prefill lease itself, so it releases the lease when the client leaves during
+  the Prefill call (whether or not the result came back), before Decode was called, or before the decode worker
+  answered (then only while no decode worker has claimed it: a claimed lease may have a READ under it).
 - A worker that fails with UNAVAILABLE before any token reached the client is excluded and the request re-placed
   (``gateway.placement_retries`` times, a prefill result is kept).
 - Tenants (``services/gateway/tenancy.py``): the door names the request's tenant by its API key and takes its
@@ -155,7 +157,7 @@ class _Attempts:
     max_migrations: int = 0
     exclude: list[str] = field(default_factory=list)
     pre: prefill_pb2.PrefillResult | None = None
-    lease_ours: bool = False
+    lease: str = ""  # who frees pre's lease: "" nobody (none, or settled), "ours", or "decode" (sent to a decode worker)
     done: bool = False
     sent: list[int] = field(default_factory=list)  # token ids streamed to the client so far
     migrations: int = 0
@@ -443,8 +445,8 @@ class GatewayService:
                         continue  # the prefill worker was unavailable: re-placed without it
                     assert st.pre is not None
                     if st.pre.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                        st.lease_ours = False
-                        self._release(st.pre)
+                        st.lease = ""
+                        self._release(st.pre.kv)
                         yield await self._finished_at_prefill(meta, ids, st.pre, req, timing)
                         return
                 async for resp in self._decode(placement.decode, meta, ids, req, context, timing, st):
@@ -452,8 +454,11 @@ class GatewayService:
                 if st.done:
                     return
         finally:
-            if st.pre is not None and st.lease_ours:  # cancelled or failed between prefill and decode
-                self._release(st.pre)
+            if st.pre is not None and st.lease == "ours":  # cancelled or failed between prefill and decode
+                self._release(st.pre.kv)
+            elif st.pre is not None and st.lease == "decode" and not st.done:
+                # the Decode call may never have reached its worker: free the lease unless a decode worker claimed it
+                self._release(st.pre.kv, unclaimed_only=True)
 
     async def _place(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta, ids: list[int],
                      exclude: list[str], context: grpc.aio.ServicerContext) -> router_pb2.Placement:
@@ -481,17 +486,24 @@ class GatewayService:
                        req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, st: _Attempts) -> bool:
         """Run the prompt on a prefill worker; False when it was unavailable and the request should re-place."""
         stub = self.workers.get(ref.address, prefill_pb2_grpc.PrefillStub)
+        lease_id = uuid.uuid4().hex
         try:
-            st.pre = await stub.Prefill(prefill_pb2.PrefillRequest(meta=meta, prompt_token_ids=ids, params=req.params),
+            st.pre = await stub.Prefill(prefill_pb2.PrefillRequest(meta=meta, prompt_token_ids=ids, params=req.params,
+                                                                   lease_id=lease_id),
                                         timeout=context.time_remaining(), metadata=telemetry.outgoing_metadata())
+        except asyncio.CancelledError:  # the client left: the lease may exist with its result lost on the way
+            self._release(common_pb2.KvHandle(worker_id=ref.worker_id, address=ref.address, lease_id=lease_id))
+            raise
         except grpc.aio.AioRpcError as e:
+            if e.code() != _UNAVAILABLE:
+                self._release(common_pb2.KvHandle(worker_id=ref.worker_id, address=ref.address, lease_id=lease_id))
             if e.code() != _UNAVAILABLE or not st.retry(ref.worker_id):
                 raise
             self.metrics.retries.labels("prefill").inc()
             log.warning("%s: prefill worker %s unavailable (%s); re-placing", meta.request_id, ref.worker_id,
                         e.details())
             return False
-        st.lease_ours = bool(st.pre.kv.lease_id)
+        st.lease = "ours" if st.pre.kv.lease_id else ""
         return True
 
     async def _decode(self, ref: router_pb2.WorkerRef, meta: common_pb2.RequestMeta, ids: list[int],
@@ -508,7 +520,8 @@ class GatewayService:
             dreq.kv.CopyFrom(st.pre.kv)
         call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(
             dreq, timeout=context.time_remaining(), metadata=telemetry.outgoing_metadata())
-        st.lease_ours = False  # the decode worker pulls the KV and releases the lease (or lets it expire)
+        if st.lease == "ours":
+            st.lease = "decode"  # the decode worker pulls the KV and gives the lease back
         try:
             async for delta in call:
                 st.sent.extend(delta.token_ids)
@@ -535,7 +548,8 @@ class GatewayService:
                 log.warning("%s: decode worker %s failed after %d tokens (%s); moving the stream", meta.request_id,
                             ref.worker_id, len(st.sent), e.details())
                 return
-            st.lease_ours = st.pre is not None and bool(st.pre.kv.lease_id)  # it never started: ours again
+            if st.lease == "decode":
+                st.lease = "ours"  # it never started: ours again
             if not st.retry(ref.worker_id):
                 raise rpc.Unavailable(f"decode worker {ref.worker_id} is unavailable ({e.details()}) after "
                                       f"{st.max_retries} re-placements; retry later") from e
@@ -570,14 +584,14 @@ class GatewayService:
             resp.logprobs.append(pre.first_logprob)
         return resp
 
-    def _release(self, pre: prefill_pb2.PrefillResult) -> None:
+    def _release(self, kv: common_pb2.KvHandle, unclaimed_only: bool = False) -> None:
         """Free a prefill lease in the background (also from a cancelled handler)."""
-        kv = pre.kv
 
         async def release() -> None:
             try:
                 stub = self.workers.get(kv.address, prefill_pb2_grpc.PrefillStub)
-                await stub.Release(prefill_pb2.ReleaseRequest(lease_id=kv.lease_id), timeout=5)
+                await stub.Release(prefill_pb2.ReleaseRequest(lease_id=kv.lease_id, unclaimed_only=unclaimed_only),
+                                   timeout=5)
             except grpc.aio.AioRpcError as e:
                 log.warning("release of lease %s on %s failed: %s (it expires on its own)", kv.lease_id,
                             kv.worker_id, e.details())

@@ -3,7 +3,9 @@ prompt's blocks under a lease until the decode worker has pulled them.
 
 A lease waits ``prefill.kv_lease_s`` for the decode worker's ``Claim``; a claim holds the blocks for that long
 again, for the READ. It ends on the decode worker's NIXL notification (its READ is over, or it gave up), on
-``Release`` (cancelled), or on expiry. Every time is on this worker's own monotonic clock: the decode worker learns
+``Release`` (cancelled), or on expiry. The caller names the lease in its request, so a caller that gives up on a
+Prefill call releases the lease whether or not the result reached it: a Release that comes before the grant
+makes the grant free the blocks at once. Every time is on this worker's own monotonic clock: the decode worker learns
 only durations, and gives up its READ well inside the hold (services/decode), so expiry never frees blocks under a
 READ, and a late decode gets NOT_FOUND and recomputes instead of another request's bytes.
 """
@@ -57,6 +59,7 @@ class PrefillWorker(WorkerBase):
         self.lease_s = cfg.cluster.prefill.kv_lease_s
         self._waiters: dict[str, asyncio.Future[RequestOutput]] = {}  # asyncio side
         self._leases: dict[str, _Lease] = {}  # engine thread only
+        self._released: dict[str, float] = {}  # engine thread only: lease ids released before their grant → forget at
         self._unscheduled: dict[str, _Queued] = {}  # engine thread only (tracing)
         self._tick_ns = 0  # engine thread: the last tick, i.e. just before the step that follows it
 
@@ -98,6 +101,8 @@ class PrefillWorker(WorkerBase):
         for _peer, msg in self.agent.completed_notifications():
             self._end_lease(engine, msg.decode(errors="replace"), read=True)
         now = time.monotonic()
+        for lease_id in [k for k, forget in self._released.items() if forget <= now]:
+            del self._released[lease_id]
         for lease_id, lease in list(self._leases.items()):
             if lease.expires <= now:
                 if lease.claimed is None:
@@ -123,6 +128,17 @@ class PrefillWorker(WorkerBase):
                                           lease.num_blocks * self.agent.bytes_per_block, lease.num_blocks)
         return True
 
+    def _release(self, engine: LLMEngine, lease_id: str, unclaimed_only: bool) -> bool:
+        """The caller's Release. A lease not granted yet is remembered for ``lease_s``, so its grant frees the
+        blocks at once; a claimed one is left to its claimer when ``unclaimed_only``."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            self._released[lease_id] = time.monotonic() + self.lease_s
+            return False
+        if unclaimed_only and lease.claimed is not None:
+            return False
+        return self._end_lease(engine, lease_id)
+
     def _claim(self, lease_id: str) -> float:
         """A decode worker is about to READ: hold the blocks ``lease_s`` from now; returns that hold in seconds."""
         lease = self._leases.get(lease_id)
@@ -138,9 +154,22 @@ class PrefillWorker(WorkerBase):
         engine.add_request(rid, prompt, params, meta.priority, meta.cache_salt, prefill_only=True, tenancy=tenancy)
         self._unscheduled[rid] = queued
 
-    def _grant(self, engine: LLMEngine, o: RequestOutput, lease_id: str) -> None:
+    def _grant(self, engine: LLMEngine, o: RequestOutput, lease_id: str) -> bool:
+        """Hold the prompt's blocks under the lease. False: its caller released it already (the blocks are free)."""
+        if lease_id in self._leases:
+            engine.release(o.request_id)
+            raise ValueError(f"lease id {lease_id!r} is already in use on {self.cfg.name}; send a unique one")
+        if self._released.pop(lease_id, None) is not None:
+            engine.release(o.request_id)
+            return False
         now = time.monotonic()
         self._leases[lease_id] = _Lease(o.request_id, len(o.kv_block_ids or ()), now, now + self.lease_s)
+        return True
+
+    def _drop(self, engine: LLMEngine, lease_id: str, request_id: str) -> None:
+        """The caller left while its lease was granted: free the blocks, granted or not."""
+        if not self._end_lease(engine, lease_id):
+            engine.release(request_id)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -188,12 +217,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if o.logprobs:
             result.first_logprob.CopyFrom(logprob_proto(o.logprobs[0]))
         if o.kv_block_ids is not None:
-            lease_id = uuid.uuid4().hex
+            lease_id = request.lease_id or uuid.uuid4().hex
             try:
-                await asyncio.wrap_future(w.loop.submit(lambda e: w._grant(e, o, lease_id)))
-            except asyncio.CancelledError:  # the caller left while the lease was made: nobody will ever claim it
-                w.loop.submit(lambda e: w._end_lease(e, lease_id))
+                granted = await asyncio.wrap_future(w.loop.submit(lambda e: w._grant(e, o, lease_id)))
+            except asyncio.CancelledError:  # the caller left while the lease was made (or before the grant ran)
+                w.loop.submit(lambda e: w._drop(e, lease_id, o.request_id))
                 raise
+            if not granted:
+                raise rpc.NotFound(f"lease {lease_id!r} was released by its caller before it was granted")
             result.kv.CopyFrom(common_pb2.KvHandle(
                 worker_id=w.agent.name, address=w.cfg.address, block_ids=o.kv_block_ids,
                 num_tokens=len(prompt), lease_id=lease_id, lease_ms=int(w.lease_s * 1000),
@@ -204,7 +235,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Release(self, request: prefill_pb2.ReleaseRequest, context: grpc.aio.ServicerContext):
         w = self.w
         assert w.loop is not None
-        ok = await asyncio.wrap_future(w.loop.submit(lambda e: w._end_lease(e, request.lease_id)))
+        lease_id, unclaimed_only = request.lease_id, request.unclaimed_only
+        ok = await asyncio.wrap_future(w.loop.submit(lambda e: w._release(e, lease_id, unclaimed_only)))
         return prefill_pb2.ReleaseResponse(released=ok)
 
     @rpc.translate_errors

@@ -193,6 +193,74 @@ def test_release_frees_a_lease_nobody_pulls(cluster, engine):
     wait_for(lambda: all_blocks_free(cluster, "prefill"), 5, "prefill blocks freed by Release")
 
 
+def test_release_before_the_grant_frees_the_blocks_at_once(cluster, engine):
+    """A caller that gave up on its Prefill call releases the lease by the id it chose, before the worker granted
+    it: the grant then frees the blocks at once; a claimed lease is not freed by an unclaimed-only Release."""
+    [pre] = procs(cluster, "prefill")
+    ids = engine.tokenizer.encode("A prompt released before its grant. " * 30)
+    with grpc.insecure_channel(pre["address"]) as ch:
+        stub = prefill_pb2_grpc.PrefillStub(ch)
+        assert not stub.Release(prefill_pb2.ReleaseRequest(lease_id="early")).released
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Prefill(prefill_pb2.PrefillRequest(
+                meta=common_pb2.RequestMeta(request_id="early"), prompt_token_ids=ids, lease_id="early",
+                params=common_pb2.SamplingParams(temperature=0, max_tokens=8)), timeout=60)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "released by its caller" in e.value.details()
+        assert all_blocks_free(cluster, "prefill")
+
+        res = stub.Prefill(prefill_pb2.PrefillRequest(
+            meta=common_pb2.RequestMeta(request_id="claimed"), prompt_token_ids=ids, lease_id="claimed",
+            params=common_pb2.SamplingParams(temperature=0, max_tokens=8)), timeout=60)
+        assert res.kv.lease_id == "claimed"
+        assert stub.Claim(prefill_pb2.ClaimRequest(lease_id="claimed")).hold_ms > 0
+        assert not stub.Release(prefill_pb2.ReleaseRequest(lease_id="claimed", unclaimed_only=True)).released
+        assert metric(pre, "tokenmill:kv_blocks_free") < metric(pre, "tokenmill:kv_blocks_total")
+        assert stub.Release(prefill_pb2.ReleaseRequest(lease_id="claimed")).released
+    wait_for(lambda: all_blocks_free(cluster, "prefill"), 5, "prefill blocks freed by Release")
+
+
+def test_a_prefill_cancelled_while_its_lease_is_granted_leaves_no_lease(cluster):
+    """A prefill computed in one step has its lease granted when the engine thread is between steps, i.e. after the
+    step in progress. A call cancelled in that gap (timed from an uncancelled run of the same traffic) frees its
+    blocks at once, not when a lease expires; the others' leases are released as they come back."""
+    [pre] = procs(cluster, "prefill")
+
+    def prompt(wave: int, i: int, n: int) -> list[int]:  # distinct first tokens: no prefix-cache hits
+        return [1000 + 10 * wave + i] + [504 + j % 300 for j in range(n - 1)]
+
+    async def wave(n: int, cancel_a_at: float | None = None) -> tuple[float, float, bool]:
+        """A blocker (1000 tokens, one step), then a short prompt A with three long ones: A is done in the second
+        step and its grant waits for the third. Returns when the blocker's and A's results came back, and whether
+        A's call was cancelled before its result."""
+        async with grpc.aio.insecure_channel(pre["address"]) as ch:
+            stub = prefill_pb2_grpc.PrefillStub(ch)
+            t0 = time.monotonic()
+
+            async def call(i: int, length: int, delay: float = 0.0) -> float | None:
+                await asyncio.sleep(delay)
+                c = stub.Prefill(prefill_pb2.PrefillRequest(
+                    meta=common_pb2.RequestMeta(request_id=f"w{n}-{i}"), prompt_token_ids=prompt(n, i, length),
+                    params=common_pb2.SamplingParams(temperature=0, max_tokens=8)), timeout=120)
+                if i == 1 and cancel_a_at is not None:
+                    asyncio.get_running_loop().call_later(cancel_a_at - (time.monotonic() - t0), c.cancel)
+                try:
+                    res = await c
+                except asyncio.CancelledError:
+                    return None
+                back = time.monotonic() - t0
+                await stub.Release(prefill_pb2.ReleaseRequest(lease_id=res.kv.lease_id))
+                return back
+
+            done = await asyncio.gather(call(0, 1000), call(1, 10, 0.05), *(call(i, 1000, 0.05) for i in (2, 3, 4)))
+            return done[0], done[1] or 0.0, done[1] is None
+
+    blocker_back, a_back, _ = asyncio.run(wave(0))
+    assert a_back > blocker_back, (blocker_back, a_back)
+    _, _, cancelled = asyncio.run(wave(1, cancel_a_at=(blocker_back + a_back) / 2))
+    assert cancelled
+    wait_for(lambda: all_blocks_free(cluster, "prefill"), 5, "the cancelled prefill's blocks freed")
+
+
 def test_prompt_lengths_at_the_edges(cluster):
     async def run(req):
         async with grpc.aio.insecure_channel(cluster["gateway"]) as ch:

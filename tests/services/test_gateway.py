@@ -45,24 +45,25 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
 
     async def Decode(self, request, context):
         self.requests.append(request)
+        # the call ended before its last token: the client cancelled it (told wherever the stream was; one waiting
+        # at a yield gets no exception)
+        ended = False
+        context.add_done_callback(lambda _ctx: None if ended else self.cancelled.set())
         if self.mode == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is 9000 tokens; this model accepts 8192")
-        try:
-            for i in range(10**6 if self.mode == "slow" else self.tokens):  # "pause": tokens 0.3 s apart
-                fails = self.mode == "fail_after" or (self.mode == "fail_fresh" and not request.prior_output_ids)
-                if fails and i == 2:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost its GPU")
-                last = i == self.tokens - 1 and self.mode != "slow"
-                yield decode_pb2.TokenDelta(
-                    text=f"<{i}>", token_ids=[100 + i], finish_reason=STOP if last else 0,
-                    usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1)
-                    if last else None)
-                await asyncio.sleep({"slow": 0.02, "pause": 0.3}.get(self.mode, 0))
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
+        for i in range(10**6 if self.mode == "slow" else self.tokens):  # "pause": tokens 0.3 s apart
+            fails = self.mode == "fail_after" or (self.mode == "fail_fresh" and not request.prior_output_ids)
+            if fails and i == 2:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost its GPU")
+            last = i == self.tokens - 1 and self.mode != "slow"
+            ended = last
+            yield decode_pb2.TokenDelta(
+                text=f"<{i}>", token_ids=[100 + i], finish_reason=STOP if last else 0,
+                usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1)
+                if last else None)
+            await asyncio.sleep({"slow": 0.02, "pause": 0.3}.get(self.mode, 0))
 
 
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tokenmill.v1 import common_pb2 as tokenmill_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenmill/v1/prefill.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"\x81\x01\n\x0ePrefillRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\"\xdf\x01\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x36\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x1a.tokenmill.v1.TokenLogprobH\x00\x88\x01\x01\x12\"\n\x02kv\x18\x03 \x01(\x0b\x32\x16.tokenmill.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReasonB\x10\n\x0e_first_logprob\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\" \n\x0c\x43laimRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\" \n\rClaimResponse\x12\x0f\n\x07hold_ms\x18\x01 \x01(\x03\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xa5\x01\n\x08KvCompat\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x0e\n\x06layout\x18\x08 \x01(\t\"g\n\x12KvHandshakeRequest\x12\x12\n\npeer_agent\x18\x01 \x01(\t\x12\x15\n\rpeer_metadata\x18\x02 \x01(\x0c\x12&\n\x06\x63ompat\x18\x03 \x01(\x0b\x32\x16.tokenmill.v1.KvCompat\"\x81\x01\n\x13KvHandshakeResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x16\n\x0ekv_descriptors\x18\x03 \x01(\x0c\x12&\n\x06\x63ompat\x18\x04 \x01(\x0b\x32\x16.tokenmill.v1.KvCompat2\xad\x02\n\x07Prefill\x12\x44\n\x07Prefill\x12\x1c.tokenmill.v1.PrefillRequest\x1a\x1b.tokenmill.v1.PrefillResult\x12\x46\n\x07Release\x12\x1c.tokenmill.v1.ReleaseRequest\x1a\x1d.tokenmill.v1.ReleaseResponse\x12@\n\x05\x43laim\x12\x1a.tokenmill.v1.ClaimRequest\x1a\x1b.tokenmill.v1.ClaimResponse\x12R\n\x0bKvHandshake\x12 .tokenmill.v1.KvHandshakeRequest\x1a!.tokenmill.v1.KvHandshakeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atokenmill/v1/prefill.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"\x93\x01\n\x0ePrefillRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x10\n\x08lease_id\x18\x04 \x01(\t\"\xdf\x01\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x36\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x1a.tokenmill.v1.TokenLogprobH\x00\x88\x01\x01\x12\"\n\x02kv\x18\x03 \x01(\x0b\x32\x16.tokenmill.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReasonB\x10\n\x0e_first_logprob\":\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0eunclaimed_only\x18\x02 \x01(\x08\" \n\x0c\x43laimRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\" \n\rClaimResponse\x12\x0f\n\x07hold_ms\x18\x01 \x01(\x03\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xa5\x01\n\x08KvCompat\x12\x18\n\x10protocol_version\x18\x01 \x01(\x05\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x0e\n\x06layout\x18\x08 \x01(\t\"g\n\x12KvHandshakeRequest\x12\x12\n\npeer_agent\x18\x01 \x01(\t\x12\x15\n\rpeer_metadata\x18\x02 \x01(\x0c\x12&\n\x06\x63ompat\x18\x03 \x01(\x0b\x32\x16.tokenmill.v1.KvCompat\"\x81\x01\n\x13KvHandshakeResponse\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x16\n\x0ekv_descriptors\x18\x03 \x01(\x0c\x12&\n\x06\x63ompat\x18\x04 \x01(\x0b\x32\x16.tokenmill.v1.KvCompat2\xad\x02\n\x07Prefill\x12\x44\n\x07Prefill\x12\x1c.tokenmill.v1.PrefillRequest\x1a\x1b.tokenmill.v1.PrefillResult\x12\x46\n\x07Release\x12\x1c.tokenmill.v1.ReleaseRequest\x1a\x1d.tokenmill.v1.ReleaseResponse\x12@\n\x05\x43laim\x12\x1a.tokenmill.v1.ClaimRequest\x1a\x1b.tokenmill.v1.ClaimResponse\x12R\n\x0bKvHandshake\x12 .tokenmill.v1.KvHandshakeRequest\x1a!.tokenmill.v1.KvHandshakeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmill.v1.prefill_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREQUEST']._serialized_start=72
-  _globals['_PREFILLREQUEST']._serialized_end=201
-  _globals['_PREFILLRESULT']._serialized_start=204
-  _globals['_PREFILLRESULT']._serialized_end=427
-  _globals['_RELEASEREQUEST']._serialized_start=429
-  _globals['_RELEASEREQUEST']._serialized_end=463
-  _globals['_CLAIMREQUEST']._serialized_start=465
-  _globals['_CLAIMREQUEST']._serialized_end=497
-  _globals['_CLAIMRESPONSE']._serialized_start=499
-  _globals['_CLAIMRESPONSE']._serialized_end=531
-  _globals['_RELEASERESPONSE']._serialized_start=533
-  _globals['_RELEASERESPONSE']._serialized_end=568
-  _globals['_KVCOMPAT']._serialized_start=571
-  _globals['_KVCOMPAT']._serialized_end=736
-  _globals['_KVHANDSHAKEREQUEST']._serialized_start=738
-  _globals['_KVHANDSHAKEREQUEST']._serialized_end=841
-  _globals['_KVHANDSHAKERESPONSE']._serialized_start=844
-  _globals['_KVHANDSHAKERESPONSE']._serialized_end=973
-  _globals['_PREFILL']._serialized_start=976
-  _globals['_PREFILL']._serialized_end=1277
+  _globals['_PREFILLREQUEST']._serialized_end=219
+  _globals['_PREFILLRESULT']._serialized_start=222
+  _globals['_PREFILLRESULT']._serialized_end=445
+  _globals['_RELEASEREQUEST']._serialized_start=447
+  _globals['_RELEASEREQUEST']._serialized_end=505
+  _globals['_CLAIMREQUEST']._serialized_start=507
+  _globals['_CLAIMREQUEST']._serialized_end=539
+  _globals['_CLAIMRESPONSE']._serialized_start=541
+  _globals['_CLAIMRESPONSE']._serialized_end=573
+  _globals['_RELEASERESPONSE']._serialized_start=575
+  _globals['_RELEASERESPONSE']._serialized_end=610
+  _globals['_KVCOMPAT']._serialized_start=613
+  _globals['_KVCOMPAT']._serialized_end=778
+  _globals['_KVHANDSHAKEREQUEST']._serialized_start=780
+  _globals['_KVHANDSHAKEREQUEST']._serialized_end=883
+  _globals['_KVHANDSHAKERESPONSE']._serialized_start=886
+  _globals['_KVHANDSHAKERESPONSE']._serialized_end=1015
+  _globals['_PREFILL']._serialized_start=1018
+  _globals['_PREFILL']._serialized_end=1319
 # @@protoc_insertion_point(module_scope)

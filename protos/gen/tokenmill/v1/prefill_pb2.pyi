@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("meta", "prompt_token_ids", "params")
+    __slots__ = ("meta", "prompt_token_ids", "params", "lease_id")
     META_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     meta: _common_pb2.RequestMeta
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _common_pb2.SamplingParams
-    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    lease_id: str
+    def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResult(_message.Message):
     __slots__ = ("first_token_id", "first_logprob", "kv", "cached_tokens", "finish_reason")
@@ -32,10 +34,12 @@ class PrefillResult(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., kv: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "unclaimed_only")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    UNCLAIMED_ONLY_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    unclaimed_only: bool
+    def __init__(self, lease_id: _Optional[str] = ..., unclaimed_only: _Optional[bool] = ...) -> None: ...
 
 class ClaimRequest(_message.Message):
     __slots__ = ("lease_id",)
