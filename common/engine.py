@@ -200,8 +200,13 @@ class LLMEngine:
             if self._grammars is None:
                 if self.tokenizer is None or self.cfg.noop_model:
                     raise RequestError("structured outputs need the model's tokenizer; this model has none")
-                self._grammars = GrammarCompiler(self.tokenizer.tk.to_str(), self.sample_vocab,
-                                                 self.model_cfg.eos_token_ids)
+                # the model's EOS ids the tokenizer has; a model run under a smaller tokenizer (a dummy under
+                # SmolLM2's) ends a grammar on the tokenizer's own EOS
+                eos = [i for i in self.model_cfg.eos_token_ids if i < self.sample_vocab]
+                own = self.tokenizer.tk.token_to_id(self.tokenizer.eos_token) if self.tokenizer.eos_token else None
+                if not eos and own is not None:
+                    eos = [own]
+                self._grammars = GrammarCompiler(self.tokenizer.tk.to_str(), self.sample_vocab, eos)
             return self._grammars
 
     def grammar_matcher(self, params: SamplingParams, prior: Seq[int] = ()) -> GrammarMatcher | None:

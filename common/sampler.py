@@ -237,6 +237,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host: the constrained rows' masks
         self._byte_bias: torch.Tensor | None = None  # [256, 8] float32: a bitmask byte's 8 tokens as 0 / -inf
+        self._bitmask_read: torch.cuda.Event | None = None  # the device's copy out of the pinned bitmask is done
 
     def release(self, key: str) -> None:
         self._slots.release(key)
@@ -313,7 +314,7 @@ class Sampler:
         if spec.bans:
             r_, t_ = zip(*spec.bans)
             x[torch.tensor(r_).to(dev), torch.tensor(t_).to(dev)] = _MASK
-        filled = self._fill(rows)
+        filled = self._fill(rows)  # host work the device's queue does not wait for: beside the forward's tail
         if filled is not None:
             idx, bitmask = filled
             bias = self._bias(bitmask, dev)
@@ -340,6 +341,8 @@ class Sampler:
             host = torch.empty(max(m, 8), words, dtype=torch.int32,
                                pin_memory=self._ws.device.type == "cuda")
             self._bitmask = host
+        elif self._bitmask_read is not None:
+            self._bitmask_read.synchronize()  # the last copy out of it (over already when a fetch followed it)
         fill_bitmask([(g, j) for j, (g, _) in enumerate(grammars)], host.data_ptr(), words)
         return [i for _, i in grammars], host[:m]
 
@@ -355,6 +358,9 @@ class Sampler:
             flat = np.take(lut.numpy(), bitmask.numpy().view(np.uint8).reshape(-1), axis=0)
             return torch.from_numpy(flat).view(m, -1)[:, : self.vocab_size]
         byte_ids = bitmask.view(torch.uint8).to(dev, non_blocking=True).view(-1).long()
+        if bitmask.is_pinned():
+            self._bitmask_read = torch.cuda.Event()
+            self._bitmask_read.record()
         return lut.index_select(0, byte_ids).view(m, -1)[:, : self.vocab_size]
 
 

@@ -5,7 +5,9 @@ Two parts, one run:
 - **libraries**: llguidance (what the engine uses) against xgrammar (vLLM's default), when xgrammar is importable:
   the time to build the tokenizer info, to compile each of the five JSON schemas below (llguidance builds lazily,
   so its figure includes the first mask), and the time to fill one row's token bitmask, per step, while 32 rows
-  walk valid instances of the schemas token by token.
+  walk valid instances of the schemas token by token: one by one, in parallel (llguidance's executor), and in
+  parallel while another thread runs Python, as a worker's asyncio and detokenizer threads do (the fill gives the
+  GIL up and waits to take it back, up to a switch interval).
 - **engine**: the real engine step at batch 32, every row decoding, with no row constrained against every row
   constrained (the five schemas, each wrapped in an array of at least 8 items so no row finishes inside the
   window). The windows alternate, so both see the same machine load. The forward is the same work in both; what
@@ -23,9 +25,13 @@ import json
 import os
 import platform
 import statistics
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from common.cluster_config import ClusterConfig
 
 TARGET_OVERHEAD = 0.10
 BATCH = 32
@@ -120,9 +126,33 @@ def bench_llguidance(tok: Any, vocab: int, eos: int) -> dict[str, Any]:
         for i, m in live:
             tk = walks[names[i]][step]
             assert (int(bm[i, tk // 32]) >> (tk % 32)) & 1 and m.consume_token(tk), (names[i], step)
+    # the same parallel fills while another thread runs Python, as a worker's asyncio and detokenizer threads do:
+    # the fill gives the GIL up and waits to take it back, up to a switch interval
+    ms = [llg.LLMatcher(lltok, grammars[n]) for n in names]
+    stop, spins = threading.Event(), [0]
+
+    def spin() -> None:
+        while not stop.is_set():
+            spins[0] += 1
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    contended = []
+    try:
+        for step in range(max(len(w) for w in walks.values()) - 1):
+            live = [(i, m) for i, m in enumerate(ms) if step < len(walks[names[i]]) - 1]
+            t = time.perf_counter()
+            ex.unsafe_compute_mask_ptr([(m, i) for i, m in live], bm.data_ptr(), words * 4, BATCH)
+            contended.append((time.perf_counter() - t) / len(live))
+            for i, m in live:
+                assert m.consume_token(walks[names[i]][step])
+    finally:
+        stop.set()
+        spinner.join()
     return {"library": f"llguidance {llg.__version__}", "tokenizer_info_s": init, "compile_s": compile_s,
             "fill_us_mean": statistics.mean(serial) * 1e6, "fill_us_p50": statistics.median(serial) * 1e6,
-            "fill_us_max": max(serial) * 1e6, "fill_par_us_mean": statistics.mean(par) * 1e6}
+            "fill_us_max": max(serial) * 1e6, "fill_par_us_mean": statistics.mean(par) * 1e6,
+            "fill_par_busy_us_mean": statistics.mean(contended) * 1e6, "switch_interval_ms": sys.getswitchinterval() * 1e3}
 
 
 def bench_xgrammar(tok: Any, vocab: int, eos: int) -> dict[str, Any] | None:
@@ -158,7 +188,7 @@ def bench_xgrammar(tok: Any, vocab: int, eos: int) -> dict[str, Any] | None:
     return {"library": f"xgrammar {getattr(xgr, '__version__', '')}".strip(), "tokenizer_info_s": init,
             "compile_s": compile_s, "fill_us_mean": statistics.mean(serial) * 1e6,
             "fill_us_p50": statistics.median(serial) * 1e6, "fill_us_max": max(serial) * 1e6,
-            "fill_par_us_mean": None}
+            "fill_par_us_mean": None, "fill_par_busy_us_mean": None}
 
 
 def _long_schema(s: dict[str, Any]) -> str:
@@ -166,17 +196,21 @@ def _long_schema(s: dict[str, Any]) -> str:
     return json.dumps({"type": "array", "items": s, "minItems": 8, "maxItems": 16})
 
 
-def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, device: str = "cpu"
-                 ) -> dict[str, Any]:
+def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, device: str = "cpu",
+                 model: str | None = None) -> dict[str, Any]:
     import torch
 
+    from common import sampler as sampler_mod
     from common.config import EngineConfig
     from common.engine import LLMEngine
+    from common.loader import load_model_source
     from common.sampling import SamplingParams, StructuredOutput
+    from common.structured import GrammarMatcher
 
     t0 = time.perf_counter()
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20)  # type: ignore[arg-type]
-    eng = LLMEngine.from_spec(None, cfg)
+    # a dummy (random weights at a real size) samples SmolLM2's ids under SmolLM2's tokenizer, as the grammars do
+    eng = LLMEngine(load_model_source(model, "smollm2" if model and model.startswith("dummy:") else None), cfg)
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     tok = eng.tokenizer
     assert tok is not None
@@ -185,14 +219,35 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     prompts = [tok.encode(f"JSON {names[i % 5]} records, batch {i}:") for i in range(BATCH)]
     update_s: list[float] = []
     real_update = eng._update
+    # where a constrained step's extra time goes: the host's mask fill and the matchers' advance, per step
+    parts = {"fill": 0.0, "advance": 0.0}
+    fill_s: list[float] = []
+    advance_s: list[float] = []
+    real_fill, real_accept = sampler_mod.fill_bitmask, GrammarMatcher.accept
+
+    def timed_fill(*args: Any) -> None:
+        t = time.perf_counter()
+        real_fill(*args)
+        parts["fill"] += time.perf_counter() - t
+
+    def timed_accept(self: GrammarMatcher, token: int) -> bool:
+        t = time.perf_counter()
+        ok = real_accept(self, token)
+        parts["advance"] += time.perf_counter() - t
+        return ok
 
     def timed_update(out: Any, logits: Any) -> Any:
+        parts["fill"] = parts["advance"] = 0.0
         t = time.perf_counter()
         res = real_update(out, logits)
         update_s.append(time.perf_counter() - t)
+        fill_s.append(parts["fill"])
+        advance_s.append(parts["advance"])
         return res
 
     eng._update = timed_update  # type: ignore[method-assign]
+    sampler_mod.fill_bitmask = timed_fill  # type: ignore[assignment]
+    GrammarMatcher.accept = timed_accept  # type: ignore[method-assign]
 
     def window(constrained: bool, tag: str, n: int) -> tuple[list[float], list[float]]:
         for i, ids in enumerate(prompts):
@@ -203,44 +258,60 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
             eng.step()
         times: list[float] = []
         update_s.clear()
+        fill_s.clear()
+        advance_s.clear()
         for _ in range(n):
             t = time.perf_counter()
             outs = eng.step()
             times.append(time.perf_counter() - t)
             assert len(outs) == BATCH and not any(o.finished for o in outs), "a row left the batch"
         upd = list(update_s)
+        if constrained:
+            masked_fill.extend(fill_s)
+            masked_advance.extend(advance_s)
         print(f"  {tag}: median step {statistics.median(times) * 1e3:.1f} ms", flush=True)
         for i in range(BATCH):
             eng.abort(f"{tag}-{i}")
         return times, upd
 
-    with torch.inference_mode():
-        window(False, "warm-a", 1)
-        window(True, "warm-b", 1)
-        plain: list[float] = []
-        masked: list[float] = []
-        plain_u: list[float] = []
-        masked_u: list[float] = []
-        for r in range(rounds):
-            t, u = window(False, f"plain-{r}", steps)
-            plain += t
-            plain_u += u
-            t, u = window(True, f"masked-{r}", steps)
-            masked += t
-            masked_u += u
+    masked_fill: list[float] = []
+    masked_advance: list[float] = []
+    try:
+        with torch.inference_mode():
+            window(False, "warm-a", 1)
+            window(True, "warm-b", 1)
+            masked_fill.clear()
+            masked_advance.clear()
+            plain: list[float] = []
+            masked: list[float] = []
+            plain_u: list[float] = []
+            masked_u: list[float] = []
+            for r in range(rounds):
+                t, u = window(False, f"plain-{r}", steps)
+                plain += t
+                plain_u += u
+                t, u = window(True, f"masked-{r}", steps)
+                masked += t
+                masked_u += u
+    finally:
+        sampler_mod.fill_bitmask = real_fill  # type: ignore[assignment]
+        GrammarMatcher.accept = real_accept  # type: ignore[method-assign]
     med = statistics.median
     extra = med(masked_u) - med(plain_u)  # the mask fill, its application and the matchers' advance
-    return {"dtype": dtype, "temperature": temperature, "batch": BATCH, "steps": len(plain),
+    return {"model": model or "SmolLM2-135M-Instruct", "dtype": dtype, "temperature": temperature, "batch": BATCH, "steps": len(plain),
             "step_ms_plain": med(plain) * 1e3,
             "step_ms_constrained": med(masked) * 1e3, "update_ms_plain": med(plain_u) * 1e3,
             "update_ms_constrained": med(masked_u) * 1e3, "overhead": extra / med(plain),
-            "end_to_end": med(masked) / med(plain) - 1.0}
+            "end_to_end": med(masked) / med(plain) - 1.0,
+            "fill_ms": med(masked_fill) * 1e3, "advance_ms": med(masked_advance) * 1e3}
 
 
 def run(a: argparse.Namespace) -> int:
     from common.loader import load_model_source
     from common.machine import default_dtype
 
+    # as a decode worker runs its engine: the GIL switch interval of the workers (common/worker.py)
+    sys.setswitchinterval(a.switch_interval_ms / 1000)
     src = load_model_source(None)
     tok = src.tokenizer
     assert tok is not None
@@ -250,20 +321,21 @@ def run(a: argparse.Namespace) -> int:
     print(f"SmolLM2 tokenizer: {vocab} tokens; {os.cpu_count()} cores ({platform.processor() or platform.machine()})")
     print()
     print("| library | tokenizer info ms | compile ms: " + " / ".join(SCHEMAS) + " | total | fill µs/row mean | "
-          "p50 | max | parallel fill µs/row |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"p50 | max | parallel fill µs/row | the same beside a Python thread ({a.switch_interval_ms:g} ms switch) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in [*libs, *([xg] if xg else [])]:
         c = " / ".join(f"{r['compile_s'][k] * 1e3:.1f}" for k in SCHEMAS)
         par = f"{r['fill_par_us_mean']:.1f}" if r["fill_par_us_mean"] is not None else "-"
+        busy = f"{r['fill_par_busy_us_mean']:.1f}" if r["fill_par_busy_us_mean"] is not None else "-"
         print(f"| {r['library']} | {r['tokenizer_info_s'] * 1e3:.0f} | {c} | {sum(r['compile_s'].values()) * 1e3:.1f}"
-              f" | {r['fill_us_mean']:.1f} | {r['fill_us_p50']:.1f} | {r['fill_us_max']:.0f} | {par} |")
+              f" | {r['fill_us_mean']:.1f} | {r['fill_us_p50']:.1f} | {r['fill_us_max']:.0f} | {par} | {busy} |")
     if xg is None:
         print("(xgrammar left out: " + ("--skip-libraries)" if a.skip_libraries else "not installed)"))
     dtype = a.dtype or default_dtype(a.device)
-    print(f"\nengine step at batch {BATCH} on {a.device} ({dtype}, temperature {a.temperature}, {a.steps} steps × "
+    print(f"\nengine step at batch {BATCH} on {a.device} ({a.model or 'SmolLM2-135M-Instruct'}, {dtype}, temperature {a.temperature}, {a.steps} steps × "
           f"{a.rounds} "
           f"rounds each) ...", flush=True)
-    e = bench_engine(dtype, a.steps, a.rounds, a.temperature, a.device)
+    e = bench_engine(dtype, a.steps, a.rounds, a.temperature, a.device, a.model)
     print()
     print("| batch | dtype | temperature | step ms: none constrained | all constrained | "
           "update ms (sample + stop checks): none | all | constrained cost | target | step ratio, end to end |")
@@ -272,6 +344,8 @@ def run(a: argparse.Namespace) -> int:
           f"{e['step_ms_constrained']:.1f} | "
           f"{e['update_ms_plain']:.2f} | {e['update_ms_constrained']:.2f} | {e['overhead'] * 100:.1f}% | "
           f"< {TARGET_OVERHEAD * 100:.0f}% | {e['end_to_end'] * 100:+.1f}% |")
+    print(f"\nof a constrained step (medians): the 32 masks' fill {e['fill_ms']:.3f} ms on the host, the 32 "
+          f"matchers' advance {e['advance_ms']:.3f} ms")
     met = e["overhead"] < TARGET_OVERHEAD
     print(f"\ntarget {'met' if met else 'NOT met'}: all 32 rows constrained add {e['overhead'] * 100:.1f}% to an "
           f"unconstrained step (medians of {e['steps']} steps each)")
@@ -290,6 +364,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every row's temperature (default 0: greedy; 1 samples from the masked distribution)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the engine's device (default cpu)")
+    p.add_argument("--model", default=None, help="the engine's model (default: SmolLM2; dummy:NAME for random weights "
+                   "at a real size, e.g. dummy:llama-3.2-1b, under SmolLM2's tokenizer)")
     p.add_argument("--skip-libraries", action="store_true", help="leave out the xgrammar comparison")
+    p.add_argument("--switch-interval-ms", type=float, default=ClusterConfig().worker_switch_interval_ms or 5.0,
+                   help="the GIL switch interval of the engine's process (default: the workers' "
+                        "worker_switch_interval_ms, 0.5)")
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)

@@ -5,6 +5,8 @@ prefill done elsewhere."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -143,6 +145,32 @@ def test_constrained_outputs_match_their_constraints(engine):
     assert choice.text in ("yes", "no", "maybe") and choice.finish_reason == "stop"
     assert len(code.text) == 6 and code.text[:3].isdigit() and code.text[3] == "-" and code.finish_reason == "stop"
     assert obj.finish_reason == "length" or isinstance(json.loads(obj.text), dict)
+
+
+def test_a_model_under_a_smaller_tokenizer_ends_its_grammar_on_the_tokenizer_eos(tmp_path):
+    """Random weights at a Llama 3 vocabulary (EOS 128001) under SmolLM2's 49,152-token tokenizer, as the GPU
+    benchmarks run real-size models: constraints compile against the tokenizer's own EOS, and the output keeps to
+    them."""
+    from common.config import EngineConfig
+    from common.engine import LLMEngine
+    from common.loader import load_model_source
+
+    cfg = json.loads(Path("common/model_configs/tiny-llama.json").read_text())
+    cfg.update(vocab_size=128256, bos_token_id=128000, eos_token_id=[128001, 128009])
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    eng = LLMEngine(load_model_source(f"dummy:{tmp_path / 'config.json'}", "smollm2"),
+                    EngineConfig(kv_cache_memory=16 << 20))
+    outs = eng.generate([[1, 2, 3]] * 3, [SamplingParams(max_tokens=12, temperature=1.0, seed=s, structured=so)
+                                          for s, so in enumerate([
+                                              StructuredOutput("choice", choices=("yes", "no", "maybe")),
+                                              StructuredOutput("regex", r"[0-9]{3}-[a-z]{2}"),
+                                              PERSON_SO])])
+    assert outs[0].text in ("yes", "no", "maybe") and outs[0].finish_reason == "stop"
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[1].text) and outs[1].finish_reason == "stop"
+    if outs[2].finish_reason == "stop":
+        jsonschema.validate(json.loads(outs[2].text), PERSON)
+    else:
+        assert outs[2].finish_reason == "length" and outs[2].text.startswith('{"')
 
 
 def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(engine):
