@@ -38,6 +38,7 @@ from tokenmill.v1 import frontend_pb2, router_pb2, tokenizer_pb2
 
 from common import rpc, telemetry
 from services.gateway import openai_api as oa
+from services.gateway import openai_schema as schema
 from services.gateway.accounting import AuditRecord
 from services.gateway.tenancy import QuotaExceeded, RequestTooLarge, Tenant
 
@@ -237,18 +238,15 @@ class HttpFrontend:
         if not isinstance(body, dict):
             raise oa.bad("the request body must be a JSON object")
         self._resolve_model(body.get("model"))
-        if "messages" in body:
-            treq = tokenizer_pb2.TokenizeRequest(chat=oa.messages(body))
-            treq.chat.add_generation_prompt = bool(body.get("add_generation_prompt", True))
+        r = oa.validate(schema.TokenizeRequest, body)
+        if r.messages is not None:
+            treq = tokenizer_pb2.TokenizeRequest(chat=oa.chat_messages(r.messages))
+            treq.chat.add_generation_prompt = r.add_generation_prompt
             tools = oa.chat_tools(body)
             if tools is not None:
                 treq.chat.tools_json = tools.tools_json()
         else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise oa.bad("send prompt (a string) or messages", "prompt")
-            treq = tokenizer_pb2.TokenizeRequest(text=prompt,
-                                                 add_special_tokens=bool(body.get("add_special_tokens", True)))
+            treq = tokenizer_pb2.TokenizeRequest(text=r.prompt, add_special_tokens=r.add_special_tokens)
         resp = await self.gw.tokenizers.call(lambda stub: stub.Tokenize(treq, timeout=30), "tokenizer")
         ids = list(resp.token_ids)
         return _json({"count": len(ids), "max_model_len": self.gw.cfg.cluster.engine.max_model_len, "tokens": ids})
@@ -257,11 +255,8 @@ class HttpFrontend:
         """vLLM's ``/detokenize``: ``{tokens}`` → ``{prompt}``."""
         self._auth(request)
         body = await self._body(request)
-        ids = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                for t in ids):
-            raise oa.bad("tokens must be a list of token ids (integers >= 0)", "tokens")
-        dreq = tokenizer_pb2.DetokenizeRequest(token_ids=ids, skip_special_tokens=False)
+        r = oa.validate(schema.DetokenizeRequest, body if isinstance(body, dict) else {})
+        dreq = tokenizer_pb2.DetokenizeRequest(token_ids=r.tokens, skip_special_tokens=False)
         resp = await self.gw.tokenizers.call(lambda stub: stub.Detokenize(dreq, timeout=30), "tokenizer")
         return _json({"prompt": resp.text})
 

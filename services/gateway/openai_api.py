@@ -12,7 +12,8 @@ structured outputs: ``response_format`` and vLLM's ``structured_outputs`` and ``
 (``services/gateway/tools.py``). A choice the output filter blocked ends with ``finish_reason: "content_filter"``
 and carries ``filter_reason`` (why) beside it, in the response and in the streamed chunk that ends it. Unknown
 fields are ignored, as OpenAI and vLLM do; features we do not serve (``echo``, ``suffix``, ``best_of`` > n, images,
-the deprecated ``functions``) are a 400 that says so.
+the deprecated ``functions``) are a 400 that says so. The bodies are the pydantic models of
+``services/gateway/openai_schema.py``; ``validate`` turns their first failure into the 400 that names the field.
 """
 
 from __future__ import annotations
@@ -22,18 +23,20 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from tokenmill.v1 import common_pb2, frontend_pb2, tokenizer_pb2
 
 from services.gateway import constraints
+from services.gateway import openai_schema as schema
 from services.gateway import tool_parsers as tp
 from services.gateway import tools as tl
 
 Kind = Literal["chat", "completion"]
-MAX_N = 128
-MAX_LOGPROBS = 20
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_N = schema.MAX_N
+MAX_LOGPROBS = schema.MAX_LOGPROBS
+M = TypeVar("M", bound=BaseModel)
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_CONTENT_FILTER: "content_filter"}
 # OpenAI's error types by status code
@@ -93,182 +96,102 @@ class Parsed:
     tool_parser: tl.ParserName = "hermes"
 
 
-# -- reading fields ------------------------------------------------------------------------------------------
-def _field(body: dict[str, Any], name: str, kinds: tuple[type, ...], what: str, default: Any = None) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    # bool is an int in Python: a JSON true is not a number here
-    if isinstance(v, bool) and bool not in kinds:
-        raise bad(f"{name} must be {what}, got {v!r}", name)
-    if not isinstance(v, kinds):
-        raise bad(f"{name} must be {what}, got {v!r}", name)
-    if isinstance(v, float) and not math.isfinite(v):
-        raise bad(f"{name} must be a finite number, got {v!r}", name)
-    return v
+# -- reading requests ----------------------------------------------------------------------------------------
+def _path(loc: tuple[int | str, ...]) -> str:
+    """A validation error's location as the client wrote it: ``messages[0].role``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-def _int(body: dict[str, Any], name: str, default: int | None = None, lo: int | None = None,
-         hi: int | None = None) -> int | None:
-    v = _field(body, name, (int, float), "an integer", default)
-    if v is None:
-        return None
-    if isinstance(v, float):
-        if not v.is_integer():
-            raise bad(f"{name} must be an integer, got {v!r}", name)
-        v = int(v)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise bad(f"{name} must be {rng}, got {v}", name)
-    return v
+def error_of(exc: ValidationError, order: tuple[str, ...] = ()) -> OpenAIError:
+    """The first failure of a body (the first in ``order`` of its top-level field) → a 400 naming the field."""
+    errors = exc.errors(include_url=False)
+    e = min(errors, key=lambda e: order.index(e["loc"][0]) if e["loc"] and e["loc"][0] in order else len(order))
+    loc, ctx = tuple(e["loc"]), e.get("ctx") or {}
+    param = ctx.get("param") or (str(loc[0]) if loc else None)
+    if e["type"] == "tokenmill":
+        message = ctx["message"] or f"{_path(loc)}{ctx['at']} {ctx['what']}"
+    elif not loc and e["type"] == "model_type":
+        return bad("the request body must be a JSON object")
+    elif e["type"] == "missing" and str(loc[-1]) in schema.MISSING:
+        message = f"{_path(loc)} {schema.MISSING[str(loc[-1])]}"
+    elif e["type"] in ("model_type", "dict_type"):
+        message = f"{_path(loc)} must be an object, got {e['input']!r}"
+    else:  # a check of pydantic's own: its words, after the field
+        message = f"{_path(loc)}: {e['msg']}"
+    return bad(message, param)
 
 
-def _float(body: dict[str, Any], name: str) -> float | None:
-    v = _field(body, name, (int, float), "a number")
+def validate(model: type[M], body: Any, resolve_model: Callable[[str | None], str] | None = None) -> M:
+    """``body`` as ``model``, or the OpenAIError of its first failure. With ``resolve_model``, an unknown model is
+    the answer (404) before any other field's failure, as long as ``model`` itself is a string."""
     try:
-        return None if v is None else float(v)
-    except OverflowError:  # an integer literal past a float's range
-        raise bad(f"{name} must be a finite number, got an integer of {len(str(v))} digits", name) from None
+        return model.model_validate(body)
+    except ValidationError as exc:
+        order = schema.CHECK_ORDER + tuple(model.model_fields)
+        if resolve_model is not None and isinstance(body, dict) and (
+                body.get("model") is None or isinstance(body.get("model"), str)):
+            resolve_model(body.get("model"))
+        raise error_of(exc, order) from None
 
 
-def _bool(body: dict[str, Any], name: str, default: bool = False) -> bool:
-    return bool(_field(body, name, (bool,), "true or false", default))
-
-
-def _token_ids(v: Any, name: str) -> list[int]:
-    if not v or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        raise bad(f"{name} must be a non-empty list of integer token ids", name)
-    bad_at = next((i for i, t in enumerate(v) if t < 0), None)
-    if bad_at is not None:
-        raise bad(f"{name}[{bad_at}] is {v[bad_at]}; token ids are >= 0", name)
-    return v
-
-
-def _params(body: dict[str, Any], kind: Kind) -> tuple[common_pb2.SamplingParams, bool]:
+def _params(body: dict[str, Any], r: schema.ChatCompletionRequest | schema.CompletionRequest
+            ) -> tuple[common_pb2.SamplingParams, bool]:
     """The sampling fields → SamplingParams (range checks are SamplingParams.validate's, at the gateway)."""
     p = common_pb2.SamplingParams()
-    mt = _int(body, "max_completion_tokens", lo=1) if kind == "chat" else None
+    mt = r.max_completion_tokens if isinstance(r, schema.ChatCompletionRequest) else None
     if mt is None:
-        mt = _int(body, "max_tokens", lo=1)
-    if mt is None and kind == "completion":
+        mt = r.max_tokens
+    if mt is None and isinstance(r, schema.CompletionRequest):
         mt = 16  # OpenAI's (and vLLM's) default for completions; chat defaults to the rest of the context
     if mt is not None:
         p.max_tokens = mt
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = _float(body, name)
+        v = getattr(r, name)
         if v is not None:
             setattr(p, name, v)
-    top_k = _int(body, "top_k")
-    if top_k is not None:
-        p.top_k = top_k
-    seed = _int(body, "seed")
-    if seed is not None:
-        p.seed = seed
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise bad(f"stop must be a string or a list of strings, got {stop!r}", "stop")
-    p.stop.extend(stop or [])
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise bad("stop_token_ids must be a list of integer token ids", "stop_token_ids")
-        p.stop_token_ids.extend(ids)
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise bad("logit_bias must be an object mapping token ids to numbers in [-100, 100]", "logit_bias")
-        for key, v in bias.items():
-            try:
-                tid = int(key)
-            except (TypeError, ValueError):
-                raise bad(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-            if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
-                raise bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {v!r}", "logit_bias")
-            if tid < 0:
-                raise bad(f"logit_bias key {key!r} is not a token id (ids are >= 0)", "logit_bias")
-            p.logit_bias[tid] = float(v)
+    if r.top_k is not None:
+        p.top_k = r.top_k
+    if r.seed is not None:
+        p.seed = r.seed
+    p.stop.extend(r.stop or [])
+    p.stop_token_ids.extend(r.stop_token_ids or [])
+    for tid, v in (r.logit_bias or {}).items():
+        p.logit_bias[tid] = v
     try:
         so = constraints.from_body(body)
     except constraints.ConstraintError as e:
         raise bad(str(e), e.param) from None
     if so is not None:
         p.structured.CopyFrom(so)
-    p.ignore_eos = _bool(body, "ignore_eos")
-    p.min_tokens = _int(body, "min_tokens", 0, lo=0) or 0
-    p.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
-    if body.get("skip_special_tokens") is not None:
-        p.skip_special_tokens = _bool(body, "skip_special_tokens")
+    p.ignore_eos = bool(r.ignore_eos)
+    p.min_tokens = r.min_tokens or 0
+    p.include_stop_str_in_output = bool(r.include_stop_str_in_output)
+    if r.skip_special_tokens is not None:
+        p.skip_special_tokens = r.skip_special_tokens
     want_logprobs = False
-    if kind == "chat":
-        want_logprobs = _bool(body, "logprobs")
-        top = _int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
-        if top is not None and not want_logprobs and top > 0:
-            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    if isinstance(r, schema.ChatCompletionRequest):
+        want_logprobs = bool(r.logprobs)
         if want_logprobs:
-            p.logprobs = top or 0
-    else:
-        lp = _int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
-        if lp is not None:
-            want_logprobs = True
-            p.logprobs = lp
+            p.logprobs = r.top_logprobs or 0
+    elif r.logprobs is not None:
+        want_logprobs = True
+        p.logprobs = r.logprobs
     return p, want_logprobs
 
 
-def messages(body: dict[str, Any]) -> tokenizer_pb2.ChatMessages:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+def chat_messages(msgs: list[schema.ChatMessage]) -> tokenizer_pb2.ChatMessages:
+    """Validated messages → the tokenizer's (``developer`` is ``system``; tool calls as OpenAI's JSON)."""
     chat = tokenizer_pb2.ChatMessages(add_generation_prompt=True)
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object with role and content", "messages")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise bad(f"{where}.role must be one of {list(_ROLES)}, got {role!r}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # content parts: text only
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise bad(f"{where}.content[{j}] is of type {kind!r}; this model takes text parts only",
-                              "messages")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None and role == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise bad(f"{where}.content must be a string or a list of text parts", "messages")
-        msg = chat.messages.add(role="system" if role == "developer" else role, content=content)
-        if role == "assistant" and m.get("tool_calls"):
-            msg.tool_calls_json = json.dumps(_tool_calls(m["tool_calls"], where), ensure_ascii=False)
-        if role == "tool":
-            call_id = m.get("tool_call_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise bad(f"{where}.tool_call_id is missing; a tool message answers the call with that id",
-                          "messages")
-            msg.tool_call_id = call_id
+    for m in msgs:
+        msg = chat.messages.add(role="system" if m.role == "developer" else m.role, content=m.content)
+        if m.tool_calls:
+            msg.tool_calls_json = json.dumps([c.model_dump() for c in m.tool_calls], ensure_ascii=False)
+        if m.tool_call_id is not None:
+            msg.tool_call_id = m.tool_call_id
     return chat
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """An assistant message's ``tool_calls``, checked and normalized to OpenAI's shape."""
-    if not isinstance(calls, list):
-        raise bad(f"{where}.tool_calls must be a list of {{id, type: function, function: {{name, arguments}}}}",
-                  "messages")
-    out = []
-    for j, c in enumerate(calls):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(
-                fn.get("arguments", ""), str):
-            raise bad(f"{where}.tool_calls[{j}] must be {{id, type: function, function: {{name, arguments}}}} "
-                      "with arguments as a JSON string", "messages")
-        out.append({"id": str(c.get("id") or ""), "type": "function",
-                    "function": {"name": fn["name"], "arguments": fn.get("arguments") or "{}"}})
-    return out
 
 
 def chat_tools(body: dict[str, Any]) -> tl.ToolRequest | None:
@@ -283,27 +206,17 @@ def chat_tools(body: dict[str, Any]) -> tl.ToolRequest | None:
 def _tools(body: dict[str, Any], kind: Kind, params: common_pb2.SamplingParams) -> tl.ToolRequest | None:
     """The request's tools (chat only), the constraint of ``required`` / a named function set on ``params``."""
     if kind == "completion":
-        if body.get("tools"):
-            raise bad("tools are served on /v1/chat/completions, not on /v1/completions", "tools")
-        return None
+        return None  # the model refused them
     req = chat_tools(body)
     if req is None:
         return None
-    schema = req.schema()
-    if schema is not None:
+    tool_schema = req.schema()
+    if tool_schema is not None:
         if params.HasField("structured"):
             raise bad("tool_choice 'required' or a named function constrains the output to the call: send it "
                       "without response_format, structured_outputs or guided_*", "tool_choice")
-        params.structured.json_schema = json.dumps(schema)
+        params.structured.json_schema = json.dumps(tool_schema)
     return req
-
-
-def _unsupported(body: dict[str, Any], kind: Kind) -> None:
-    if kind == "completion":
-        if body.get("echo"):
-            raise bad("echo is not supported by this server", "echo")
-        if body.get("suffix"):
-            raise bad("suffix is not supported by this server", "suffix")
 
 
 def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str],
@@ -312,77 +225,48 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str],
 
     ``resolve_model`` maps the requested model to the served name (or raises the 404); ``tool_parser`` reads tool
     calls out of the model's text (``gateway.tool_parser``)."""
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad(f"model must be a string, got {model!r}", "model")
-    model = resolve_model(model)
-    _unsupported(body, kind)
-    n = _int(body, "n", 1, lo=1, hi=MAX_N) or 1
-    best_of = _int(body, "best_of", lo=1)
-    if best_of is not None and best_of != n:
-        raise bad(f"best_of ({best_of}) other than n ({n}) is not supported by this server", "best_of")
-    stream = _bool(body, "stream")
-    opts = body.get("stream_options")
-    if opts is not None:
-        if not isinstance(opts, dict):
-            raise bad("stream_options must be an object", "stream_options")
-        if not stream:
-            raise bad("stream_options is only allowed with stream: true", "stream_options")
-    include_usage = bool(opts and opts.get("include_usage"))
-    skip_cache = _bool(body, "skip_response_cache")
-    params, want_logprobs = _params(body, kind)
+    r = validate(schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest, body, resolve_model)
+    model = resolve_model(r.model)
+    n = r.n or 1
+    params, want_logprobs = _params(body, r)
     tools = _tools(body, kind, params)
-    priority = _int(body, "priority", 0) or 0
-    tier = body.get("service_tier")
-    if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):
-        raise bad(f"service_tier must be one of {list(SERVICE_TIERS)}, got {tier!r}", "service_tier")
-    salt = body.get("cache_salt") or ""
-    if not isinstance(salt, str):
-        raise bad("cache_salt must be a string", "cache_salt")
     inputs: list[dict[str, Any]]
-    if kind == "chat":
-        chat = messages(body)
+    if isinstance(r, schema.ChatCompletionRequest):
+        chat = chat_messages(r.messages)
         if tools is not None:
             chat.tools_json = tools.tools_json()
         inputs = [{"chat": chat}]
     else:
-        inputs = _prompts(body.get("prompt"))
+        inputs = _prompts(r.prompt)
     reqs = []
     for inp in inputs:
         for j in range(n):
-            r = frontend_pb2.GenerateRequest(model=model, params=params, priority=priority, cache_salt=salt,
-                                             skip_response_cache=skip_cache)
+            req = frontend_pb2.GenerateRequest(model=model, params=params, priority=r.priority or 0,
+                                               cache_salt=r.cache_salt, skip_response_cache=bool(r.skip_response_cache))
             if "chat" in inp:
-                r.chat.CopyFrom(inp["chat"])
+                req.chat.CopyFrom(inp["chat"])
             elif "ids" in inp:
-                r.prompt_token_ids.ids.extend(inp["ids"])
+                req.prompt_token_ids.ids.extend(inp["ids"])
             else:
-                r.prompt = inp["text"]
+                req.prompt = inp["text"]
             if n > 1 and params.HasField("seed"):
-                r.params.seed = params.seed + j  # n different samples, each reproducible
-            reqs.append(r)
-    return Parsed(kind, model, reqs, n, len(inputs), stream, include_usage, want_logprobs,
+                req.params.seed = params.seed + j  # n different samples, each reproducible
+            reqs.append(req)
+    tier = r.service_tier
+    return Parsed(kind, model, reqs, n, len(inputs), bool(r.stream),
+                  bool(r.stream_options and r.stream_options.include_usage), want_logprobs,
                   SERVICE_TIERS[tier] if tier is not None else None, tools, tool_parser)
 
 
 def _prompts(prompt: Any) -> list[dict[str, Any]]:
+    """A validated prompt → one input per prompt."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise bad("prompt is empty; send at least one character", "prompt")
         return [{"text": prompt}]
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            if any(not p for p in prompt):
-                raise bad("prompt contains an empty string", "prompt")
-            return [{"text": p} for p in prompt]
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return [{"ids": _token_ids(prompt, "prompt")}]
-        if all(isinstance(p, list) for p in prompt):
-            return [{"ids": _token_ids(p, f"prompt[{i}]")} for i, p in enumerate(prompt)]
-    raise bad("prompt must be a string, a list of strings, a list of token ids or a list of such lists",
-              "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [{"text": p} for p in prompt]
+    if all(isinstance(t, int) for t in prompt):
+        return [{"ids": prompt}]
+    return [{"ids": p} for p in prompt]
 
 
 # -- responses -----------------------------------------------------------------------------------------------
