@@ -2,7 +2,8 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (SSE when ``stream``), ``GET /v1/models``,
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's),
-``GET /health`` (200 only while a tokenizer, the router and at least one decode worker serve), ``GET /metrics``.
+``GET /health`` (200 only while a tokenizer, the router and at least one decode worker serve), ``GET /metrics``,
+``GET /openapi.json`` (OpenAPI 3.1 of these routes, the request bodies from ``openai_schema.py``'s models).
 Every choice of a request runs through ``GatewayService.generate``: the same path, metrics and errors as gRPC.
 
 Status codes: 400 invalid values, malformed JSON and prompts over the context (the message names both numbers),
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.metadata
 import json
 import logging
 import time
@@ -59,6 +61,20 @@ _TENANT = web.RequestKey("tenant", Tenant)  # the request's tenant, for its x-ra
 _READY_TTL_S = 0.5
 # Hugging Face repository names of the embedded models, served as aliases (benchmark tools ask for these)
 _HF_NAMES = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+_SUMMARY = {"/v1/chat/completions": "a chat completion (SSE with stream: true)",
+            "/v1/completions": "a text completion (SSE with stream: true)", "/v1/models": "the served model names",
+            "/tokenize": "vLLM's: a prompt or chat as the model's token ids",
+            "/detokenize": "vLLM's: token ids as text", "/health": "200 while the cluster can serve, else 503",
+            "/metrics": "Prometheus metrics", "/openapi.json": "this document"}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tokenmill")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0"
 
 
 def served_model_names(model: str, configured: tuple[str, ...]) -> list[str]:
@@ -144,6 +160,7 @@ class HttpFrontend:
         self.requests = Counter("tokenmill:http_requests", "HTTP API requests by endpoint and status code",
                                 ["endpoint", "status"], registry=gw.registry)
         self._runner: web.AppRunner | None = None
+        self._openapi: dict[str, Any] | None = None
         self.port: int | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -156,6 +173,7 @@ class HttpFrontend:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/openapi.json", self.openapi)
         return app
 
     async def start(self, host: str, port: int) -> None:
@@ -264,6 +282,14 @@ class HttpFrontend:
         ok, why = await self.ready()
         return _json({"status": "ok" if ok else "unavailable", "detail": why}, 200 if ok else 503,
                      None if ok else {"Retry-After": _RETRY_AFTER_S})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI 3.1 document of the routes this app serves (built once: the routes do not change)."""
+        if self._openapi is None:
+            routes = [(r.method.lower(), r.resource.canonical, _SUMMARY.get(r.resource.canonical, ""))
+                      for r in request.app.router.routes() if r.method != "HEAD" and r.resource is not None]
+            self._openapi = schema.openapi(routes, "Tokenmill OpenAI-compatible API", _version())
+        return _json(self._openapi)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.gw.registry),

@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import aiohttp
+import jsonschema
 import openai
 import pytest
 
@@ -283,5 +284,43 @@ def test_tokenize_and_detokenize_like_vllm(tok):
                     assert (await r.json())["prompt"] == tok.apply_chat_template(CHAT)
                 async with s.post(f"{root}/detokenize", json={"tokens": [-1]}) as r:
                     assert r.status == 400 and (await r.json())["error"]["param"] == "tokens"
+
+    asyncio.run(body())
+
+
+def test_openapi_document_lists_the_routes_and_their_bodies(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode(tokens=2)}) as st, aiohttp.ClientSession() as s:
+            root = f"http://{HOST}:{st.gw.http.port}"
+            async with s.get(f"{root}/openapi.json") as r:
+                assert r.status == 200
+                doc = await r.json()
+            assert doc["openapi"].startswith("3.1")
+            posts = {r.resource.canonical for r in st.gw.http.app().router.routes() if r.method == "POST"}
+            assert posts == {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
+            schemas = {}
+            for path in posts:
+                ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                schemas[path] = {"$ref": ref, "components": doc["components"]}
+            assert "/v1/models" in doc["paths"] and "/health" in doc["paths"]
+            fields = {"/v1/chat/completions": {"messages", "model", "max_tokens", "temperature", "stream"},
+                      "/v1/completions": {"prompt", "model", "max_tokens"}, "/tokenize": {"prompt", "messages"},
+                      "/detokenize": {"tokens"}}
+            for path, names in fields.items():
+                name = schemas[path]["$ref"].rsplit("/", 1)[1]
+                assert names <= set(doc["components"]["schemas"][name]["properties"]), path
+            # a body valid per the document is accepted; one it rules out is refused
+            bodies = {"/v1/chat/completions": {"model": "smollm2", "messages": CHAT, "max_tokens": 2, "n": 1},
+                      "/v1/completions": {"model": "smollm2", "prompt": [[1, 2, 3]], "max_tokens": 2},
+                      "/tokenize": {"messages": CHAT}, "/detokenize": {"tokens": [1, 2]}}
+            for path, good in bodies.items():
+                jsonschema.validate(good, schemas[path])
+                async with s.post(f"{root}{path}", json=good) as r:
+                    assert r.status == 200, (path, await r.text())
+            bad = {"model": "smollm2", "messages": CHAT, "n": 0}
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(bad, schemas["/v1/chat/completions"])
+            async with s.post(f"{root}/v1/chat/completions", json=bad) as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "n"
 
     asyncio.run(body())
