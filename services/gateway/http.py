@@ -87,16 +87,6 @@ def served_model_names(model: str, configured: tuple[str, ...]) -> list[str]:
     return names
 
 
-class _CallContext:
-    """What ``GatewayService.generate`` reads from a gRPC context, for an HTTP request."""
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status,
                         content_type="application/json", headers=headers)
@@ -442,10 +432,9 @@ class HttpFrontend:
                 raise oa.OpenAIError(404, "resume is off on this server (gateway.resume_window_s is 0)")
             source = streams.follow(streams.get(req.request_id, tenant.name), after)
         elif resumable and streams is not None:
-            source = streams.follow(streams.start(req.request_id, self.gw.generate(
-                req, _CallContext(), tenant), owner=tenant.name))  # type: ignore[arg-type]
+            source = streams.follow(streams.start(req.request_id, self.gw.generate(req, tenant), owner=tenant.name))
         else:
-            source = self.gw.generate(req, _CallContext(), tenant)  # type: ignore[arg-type]
+            source = self.gw.generate(req, tenant)  # an HTTP request has no deadline
         async for resp in source:
             yield resp
 

@@ -170,21 +170,6 @@ class _Attempts:
         return True
 
 
-class _Detached:
-    """A call's metadata and deadline for a generation that may outlive the call (a resumable stream)."""
-
-    def __init__(self, context: grpc.aio.ServicerContext) -> None:
-        self._md = tuple(context.invocation_metadata() or ())
-        left = context.time_remaining()
-        self._deadline = None if left is None else time.monotonic() + left
-
-    def invocation_metadata(self) -> tuple[Any, ...]:
-        return self._md
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def __init__(self, app: GatewayService) -> None:
         self.app = app
@@ -202,16 +187,18 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 raise
             if tenant.has_quotas:  # OpenAI's x-ratelimit-* headers, as metadata
                 await context.send_initial_metadata(_grpc_headers(tenant.ratelimit_headers()))
+            left = context.time_remaining()
+            deadline = None if left is None else time.monotonic() + left
             try:
                 streams = self.app.streams
                 if streams is None:
-                    async for resp in self.app.generate(request, context, tenant):
+                    async for resp in self.app.generate(request, tenant, deadline):
                         yield resp
                     return
                 req = frontend_pb2.GenerateRequest()
                 req.CopyFrom(request)
                 req.request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-                gen = self.app.generate(req, _Detached(context), tenant)  # type: ignore[arg-type]
+                gen = self.app.generate(req, tenant, deadline)
                 sl = streams.start(req.request_id, gen, owner=tenant.name)
                 async for resp in streams.follow(sl):
                     yield resp
@@ -306,10 +293,12 @@ class GatewayService:
                 tenant.name, request_id, model or self.cfg.cluster.model, "RESOURCE_EXHAUSTED"))
             raise
 
-    async def generate(self, req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, tenant: Tenant
+    async def generate(self, req: frontend_pb2.GenerateRequest, tenant: Tenant, deadline: float | None = None
                        ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         """One generation of ``tenant`` (admitted at the door by ``admit_request``): its tokens are charged to the
-        tenant's token quota after tokenization (QuotaExceeded, RequestTooLarge) and settled when it ends."""
+        tenant's token quota after tokenization (QuotaExceeded, RequestTooLarge) and settled when it ends.
+        ``deadline`` (``time.monotonic()``; None: none) bounds every call it makes; nothing else of the caller's
+        is read, so the gRPC call, the HTTP API and a resumable stream that outlives its call all run it alike."""
         gw = self.cfg.cluster.gateway
         timing = _Timing(self.metrics)
         st = _Attempts(gw.placement_retries, gw.migration_limit)
@@ -354,7 +343,7 @@ class GatewayService:
                         yield resp
                     return
                 recorded = []
-            ids = await self.tokenize(req, meta, context.time_remaining())
+            ids = await self.tokenize(req, meta, _left(deadline))
             span.set_attribute("prompt_tokens", len(ids))
             p = req.params
             charge = self.tenancy.charge(tenant, len(ids), p.max_tokens if p.HasField("max_tokens") else 0)
@@ -362,7 +351,7 @@ class GatewayService:
             self.accounting.admitted(tenant)
             self.metrics.prompt_tokens.inc(len(ids))
             seq = 0
-            async for resp in self._place_and_run(req, meta, ids, context, timing, st):
+            async for resp in self._place_and_run(req, meta, ids, deadline, timing, st):
                 if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     outcome = _FINISH.get(resp.finish_reason, "stop")
                     self.metrics.success.labels(outcome).inc()
@@ -434,14 +423,14 @@ class GatewayService:
         return list(resp.token_ids)
 
     async def _place_and_run(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta,
-                             ids: list[int], context: grpc.aio.ServicerContext, timing: _Timing, st: _Attempts
+                             ids: list[int], deadline: float | None, timing: _Timing, st: _Attempts
                              ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         try:
             while True:
                 # a moved stream is placed by its whole context and recomputes it on the decode worker
-                placement = await self._place(req, meta, ids + st.sent, st.exclude, context)
+                placement = await self._place(req, meta, ids + st.sent, st.exclude, deadline)
                 if st.pre is None and not st.sent and placement.HasField("prefill"):
-                    if not await self._prefill(placement.prefill, meta, ids, req, context, st):
+                    if not await self._prefill(placement.prefill, meta, ids, req, deadline, st):
                         continue  # the prefill worker was unavailable: re-placed without it
                     assert st.pre is not None
                     if st.pre.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -449,7 +438,7 @@ class GatewayService:
                         self._release(st.pre.kv)
                         yield await self._finished_at_prefill(meta, ids, st.pre, req, timing)
                         return
-                async for resp in self._decode(placement.decode, meta, ids, req, context, timing, st):
+                async for resp in self._decode(placement.decode, meta, ids, req, deadline, timing, st):
                     yield resp
                 if st.done:
                     return
@@ -461,36 +450,36 @@ class GatewayService:
                 self._release(st.pre.kv, unclaimed_only=True)
 
     async def _place(self, req: frontend_pb2.GenerateRequest, meta: common_pb2.RequestMeta, ids: list[int],
-                     exclude: list[str], context: grpc.aio.ServicerContext) -> router_pb2.Placement:
+                     exclude: list[str], deadline: float | None) -> router_pb2.Placement:
         """The router's placement. While no router answers or none has a decode worker, a first placement waits up
         to ``gateway.ready_wait_s`` (a router restarting, workers registering); a re-placement that excluded
         workers does not wait, since the same workers come back under the same ids."""
         p = req.params
         place = router_pb2.PlaceRequest(meta=meta, prompt_token_ids=ids, exclude_workers=exclude,
                                         max_tokens=p.max_tokens if p.HasField("max_tokens") else 0)
-        deadline = time.monotonic() + (0.0 if exclude else self.cfg.cluster.gateway.ready_wait_s)
+        wait_until = time.monotonic() + (0.0 if exclude else self.cfg.cluster.gateway.ready_wait_s)
         pause = 0.05
         while True:
             try:
-                return await self.routers.call(lambda stub: stub.Place(place, timeout=context.time_remaining(),
+                return await self.routers.call(lambda stub: stub.Place(place, timeout=_left(deadline),
                                                                        metadata=telemetry.outgoing_metadata()),
                                                "router")
             except grpc.aio.AioRpcError as e:
-                left = deadline - time.monotonic()
+                left = wait_until - time.monotonic()
                 if e.code() != grpc.StatusCode.UNAVAILABLE or left <= 0:
                     raise
                 await asyncio.sleep(min(pause, left))
                 pause = min(pause * 2, 1.0)
 
     async def _prefill(self, ref: router_pb2.WorkerRef, meta: common_pb2.RequestMeta, ids: list[int],
-                       req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, st: _Attempts) -> bool:
+                       req: frontend_pb2.GenerateRequest, deadline: float | None, st: _Attempts) -> bool:
         """Run the prompt on a prefill worker; False when it was unavailable and the request should re-place."""
         stub = self.workers.get(ref.address, prefill_pb2_grpc.PrefillStub)
         lease_id = uuid.uuid4().hex
         try:
             st.pre = await stub.Prefill(prefill_pb2.PrefillRequest(meta=meta, prompt_token_ids=ids, params=req.params,
                                                                    lease_id=lease_id),
-                                        timeout=context.time_remaining(), metadata=telemetry.outgoing_metadata())
+                                        timeout=_left(deadline), metadata=telemetry.outgoing_metadata())
         except asyncio.CancelledError:  # the client left: the lease may exist with its result lost on the way
             self._release(common_pb2.KvHandle(worker_id=ref.worker_id, address=ref.address, lease_id=lease_id))
             raise
@@ -507,7 +496,7 @@ class GatewayService:
         return True
 
     async def _decode(self, ref: router_pb2.WorkerRef, meta: common_pb2.RequestMeta, ids: list[int],
-                      req: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext, timing: _Timing,
+                      req: frontend_pb2.GenerateRequest, deadline: float | None, timing: _Timing,
                       st: _Attempts) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         """Stream one Decode call to the client. Sets ``st.done``, or returns to re-place (worker unavailable
         before its first message), or raises."""
@@ -519,7 +508,7 @@ class GatewayService:
                 dreq.first_logprob.CopyFrom(st.pre.first_logprob)
             dreq.kv.CopyFrom(st.pre.kv)
         call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(
-            dreq, timeout=context.time_remaining(), metadata=telemetry.outgoing_metadata())
+            dreq, timeout=_left(deadline), metadata=telemetry.outgoing_metadata())
         if st.lease == "ours":
             st.lease = "decode"  # the decode worker pulls the KV and gives the lease back
         try:
@@ -600,6 +589,11 @@ class GatewayService:
             task = asyncio.get_running_loop().create_task(release())
             self._background.add(task)
             task.add_done_callback(self._background.discard)
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (a ``time.monotonic()``), as a call's timeout; None: no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _grpc_headers(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+import aiohttp
 import grpc
 import pytest
 from tokenmill.v1 import (
@@ -42,9 +43,11 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
         self.mode, self.tokens = mode, tokens
         self.requests: list[decode_pb2.DecodeRequest] = []
         self.cancelled = asyncio.Event()
+        self.time_left: list[float | None] = []  # each call's deadline, as its worker sees it
 
     async def Decode(self, request, context):
         self.requests.append(request)
+        self.time_left.append(context.time_remaining())
         # the call ended before its last token: the client cancelled it (told wherever the stream was; one waiting
         # at a yield gets no exception)
         ended = False
@@ -156,6 +159,23 @@ def _sample(metric, suffix: str, **labels) -> float:
             if s.name.endswith(suffix) and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     return 0.0
+
+
+@pytest.mark.parametrize("overrides", [{}, {"gateway.resume_window_s": 1.0}], ids=["plain", "resumable"])
+def test_the_callers_deadline_bounds_the_worker_calls(tok, overrides):
+    """A gRPC caller's deadline reaches the decode worker (a resumable stream keeps it too); HTTP sets none."""
+    async def body():
+        d = FakeDecode(tokens=2)
+        async with stack(tok, {"decode-a": d}, **overrides) as st:
+            await generate(st.gateway, prompt="hi")  # 20 s
+            async with aiohttp.ClientSession() as s, s.post(
+                    f"http://{HOST}:{st.gw.http.port}/v1/completions", json={"prompt": "hi"}) as r:
+                assert r.status == 200
+            grpc_left, http_left = d.time_left
+            assert grpc_left is not None and 15 < grpc_left <= 20
+            assert http_left is None or http_left > 10**6  # no deadline
+
+    asyncio.run(body())
 
 
 def test_generate_streams_decode_deltas(tok):
