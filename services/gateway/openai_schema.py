@@ -91,37 +91,46 @@ def _truthy(v: Any) -> bool:
     return bool(v)  # these fields were always read as "set or not": keep accepting any JSON value
 
 
-def Int(lo: int | None = None, hi: int | None = None, doc: str = "") -> Any:
-    return Annotated[Annotated[int, Field(ge=lo, le=hi)] | None, _int(lo, hi), Field(description=doc or None)]
-
-
 Float = Annotated[float | None, BeforeValidator(_float)]
 Bool = Annotated[bool | None, BeforeValidator(_bool)]
+AnyInt = Annotated[int | None, _int()]
+PositiveInt = Annotated[Annotated[int, Field(ge=1)] | None, _int(1)]
+Count = Annotated[Annotated[int, Field(ge=0)] | None, _int(0)]
+Choices = Annotated[Annotated[int, Field(ge=1, le=MAX_N)] | None, _int(1, MAX_N)]
+TopLogprobs = Annotated[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None, _int(0, MAX_LOGPROBS)]
 
 
-def _not_served(name: str) -> Any:
-    def check(v: Any) -> Any:
-        if v:
-            raise fail("is not supported by this server")
-        return v
-
-    return Annotated[Any, BeforeValidator(check), WithJsonSchema(
-        {"type": "boolean", "description": f"{name} is not served: only a false value is accepted"})]
+def _not_served(v: Any) -> Any:
+    if v:
+        raise fail("is not supported by this server")
+    return v
 
 
-def _delegated(schema: dict[str, Any], checked_by: str) -> Any:
-    """A field checked elsewhere (``checked_by``), typed here for the OpenAPI document."""
-    return Annotated[Any, WithJsonSchema({**schema, "description": f"checked by {checked_by}"})]
+NotServed = Annotated[Any, BeforeValidator(_not_served), WithJsonSchema(
+    {"type": "boolean", "description": "not served: only a false value is accepted"})]
 
 
-_OBJECT: dict[str, Any] = {"type": "object"}
-_TOOLS = _delegated({"type": "array", "items": {"type": "object", "properties": {
+def _delegated(schema: dict[str, Any], checked_by: str) -> dict[str, Any]:
+    """The OpenAPI schema of a field checked elsewhere (``checked_by``)."""
+    return {**schema, "description": f"checked by {checked_by}"}
+
+
+_TOOLS_PY, _CONSTRAINTS_PY = "services/gateway/tools.py", "services/gateway/constraints.py"
+Tools = Annotated[Any, WithJsonSchema(_delegated({"type": "array", "items": {"type": "object", "properties": {
     "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "description": {"type": "string"}, "parameters": {"type": "object"}}}}}},
-    "services/gateway/tools.py")
-_TOOL_CHOICE = _delegated({"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]},
-                          "services/gateway/tools.py")
-_CONSTRAINT = "services/gateway/constraints.py"
+    _TOOLS_PY))]
+ToolChoice = Annotated[Any, WithJsonSchema(_delegated(
+    {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]}, _TOOLS_PY))]
+ToolFlag = Annotated[Any, WithJsonSchema(_delegated({"type": "boolean"}, _TOOLS_PY))]
+Absent = Annotated[Any, WithJsonSchema({"not": {}, "description": "not served (a 400 that says so)"})]
+Constraint = Annotated[Any, WithJsonSchema(_delegated({"type": "object"}, _CONSTRAINTS_PY))]
+JsonConstraint = Annotated[Any, WithJsonSchema(_delegated({"anyOf": [{"type": "object"}, {"type": "string"}]},
+                                                           _CONSTRAINTS_PY))]
+TextConstraint = Annotated[Any, WithJsonSchema(_delegated({"type": "string"}, _CONSTRAINTS_PY))]
+ChoiceConstraint = Annotated[Any, WithJsonSchema(_delegated({"type": "array", "items": {"type": "string"}},
+                                                             _CONSTRAINTS_PY))]
+Ignored = Annotated[Any, WithJsonSchema({"type": "string", "description": "accepted and ignored"})]
 
 
 # -- messages ------------------------------------------------------------------------------------------------
@@ -294,43 +303,43 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Annotated[str | None, BeforeValidator(_model)] = Field(
         None, description="a served name (GET /v1/models); default: the first")
-    n: Int(1, MAX_N, "choices per prompt") = 1  # type: ignore[valid-type]
-    best_of: Int(1, doc="only equal to n is served") = None  # type: ignore[valid-type]
+    n: Choices = Field(1, description="choices per prompt")
+    best_of: PositiveInt = Field(None, description="only equal to n is served")
     stream: Bool = False
     stream_options: Annotated[StreamOptions | None, BeforeValidator(_stream_options)] = Field(
         None, description="only with stream: true")
     skip_response_cache: Bool = Field(False, description="answer from a worker even when the response cache holds "
                                                          "the request")
-    max_tokens: Int(1) = None  # type: ignore[valid-type]
+    max_tokens: PositiveInt = None
     temperature: Float = None
     top_p: Float = None
     min_p: Float = None
     presence_penalty: Float = None
     frequency_penalty: Float = None
     repetition_penalty: Float = None
-    top_k: Int() = None  # type: ignore[valid-type]
-    seed: Int() = None  # type: ignore[valid-type]
+    top_k: AnyInt = None
+    seed: AnyInt = None
     stop: Annotated[list[str] | None, BeforeValidator(_stop), WithJsonSchema(
         {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]})] = None
     stop_token_ids: Annotated[list[int] | None, BeforeValidator(_stop_token_ids)] = None
     logit_bias: Annotated[dict[int, float] | None, BeforeValidator(_logit_bias), WithJsonSchema(
         {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
          "description": "token id → bias"})] = None
-    response_format: _delegated(_OBJECT, _CONSTRAINT) = None  # type: ignore[valid-type]
-    structured_outputs: _delegated(_OBJECT, _CONSTRAINT) = None  # type: ignore[valid-type]
-    guided_json: _delegated({"anyOf": [{"type": "object"}, {"type": "string"}]}, _CONSTRAINT) = None  # type: ignore[valid-type]
-    guided_regex: _delegated({"type": "string"}, _CONSTRAINT) = None  # type: ignore[valid-type]
-    guided_choice: _delegated({"type": "array", "items": {"type": "string"}}, _CONSTRAINT) = None  # type: ignore[valid-type]
-    guided_grammar: _delegated({"type": "string"}, _CONSTRAINT) = None  # type: ignore[valid-type]
+    response_format: Constraint = None
+    structured_outputs: Constraint = None
+    guided_json: JsonConstraint = None
+    guided_regex: TextConstraint = None
+    guided_choice: ChoiceConstraint = None
+    guided_grammar: TextConstraint = None
     ignore_eos: Bool = False
-    min_tokens: Int(0) = 0  # type: ignore[valid-type]
+    min_tokens: Count = 0
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = None
-    priority: Int(doc="lower runs first (vLLM's)") = 0  # type: ignore[valid-type]
+    priority: AnyInt = Field(0, description="lower runs first (vLLM's)")
     service_tier: Annotated[str | None, BeforeValidator(_service_tier), WithJsonSchema(
         {"enum": [*SERVICE_TIER_NAMES, None], "description": "the priority class (auto: the tenant's default)"})] = None
     cache_salt: Annotated[str, BeforeValidator(_cache_salt)] = ""
-    user: _delegated({"type": "string"}, "nobody: accepted and ignored") = None  # type: ignore[valid-type]
+    user: Ignored = None
 
     @field_validator("best_of", mode="after")
     @classmethod
@@ -350,14 +359,14 @@ class _Request(BaseModel):
 class ChatCompletionRequest(_Request):
     """``POST /v1/chat/completions``."""
 
-    max_completion_tokens: Int(1, doc="max_tokens' newer name; wins over it") = None  # type: ignore[valid-type]
+    max_completion_tokens: PositiveInt = Field(None, description="max_tokens' newer name; wins over it")
     logprobs: Bool = False
-    top_logprobs: Int(0, MAX_LOGPROBS) = None  # type: ignore[valid-type]
-    tools: _TOOLS = None  # type: ignore[valid-type]
-    tool_choice: _TOOL_CHOICE = None  # type: ignore[valid-type]
-    parallel_tool_calls: _delegated({"type": "boolean"}, "services/gateway/tools.py") = None  # type: ignore[valid-type]
-    functions: _delegated({"not": {}}, "services/gateway/tools.py: deprecated, not served") = None  # type: ignore[valid-type]
-    function_call: _delegated({"not": {}}, "services/gateway/tools.py: deprecated, not served") = None  # type: ignore[valid-type]
+    top_logprobs: TopLogprobs = None
+    tools: Tools = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: ToolFlag = None
+    functions: Absent = None  # deprecated: tools.py answers with what to send instead
+    function_call: Absent = None
     messages: Messages
 
     @model_validator(mode="before")
@@ -408,11 +417,11 @@ TokenIds = list[Annotated[int, Field(ge=0)]]
 class CompletionRequest(_Request):
     """``POST /v1/completions``."""
 
-    echo: _not_served("echo") = None  # type: ignore[valid-type]
-    suffix: _not_served("suffix") = None  # type: ignore[valid-type]
-    max_tokens: Int(1, doc="default 16") = None  # type: ignore[valid-type]
-    logprobs: Int(0, MAX_LOGPROBS, "top logprobs per token (0: the chosen token's only)") = None  # type: ignore[valid-type]
-    tools: _delegated({"not": {}}, "nobody: tools are served on /v1/chat/completions") = None  # type: ignore[valid-type]
+    echo: NotServed = None
+    suffix: NotServed = None
+    max_tokens: PositiveInt = Field(None, description="default 16")
+    logprobs: TopLogprobs = Field(None, description="top logprobs per token (0: the chosen token's only)")
+    tools: Absent = None  # served on /v1/chat/completions
     prompt: Annotated[str | list[str] | TokenIds | list[TokenIds], BeforeValidator(_prompt)]
 
     @field_validator("tools", mode="before")
@@ -438,8 +447,8 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: Annotated[bool, BeforeValidator(_truthy)] = True
     messages: Annotated[list[ChatMessage] | None, BeforeValidator(_messages)] = None  # null too: checked
     add_generation_prompt: Annotated[bool, BeforeValidator(_truthy)] = True
-    tools: _TOOLS = None  # type: ignore[valid-type]
-    tool_choice: _TOOL_CHOICE = None  # type: ignore[valid-type]
+    tools: Tools = None
+    tool_choice: ToolChoice = None
 
     @model_validator(mode="before")
     @classmethod

@@ -172,7 +172,7 @@ def test_the_callers_deadline_bounds_the_worker_calls(tok, overrides):
                     f"http://{HOST}:{st.gw.http.port}/v1/completions", json={"prompt": "hi"}) as r:
                 assert r.status == 200
             grpc_left, http_left = d.time_left
-            assert grpc_left is not None and 15 < grpc_left <= 20
+            assert grpc_left is not None and 15 < grpc_left < 21  # gRPC rounds deadlines up a little
             assert http_left is None or http_left > 10**6  # no deadline
 
     asyncio.run(body())
