@@ -34,7 +34,7 @@ from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine, RequestOutput, TokenLogprob
 from common.kv_transfer import KvCompat, KvIncompatibleError, KvReadHandle, KvTransferError
-from common.output_filter import PolicySet
+from common.output_filter import OutputPolicy, PolicySet
 from common.output_processor import OutputProcessor, TextDelta
 from common.sampling import SamplingParams
 from common.sequence import Tenancy
@@ -84,6 +84,47 @@ class _Handoff:
     admitted: bool = False  # engine thread
 
 
+# -- what the detokenizer thread takes from ``_detok_q`` (from the asyncio loop and the engine thread) ----------
+@dataclass(frozen=True, slots=True)
+class _Add:
+    """A stream starts (asyncio loop): its prompt, params and output filter, before its first output."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    prior_output_ids: list[int]
+    policy: OutputPolicy | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Discard:
+    """A stream ended unfinished (asyncio loop): forget its text state."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Out:
+    """One output outside a step: a prefilled request's first token (engine thread)."""
+
+    output: RequestOutput
+
+
+@dataclass(frozen=True, slots=True)
+class _Outs:
+    """Everything one engine step produced (engine thread): one hand-off per step, not per token."""
+
+    outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    """The worker stops: the detokenizer thread ends."""
+
+
+_DetokMsg = _Add | _Discard | _Out | _Outs | _Stop
+
+
 @dataclass
 class _Item:
     """What the detokenizer hands a stream: text plus the engine's token-level facts."""
@@ -101,7 +142,7 @@ class DecodeWorker(WorkerBase):
     def __init__(self, cfg: ServiceConfig) -> None:
         super().__init__(cfg)
         self.streams: dict[str, asyncio.Queue[_Item | BaseException]] = {}
-        self._detok_q: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._detok_q: queue.SimpleQueue[_DetokMsg] = queue.SimpleQueue()
         self._detok_thread: threading.Thread | None = None
         self._pulls: dict[str, _Pull] = {}  # engine thread only
         self._peers: dict[str, str] = {}  # prefill address → its agent name (handshake done)
@@ -125,7 +166,7 @@ class DecodeWorker(WorkerBase):
 
     async def stop(self) -> None:
         await super().stop()
-        self._detok_q.put(("stop",))
+        self._detok_q.put(_Stop())
         await self._prefills.close()
 
     def fail_requests(self, exc: Exception) -> None:
@@ -134,7 +175,7 @@ class DecodeWorker(WorkerBase):
 
     # -- engine thread -----------------------------------------------------------------------------------
     def on_outputs(self, outs: list[RequestOutput]) -> None:
-        self._detok_q.put(("outs", outs))  # one hand-off per step, not per token
+        self._detok_q.put(_Outs(outs))  # one hand-off per step, not per token
         self.metrics.generation_tokens.inc(len(outs))
 
     def busy(self) -> bool:
@@ -238,7 +279,7 @@ class DecodeWorker(WorkerBase):
             rid, list(req.prompt_token_ids), req.first_token_id, params, meta.priority, meta.cache_salt, first_lp,
             tenancy,
         )
-        self._detok_q.put(("out", out))  # the first token streams before the pull
+        self._detok_q.put(_Out(out))  # the first token streams before the pull
         kv = req.kv
         peer = self._peers.get(kv.address, kv.worker_id)
         pull = _Pull(None, peer, kv.lease_id, deadline or 0.0, [], [], trace_ctx=trace_ctx)
@@ -282,18 +323,18 @@ class DecodeWorker(WorkerBase):
                 batch.append(self._detok_q.get_nowait())
             ready: list[tuple[str, _Item]] = []
             for msg in batch:
-                kind = msg[0]
-                if kind == "stop":
-                    return
-                if kind == "add":
-                    proc.add(msg[1], msg[2], msg[3], msg[4], msg[5])
-                elif kind == "discard":
-                    proc.discard(msg[1])
-                elif kind == "out":
-                    self._detok_one(proc, msg[1], ready)
-                elif kind == "outs":
-                    for o in msg[1]:
+                match msg:
+                    case _Stop():
+                        return
+                    case _Add(rid, prompt, params, prior, policy):
+                        proc.add(rid, prompt, params, prior, policy)
+                    case _Discard(rid):
+                        proc.discard(rid)
+                    case _Out(o):
                         self._detok_one(proc, o, ready)
+                    case _Outs(outs):
+                        for o in outs:
+                            self._detok_one(proc, o, ready)
             if ready:
                 self.call_in_aio(self._deliver_many, ready)
 
@@ -432,7 +473,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                 e.code().name, e.details())
                 else:
                     deadline = await w.claim(handoff.kv)
-            w._detok_q.put(("add", rid, prompt, params, prior, w.policies.for_request(request.meta.tenant_id)))
+            w._detok_q.put(_Add(rid, prompt, params, prior, w.policies.for_request(request.meta.tenant_id)))
             await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, tenancy, handoff,
                                                                         trace_ctx, deadline)))
             while not finished:
@@ -456,7 +497,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             w.streams.pop(rid, None)
             if not finished:  # the client went away (or an error): free the blocks (and lease) within a step
                 w.loop.submit(lambda e: w._end_stream(e, rid, handoff))
-                w._detok_q.put(("discard", rid))
+                w._detok_q.put(_Discard(rid))
 
 
 def serve(cfg: ServiceConfig) -> int:
