@@ -10,10 +10,10 @@ running ``LEASE_SAFETY_S`` before the claim's hold ends (timed on this worker's 
 was sent) is given up and the prompt recomputed here, so no READ ever runs past the hold. An aborted request's
 blocks are freed only when its READ is over, never under it.
 
-The lease goes back on every path: the prefill worker frees it on the NIXL notification a READ sends when it is
-over; a pull that ends without one (failed, given up, never posted, not needed) sends the notification itself; a
-request whose stream ends before its admission releases it (``Prefill.Release``; ``Lease`` says who gives a lease back
-when).
+The lease goes back once no READ of ours can run under it: the prefill worker frees it on the NIXL notification a
+READ sends when it is over; a pull that ends without one (its READ failed, was cancelled or never posted, or the
+blocks were not needed) sends that notification itself; a stream that ends before its request was admitted releases
+the lease with ``Prefill.Release`` (``Lease``: who gives it back when). A lease whose claim failed is left to expire.
 
 Fault injection for tests (``KV_PULL_FAULT``): ``before:S`` holds each pull S seconds between its claim and its
 READ; ``after:S`` treats each READ as in flight for at least S seconds after posting it.
