@@ -46,7 +46,11 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request, in token ids (text is the OutputProcessor's job)."""
+    """What one step produced for one request, in token ids (text is the OutputProcessor's job).
+
+    A request ends one of two ways: ``finished`` (its blocks are freed, ``finish_reason`` says why), or, for a
+    prefill-only request whose first token does not end it, ``leased``: not finished, its prompt's blocks
+    (``kv_block_ids``) stay allocated until ``release`` while another worker decodes it."""
 
     request_id: str
     new_token_ids: list[int]
@@ -56,8 +60,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
-    # prefill-only requests: the blocks holding the prompt's KV, now leased (see ``release``)
-    kv_block_ids: list[int] | None = None
+    leased: bool = False
+    kv_block_ids: list[int] | None = None  # leased only: the blocks holding the prompt's KV
 
 
 @dataclass(slots=True)
@@ -259,7 +263,7 @@ class LLMEngine:
         ``tenancy``: whose request it is, its class, the tenant's weight and cap (the scheduler's fair share).
 
         ``prefill_only``: compute the prompt, sample the first token, then keep the prompt's blocks under a lease
-        (the output carries ``kv_block_ids``) until ``release``. ``prior_output_ids``: tokens this request already
+        (its output is ``leased`` and carries ``kv_block_ids``) until ``release``. ``prior_output_ids``: tokens this request already
         generated elsewhere (a stream moved off a failed worker): they count as outputs (max_tokens, penalties,
         a seeded row's positions), are recomputed with the prompt, and only what follows them is returned."""
         seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt, prior_output_ids, tenancy)
@@ -443,7 +447,7 @@ class LLMEngine:
         self.scheduler.detach(s)
         prompt_blocks = self.block_manager.blocks_needed(s.num_prompt_tokens)
         o.kv_block_ids = s.block_ids[:prompt_blocks]
-        o.finished = True
+        o.leased = True
         self._leased[s.request_id] = s
 
     # -- offline convenience ---------------------------------------------------------------------------

@@ -36,7 +36,7 @@ def test_prefill_then_decode_elsewhere_equals_one_engine(make_engine, source):
     for i, ids in enumerate((prompts[0], prompts[12], prompts[3] * 3)):
         [ref] = whole.generate([ids], P)
         o = prefill(pre, f"r{i}", ids)
-        assert o.finished and o.finish_reason is None and o.kv_block_ids
+        assert o.leased and not o.finished and o.finish_reason is None and o.kv_block_ids
         assert len(o.kv_block_ids) == -(-len(ids) // 16)
         assert pre.num_leased == 1
         first, plan = dec.add_prefilled(f"r{i}", ids, o.new_token_ids[0], P)
@@ -88,7 +88,7 @@ def test_first_token_that_finishes_frees_the_prefill_blocks(make_engine, source)
     ids = prompt_ids(source.tokenizer)[0]
     pre = make_engine(dtype="float32")
     o = prefill(pre, "one", ids, SamplingParams(max_tokens=1, temperature=0.0))
-    assert o.finished and o.finish_reason is not None and o.kv_block_ids is None
+    assert o.finished and not o.leased and o.finish_reason is not None and o.kv_block_ids is None
     assert pre.num_leased == 0
 
 

@@ -85,7 +85,7 @@ class PrefillWorker(WorkerBase):
         fut = self._waiters.pop(o.request_id, None)
         if fut is not None and not fut.done():
             fut.set_result(o)
-        elif o.kv_block_ids is not None:  # nobody waits any more (cancelled): free at once
+        elif o.leased:  # nobody waits any more (cancelled): free at once
             self.loop.submit(lambda e: e.release(o.request_id))  # type: ignore[union-attr]
 
     def busy(self) -> bool:
@@ -216,7 +216,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         if o.logprobs:
             result.first_logprob.CopyFrom(logprob_proto(o.logprobs[0]))
-        if o.kv_block_ids is not None:
+        if o.leased:
             lease_id = request.lease_id or uuid.uuid4().hex
             try:
                 granted = await asyncio.wrap_future(w.loop.submit(lambda e: w._grant(e, o, lease_id)))
