@@ -119,10 +119,14 @@ class KvPulls:
         if req.HasField("first_logprob"):
             lp = req.first_logprob
             first_lp = TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
-        out, plan = engine.add_prefilled(
-            rid, list(req.prompt_token_ids), req.first_token_id, params, meta.priority, meta.cache_salt, first_lp,
-            tenancy,
-        )
+        try:
+            out, plan = engine.add_prefilled(
+                rid, list(req.prompt_token_ids), req.first_token_id, params, meta.priority, meta.cache_salt, first_lp,
+                tenancy,
+            )
+        except Exception:  # refused before it took a block (its first token breaks its grammar): the lease goes back
+            self.end_unadmitted(lease)
+            raise
         self._first_token(out)  # the first token streams before the pull
         kv, deadline = lease.kv, lease.deadline
         peer = self._peers.get(kv.address, kv.worker_id)

@@ -213,6 +213,28 @@ def check_bad_block_ids_recompute(info: dict[str, Any], prompt_ids: list[int], r
     wait_all_blocks_free(info, timeout=5)  # given back, not left to expire (kv_lease_s is 30 s here)
 
 
+def check_first_token_against_its_grammar_gives_the_lease_back(info: dict[str, Any], prompt_ids: list[int]) -> None:
+    """A Decode call whose first token breaks its own grammar is refused (INVALID_ARGUMENT) after the claim: the
+    claimed lease is given back at once, not left to expire."""
+    pre = procs(info, "prefill")[0]
+    [dec] = procs(info, "decode")
+    params = common_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                       structured=common_pb2.StructuredOutput(regex="[0-9]{4}"))
+    with grpc.insecure_channel(pre["address"]) as ch:
+        res = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+            meta=common_pb2.RequestMeta(request_id="off-grammar"), prompt_token_ids=prompt_ids, params=params),
+            timeout=120)
+    with grpc.insecure_channel(dec["address"]) as ch:
+        try:
+            list(decode_pb2_grpc.DecodeStub(ch).Decode(decode_pb2.DecodeRequest(
+                meta=common_pb2.RequestMeta(request_id="off-grammar"), prompt_token_ids=prompt_ids, params=params,
+                first_token_id=prompt_ids[0], kv=res.kv), timeout=120))  # a prompt token: not a digit's
+            raise AssertionError("a first token off its grammar was accepted")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint" in e.details(), e.details()
+    wait_all_blocks_free(info, timeout=5)  # given back, not left to expire (kv_lease_s is 30 s here)
+
+
 def check_pull_outliving_its_hold_recomputes(info: dict[str, Any], prompt_ids: list[int], ref: list[int]) -> None:
     """A pull not over before its claim's hold ends is given up (no READ runs past the hold) and recomputed; the
     prefill worker frees the blocks then, or at the hold's end at the latest."""
@@ -280,6 +302,9 @@ class KvPullTests:
     def test_a_handle_naming_missing_blocks_is_recomputed(self, held, ids_and_refs):
         ids, refs = ids_and_refs
         check_bad_block_ids_recompute(held, ids[FORGED], refs[FORGED])
+
+    def test_a_first_token_off_its_grammar_gives_the_lease_back(self, held, ids_and_refs):
+        check_first_token_against_its_grammar_gives_the_lease_back(held, ids_and_refs[0][FORGED])
 
     def test_cancel_during_the_pull_frees_both_sides(self, held, ids_and_refs):
         check_cancel_during_pull(held, ids_and_refs[0][CANCEL])
