@@ -161,12 +161,27 @@ def _close_soon(gen: Any) -> None:
         with contextlib.suppress(RuntimeError):  # it started running again meanwhile: it ends on its own
             await gen.aclose()
 
-    task = asyncio.get_running_loop().create_task(close())
-    _closing.add(task)
-    task.add_done_callback(_closing.discard)
+    _closing.spawn(close())
 
 
-_closing: set[asyncio.Task[None]] = set()
+class Background:
+    """Tasks run beside the handlers (lease releases, closing a finished call): kept referenced until they end,
+    and waited for a while when the service stops."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout: float) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout)
+
+
+_closing = Background()
 
 
 def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: Any) -> None:

@@ -359,7 +359,8 @@ class Sampler:
             return torch.from_numpy(flat).view(m, -1)[:, : self.vocab_size]
         byte_ids = bitmask.view(torch.uint8).to(dev, non_blocking=True).view(-1).long()
         if bitmask.is_pinned():
-            self._bitmask_read = torch.cuda.Event()
+            if self._bitmask_read is None:
+                self._bitmask_read = torch.cuda.Event()
             self._bitmask_read.record()
         return lut.index_select(0, byte_ids).view(m, -1)[:, : self.vocab_size]
 

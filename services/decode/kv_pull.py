@@ -34,6 +34,7 @@ from tokenmill.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 from common import rpc, telemetry
 from common.engine import LLMEngine, RequestOutput, TokenLogprob
 from common.kv_transfer import KvCompat, KvIncompatibleError, KvReadHandle, KvTransferAgent, KvTransferError
+from common.leases import release_lease
 from common.sampling import SamplingParams
 from common.sequence import Tenancy
 from common.worker import WorkerMetrics, compat_proto
@@ -100,10 +101,11 @@ class KvPulls:
         self._peers: dict[str, str] = {}  # prefill address → its agent name (handshake done)
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._prefills = rpc.StubCache()  # Claim, Release and KvHandshake, one channel per prefill worker
-        self._releases: set[asyncio.Task[None]] = set()
+        self._background = rpc.Background()
         self._delay_before, self._delay_after = fault_delays(fault)
 
     async def close(self) -> None:
+        await self._background.drain(timeout=2)  # the releases in flight, before their channels close
         await self._prefills.close()
 
     # -- engine thread -----------------------------------------------------------------------------------
@@ -274,18 +276,8 @@ class KvPulls:
         return deadline if deadline > time.monotonic() else None
 
     def release_lease(self, kv: common_pb2.KvHandle) -> None:
-        """Release a lease we took no READ under (claimed or not), in the background; best effort (it expires)."""
-
-        async def release() -> None:
-            try:
-                await self._prefills.get(kv.address, prefill_pb2_grpc.PrefillStub).Release(
-                    prefill_pb2.ReleaseRequest(lease_id=kv.lease_id), timeout=CLAIM_TIMEOUT_S)
-            except grpc.aio.AioRpcError as e:
-                log.info("could not release lease %s on %s: %s (it expires)", kv.lease_id, kv.address, e.details())
-
-        task = asyncio.get_running_loop().create_task(release())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+        """Release a lease we took no READ under (claimed or not), in the background."""
+        release_lease(self._prefills, self._background, kv)
 
     async def ensure_peer(self, kv: common_pb2.KvHandle) -> None:
         """Handshake with a prefill worker once; again when the handle names another agent at that address (the

@@ -53,6 +53,7 @@ from tokenmill.v1 import (
 
 from common import rpc, structured, telemetry
 from common.cluster_config import ServiceConfig
+from common.leases import release_lease
 from common.output_filter import PolicySet
 from common.wire import sampling_params_from_proto
 from services.gateway.accounting import Accounting, AuditRecord
@@ -233,7 +234,7 @@ class GatewayService:
         self.tokenizers = ChannelPool(c.addresses("tokenizer"), tokenizer_pb2_grpc.TokenizerStub, limit)
         self.routers = ChannelPool(c.addresses("router"), router_pb2_grpc.RouterStub, limit)
         self.workers = rpc.StubCache()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background = rpc.Background()
         window = c.gateway.resume_window_s
         self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
         self.tenancy = Tenancy.from_config(c)
@@ -265,8 +266,7 @@ class GatewayService:
         await self.http.stop()
         if self.streams is not None:
             await self.streams.close()
-        if self._background:
-            await asyncio.wait(self._background, timeout=2)
+        await self._background.drain(timeout=2)
         await self.tokenizers.close()
         await self.routers.close()
         await self.workers.close()
@@ -574,21 +574,7 @@ class GatewayService:
         return resp
 
     def _release(self, kv: common_pb2.KvHandle, unclaimed_only: bool = False) -> None:
-        """Free a prefill lease in the background (also from a cancelled handler)."""
-
-        async def release() -> None:
-            try:
-                stub = self.workers.get(kv.address, prefill_pb2_grpc.PrefillStub)
-                await stub.Release(prefill_pb2.ReleaseRequest(lease_id=kv.lease_id, unclaimed_only=unclaimed_only),
-                                   timeout=5)
-            except grpc.aio.AioRpcError as e:
-                log.warning("release of lease %s on %s failed: %s (it expires on its own)", kv.lease_id,
-                            kv.worker_id, e.details())
-
-        if kv.lease_id and kv.address:
-            task = asyncio.get_running_loop().create_task(release())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        release_lease(self.workers, self._background, kv, unclaimed_only)
 
 
 def _left(deadline: float | None) -> float | None:
