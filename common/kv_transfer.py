@@ -544,14 +544,6 @@ class KvTransferAgent:
         self.notifications_received += len(out)
         return out
 
-    def send_notification(self, peer: str, msg: bytes) -> None:
-        """A notification not tied to a transfer (e.g. decode giving blocks back without reading them)."""
-        with self._lock:
-            self._check_open()
-            if peer not in self._peers:
-                raise UnknownPeerError(f"unknown KV peer {peer!r}: do the KvHandshake and add_peer() first")
-            self._agent.send_notif(peer, msg)
-
     # -- life cycle -------------------------------------------------------------------------------------
     @property
     def inflight(self) -> int:

@@ -11,9 +11,10 @@ was sent) is given up and the prompt recomputed here, so no READ ever runs past 
 blocks are freed only when its READ is over, never under it.
 
 The lease goes back once no READ of ours can run under it: the prefill worker frees it on the NIXL notification a
-READ sends when it is over; a pull that ends without one (its READ failed, was cancelled or never posted, or the
-blocks were not needed) sends that notification itself; a stream that ends before its request was admitted releases
-the lease with ``Prefill.Release`` (``Lease``: who gives it back when). A lease whose claim failed is left to expire.
+READ sends when it is over. Every other end (a READ that failed, was cancelled or never posted, blocks not needed, a
+stream that ended before its request was admitted) releases it with ``Prefill.Release`` (``Lease``: who gives it
+back when): a NIXL notification sent with no READ before it, on a new connection, was seen never to arrive. A lease
+whose claim failed is left to expire.
 
 Fault injection for tests (``KV_PULL_FAULT``): ``before:S`` holds each pull S seconds between its claim and its
 READ; ``after:S`` treats each READ as in flight for at least S seconds after posting it.
@@ -72,7 +73,7 @@ class Lease:
 class _Pull:
     handle: KvReadHandle | None  # None: not posted yet (fault injection ``before``)
     peer: str
-    lease_id: str
+    kv: common_pb2.KvHandle  # the lease
     deadline: float  # time.monotonic(): give the READ up after this (LEASE_SAFETY_S inside the claim's hold)
     remote: list[int]
     local: list[int]
@@ -132,7 +133,7 @@ class KvPulls:
         self._first_token(out)  # the first token streams before the pull
         kv, deadline = lease.kv, lease.deadline
         peer = self._peers.get(kv.address, kv.worker_id)
-        pull = _Pull(None, peer, kv.lease_id, deadline or 0.0, [], [], trace_ctx=trace_ctx)
+        pull = _Pull(None, peer, kv, deadline or 0.0, [], [], trace_ctx=trace_ctx)
         if plan is None:  # finished already, or no room: recomputed here; the prefill worker can free its blocks
             if deadline is not None:
                 self._give_back(pull)
@@ -208,11 +209,8 @@ class KvPulls:
         engine.kv_failed(rid)
 
     def _give_back(self, pull: _Pull) -> None:
-        """Tell the prefill worker its lease is free (no READ of ours runs under it); best effort."""
-        try:
-            self.agent.send_notification(pull.peer, pull.lease_id.encode())  # type: ignore[union-attr]
-        except Exception as e:  # it went away (its blocks went with it), or NIXL refused: the lease expires
-            log.info("could not give lease %s back to %s: %s", pull.lease_id, pull.peer, e)
+        """No READ of ours runs under the pull's lease (none was posted, or it is over without its notification)."""
+        self._call_in_aio(self.release_lease, pull.kv)
 
     def _give_up(self, engine: LLMEngine, rid: str, pull: _Pull) -> None:
         """The READ outlived its claim's hold (less LEASE_SAFETY_S): cancel it and recompute here."""
@@ -232,7 +230,7 @@ class KvPulls:
         """Post the READ; a READ that cannot be posted (the peer went away) is recomputed."""
         assert self.agent is not None
         try:
-            pull.handle = self.agent.start_read(pull.peer, pull.remote, pull.local, pull.lease_id.encode())
+            pull.handle = self.agent.start_read(pull.peer, pull.remote, pull.local, pull.kv.lease_id.encode())
         except (KvTransferError, ValueError) as e:  # the peer went away, or its handle names blocks it lacks
             del self._pulls[rid]
             self._give_back(pull)

@@ -2,8 +2,8 @@
 prompt's blocks under a lease until the decode worker has pulled them.
 
 A lease waits ``prefill.kv_lease_s`` for the decode worker's ``Claim``; a claim holds the blocks for that long
-again, for the READ. It ends on the decode worker's NIXL notification (its READ is over, or it gave up), on
-``Release`` (cancelled), or on expiry. The caller names the lease in its request, so a caller that gives up on a
+again, for the READ. It ends on the NIXL notification of the decode worker's READ (the READ is over), on
+``Release`` (no READ will run under it: the caller left, or the decode worker gave its pull up), or on expiry. The caller names the lease in its request, so a caller that gives up on a
 Prefill call releases the lease whether or not the result reached it: a Release that comes before the grant
 makes the grant free the blocks at once. Every time is on this worker's own monotonic clock: the decode worker learns
 only durations, and gives up its READ well inside the hold (services/decode), so expiry never frees blocks under a
