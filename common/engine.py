@@ -149,6 +149,8 @@ class LLMEngine:
         afterwards. Safe to call twice."""
         if self.tp is not None:
             self.tp.close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -210,7 +212,11 @@ class LLMEngine:
                 own = self.tokenizer.tk.token_to_id(self.tokenizer.eos_token) if self.tokenizer.eos_token else None
                 if not eos and own is not None:
                     eos = [own]
-                self._grammars = GrammarCompiler(self.tokenizer.tk.to_str(), self.sample_vocab, eos)
+                fill_process = self.cfg.grammar_process
+                if fill_process is None:
+                    fill_process = self.cfg.device == "cuda"
+                self._grammars = GrammarCompiler(self.tokenizer.tk.to_str(), self.sample_vocab, eos,
+                                                 fill_process=fill_process)
             return self._grammars
 
     def grammar_matcher(self, params: SamplingParams, prior: Seq[int] = ()) -> GrammarMatcher | None:
@@ -369,6 +375,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        if self._grammars is not None:
+            self._grammars.flush()  # matchers made since the last step: their first masks fill beside the forward
         logits = self.runner.execute(out)
         self.num_steps += 1
         return self._update(out, logits)
@@ -407,6 +415,8 @@ class LLMEngine:
                 self.scheduler.remove(s)
                 self._seqs.pop(s.request_id, None)
             outputs.append(o)
+        if self._grammars is not None:
+            self._grammars.flush()  # the mask process fills the next step's masks while this one is handed out
         self.num_generated_tokens += len(outputs)
         return outputs
 

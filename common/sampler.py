@@ -343,7 +343,7 @@ class Sampler:
             self._bitmask = host
         elif self._bitmask_read is not None:
             self._bitmask_read.synchronize()  # the last copy out of it (over already when a fetch followed it)
-        fill_bitmask([(g, j) for j, (g, _) in enumerate(grammars)], host.data_ptr(), words)
+        fill_bitmask([(g, j) for j, (g, _) in enumerate(grammars)], host[:m].numpy())
         return [i for _, i in grammars], host[:m]
 
     def _bias(self, bitmask: torch.Tensor, dev: torch.device) -> torch.Tensor:

@@ -14,12 +14,16 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance as llg
+import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from common.sampling import StructuredOutput
+
+if TYPE_CHECKING:
+    from common.grammar_proc import MaskProcess
 
 # JSON is generated with the separators the model writes itself (``{"a": 1, "b": 2}``) and no free whitespace:
 # the model cannot pad an object with spaces until max_tokens runs out.
@@ -89,29 +93,47 @@ def _check(so: StructuredOutput) -> str:
 _executor: llg.LLExecutor | None = None
 
 
-def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], ptr: int, words: int) -> None:
-    """Write each matcher's allowed tokens, one bit per token id, into row ``i`` of the int32 bitmask at ``ptr``
-    (host memory, C order, ``words`` int32 per row). Several rows run in parallel, without the GIL."""
+def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], host: np.ndarray) -> None:
+    """Write each matcher's allowed tokens, one bit per token id, into row ``i`` of ``host`` (an int32 [M, words]
+    C-order array). Rows mirrored in the grammar mask process are copied from it; the rest are filled here, several
+    in parallel, without the GIL."""
     global _executor
+    remote = next((m._remote for m, _ in rows if m._remote is not None), None)
+    if remote is not None:
+        rows = remote.fill(rows, host)
+        if not rows:
+            return
+    ptr, nbytes = host.ctypes.data, host.shape[1] * 4
     if len(rows) == 1:
         m, i = rows[0]
-        m.raw.unsafe_compute_mask_ptr(ptr + i * words * 4, words * 4)
+        m.raw.unsafe_compute_mask_ptr(ptr + i * nbytes, nbytes)
         return
     if _executor is None:
         _executor = llg.LLExecutor()
-    _executor.unsafe_compute_mask_ptr([(m.raw, i) for m, i in rows], ptr, words * 4, max(i for _, i in rows) + 1)
+    _executor.unsafe_compute_mask_ptr([(m.raw, i) for m, i in rows], ptr, nbytes, max(i for _, i in rows) + 1)
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar. Not thread-safe: the engine thread advances it."""
+    """One sequence's position in its grammar. Not thread-safe: the engine thread advances it. A matcher mirrored in
+    the grammar mask process (``common/grammar_proc.py``) sends it every token it accepts."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("__weakref__", "_m", "_remote", "_slot")
 
     def __init__(self, m: llg.LLMatcher) -> None:
         self._m = m
+        self._remote: MaskProcess | None = None
+        self._slot = -1
+
+    def mirror(self, remote: MaskProcess, slot: int) -> None:
+        self._remote, self._slot = remote, slot
+
+    def slot_in(self, remote: MaskProcess) -> int | None:
+        return self._slot if self._remote is remote else None
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it (the matcher is then broken)."""
+        if self._remote is not None:
+            self._remote.advance(self._slot, token)
         return self._m.consume_token(token)
 
     @property
@@ -130,11 +152,18 @@ class GrammarMatcher:
 
 class GrammarCompiler:
     """A worker's grammars, compiled against its tokenizer and cached by constraint (LRU of ``capacity``).
+    ``fill_process``: the matchers' masks are filled in a process beside the engine (``common/grammar_proc.py``).
 
     Thread-safe: workers validate (and so compile) off the engine thread."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 256) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 256,
+                 fill_process: bool = False) -> None:
         self._tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
+        self.masks: MaskProcess | None = None
+        if fill_process:
+            from common.grammar_proc import MaskProcess
+
+            self.masks = MaskProcess(tokenizer_json, vocab_size, eos_ids)
         self.vocab_size = vocab_size
         self.capacity = capacity
         self._cache: OrderedDict[StructuredOutput, llg.LLMatcher] = OrderedDict()
@@ -167,5 +196,16 @@ class GrammarCompiler:
             if not m.accept(int(t)):
                 raise GrammarError(f"output token {i} ({t}) does not follow the {so.kind.replace('_', ' ')} "
                                    f"constraint")
+        if self.masks is not None:
+            self.masks.register(m, grammar_text(so), prior)
         return m
+
+    def flush(self) -> None:
+        """The end of an engine step: the mask process starts on the tokens the matchers accepted."""
+        if self.masks is not None:
+            self.masks.flush()
+
+    def close(self) -> None:
+        if self.masks is not None:
+            self.masks.close()
 

@@ -238,3 +238,104 @@ def test_prefill_elsewhere_samples_the_first_token_under_the_grammar(make_engine
 def eng_token(engine, text):
     [t] = engine.tokenizer.encode(text, add_special_tokens=False)
     return t
+
+
+# -- the grammar mask process (common/grammar_proc.py) ------------------------------------------------------------
+ORDER = {"type": "object", "properties": {
+    "items": {"type": "array", "items": {"type": "string", "enum": ["tea", "bread", "jam"]}, "minItems": 1},
+    "total": {"type": "number"}}, "required": ["items", "total"], "additionalProperties": False}
+
+
+def test_the_mask_process_fills_the_masks_the_matchers_fill_inline():
+    """Mirrored matchers walk instances of three constraints token by token: every step's rows from the child
+    equal the inline fill, bit for bit. A matcher made with no slot free stays inline; a dropped matcher's slot is
+    taken again."""
+    import numpy as np
+
+    from common.structured import fill_bitmask
+
+    tok = load_tokenizer()
+    inline = GrammarCompiler(tok.tk.to_str(), V, EOS)
+    mirrored = GrammarCompiler(tok.tk.to_str(), V, EOS, fill_process=True)
+    masks = mirrored.masks
+    assert masks is not None and masks.wait_ready()
+    masks._free = masks._free[-3:]  # three slots: the fourth matcher stays inline
+    cases = [(PERSON_SO, '{"name": "Ada", "age": 36}'),
+             (StructuredOutput("json_schema", json.dumps(ORDER)), '{"items": ["tea", "jam"], "total": 4.5}'),
+             (StructuredOutput("regex", r"[0-9]{3}-[a-z]{2}"), "123-ab"),
+             (PERSON_SO, '{"name": "Bob", "age": 7}')]
+    walks = [tok.encode(text, add_special_tokens=False) for _, text in cases]
+    pairs = [(mirrored.matcher(so), inline.matcher(so)) for so, _ in cases]
+    assert [m.slot_in(masks) is not None for m, _ in pairs] == [True, True, True, False]
+    words = (V + 31) // 32
+    for step in range(max(map(len, walks))):
+        live = [i for i, w in enumerate(walks) if step < len(w)]
+        mirrored.flush()
+        got, want = np.zeros((len(live), words), np.int32), np.zeros((len(live), words), np.int32)
+        fill_bitmask([(pairs[i][0], j) for j, i in enumerate(live)], got)
+        fill_bitmask([(pairs[i][1], j) for j, i in enumerate(live)], want)
+        assert (got == want).all(), f"step {step}: the child's masks differ from the inline fill"
+        for i in live:
+            assert pairs[i][0].accept(walks[i][step]) and pairs[i][1].accept(walks[i][step])
+    assert masks.remote_rows > 0 and masks.inline_rows > 0
+    slot = pairs[0][0].slot_in(masks)
+    del pairs[0]
+    again = mirrored.matcher(PERSON_SO)
+    assert again.slot_in(masks) == slot  # the dropped matcher's slot, reused
+    mirrored.flush()
+    got, want = np.zeros((1, words), np.int32), np.zeros((1, words), np.int32)
+    fill_bitmask([(again, 0)], got)
+    fill_bitmask([(inline.matcher(PERSON_SO), 0)], want)
+    assert (got == want).all()
+    mirrored.close()
+
+
+def _mirrored_engine(make_engine, **kw):
+    eng = make_engine(dtype="float32", grammar_process=True, **kw)
+    assert eng.grammars.masks is not None and eng.grammars.masks.wait_ready()
+    return eng
+
+
+MIXED = [SamplingParams(max_tokens=40, temperature=0, structured=PERSON_SO),
+         SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured=StructuredOutput(
+             "json_schema", json.dumps(ORDER))),
+         SamplingParams(max_tokens=12, temperature=1.0, seed=6, top_k=20, structured=StructuredOutput(
+             "regex", r"[0-9]{3}-[a-z]{2}")),
+         SamplingParams(max_tokens=20, temperature=0.8, seed=9),  # unconstrained, in the same batch
+         SamplingParams(max_tokens=30, temperature=1.0, seed=12, structured=StructuredOutput(
+             "choice", choices=("yes", "no", "maybe")))]
+
+
+def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_engine):
+    prompts = [chat(engine, q) for q in ("A person as JSON.", "An order as JSON.", "A code?", "Say hi.", "Yes?")]
+    want = [r.token_ids for r in engine.generate(prompts, MIXED)]
+    eng = _mirrored_engine(make_engine)
+    got = [r.token_ids for r in eng.generate(prompts, MIXED)]
+    assert got == want
+    masks = eng.grammars.masks
+    assert masks.remote_rows > 0 and masks.inline_rows == 0  # each first mask too: sent before the forward
+    eng.close()
+
+
+def test_a_dead_mask_process_leaves_the_fills_inline(engine, make_engine):
+    """The child killed in the middle of a batch: the engine fills inline from then on, with the same outputs."""
+    import os
+    import signal
+
+    prompts = [chat(engine, q) for q in ("A person as JSON.", "An order as JSON.", "A code?", "Say hi.", "Yes?")]
+    want = [r.token_ids for r in engine.generate(prompts, MIXED)]
+    eng = _mirrored_engine(make_engine)
+    masks = eng.grammars.masks
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, (p, sp) in enumerate(zip(prompts, MIXED)):
+        eng.add_request(f"r{i}", p, sp)
+    steps = 0
+    while eng.has_unfinished():
+        if steps == 4:
+            assert masks.remote_rows > 0 and not masks.dead
+            os.kill(masks._proc.pid, signal.SIGKILL)
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+        steps += 1
+    assert masks.dead and list(got.values()) == want
+    eng.close()

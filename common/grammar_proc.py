@@ -1,0 +1,308 @@
+"""Grammar masks filled in a process beside the engine, while the engine goes on with its next step.
+
+A constrained row's mask (one bit per token its grammar allows next) costs llguidance tens to hundreds of µs, and
+on a GPU a decode step of 32 rows takes about 1.5 ms of host time: filled inline, the masks add most of a step
+(docs/benchmarks.md). On a thread of the engine's process the fill has to take the GIL back from the engine thread,
+which holds it. So a child process (``python -m common.grammar_proc``, importing llguidance and nothing of torch)
+keeps a mirror of every constrained sequence's matcher. When a step's update ends, the engine thread sends the
+tokens its matchers accepted (``MaskProcess.flush``). The child advances its mirrors and fills their next masks into
+shared memory, one row per sequence (its slot), in parallel, while the engine hands the step's tokens out,
+schedules the next step and runs its forward. At the next sampling the engine waits for the child's answer (usually
+there already) and copies the rows it needs.
+
+The engine's own matchers stay the truth: accept, termination, first-token checks. The mirrors replay the same
+tokens and llguidance is deterministic, so the masks agree. A matcher made before the child was ready, or when no
+slot was free, and a matcher whose tokens are not sent yet, are filled inline. A child that dies or stops answering
+makes every fill inline from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from common.structured import GrammarMatcher
+
+log = logging.getLogger(__name__)
+
+# ops, in the order they happened: (ADD, slot, grammar text, prior tokens), (DROP, slot), and an advance by one
+# token as the int ``slot << 32 | token`` (the hot path: a list append, without the lock, on the engine thread)
+ADD, DROP = 0, 2
+_HEADER = struct.Struct("<Q")  # a message's length, then its pickle; an answer is the batch's sequence number
+REPLY_TIMEOUT_S = 5.0  # a child that has not answered a batch by then is taken for hung: fills go inline
+_COMPILED_CAPACITY = 256  # the child's compiled grammars, by text (LRU)
+
+
+class MaskProcess:
+    """The engine side: the slots, the ops not sent yet, and the child's answers. Thread-safe (a matcher's
+    finalizer may run on any thread); the engine thread does everything else."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 1024) -> None:
+        self.words = (vocab_size + 31) // 32
+        self.capacity = capacity
+        nbytes = capacity * self.words * 4
+        self._fd = os.memfd_create("tokenmill-grammar-masks")
+        os.ftruncate(self._fd, nbytes)
+        self._map = mmap.mmap(self._fd, nbytes)
+        self.rows = np.frombuffer(self._map, dtype=np.int32).reshape(capacity, self.words)
+        with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="tokenmill-tokenizer-", delete=False) as f:
+            f.write(tokenizer_json)  # the child reads it, then deletes it
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "common.grammar_proc", str(self._fd), str(capacity), str(self.words),
+             str(vocab_size), f.name, json.dumps(list(eos_ids))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._fd,), env=env)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._stdin = self._proc.stdin
+        self._answers = self._proc.stdout.fileno()
+        os.set_blocking(self._answers, False)
+        self._lock = threading.Lock()
+        self._free = list(range(capacity - 1, -1, -1))
+        self._ops: list[Any] = []  # not sent yet: their slots' rows are stale, fill those inline
+        self._slot_batch = [0] * capacity  # the batch that carried each slot's last op
+        self._sent = 0  # batches sent (numbered from 1)
+        self._done = -1  # the last batch the child answered; 0: it is ready
+        self._pending = b""
+        self.dead = False
+        self.remote_rows = self.inline_rows = 0  # rows served from the child / filled inline, for the benchmark
+        self._closer = weakref.finalize(self, _close, self._proc, self._map, self._fd)
+
+    @property
+    def ready(self) -> bool:
+        return self._done >= 0 and not self.dead
+
+    def wait_ready(self, timeout: float = 30.0) -> bool:
+        """Wait until the child has loaded the tokenizer (matchers made before then stay inline)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while not self.dead and self._poll() and self._done < 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                select.select([self._answers], [], [], left)
+        return self.ready
+
+    def close(self) -> None:
+        self.dead = True
+        self._closer()
+
+    # -- the engine's matchers ------------------------------------------------------------------------
+    def register(self, m: GrammarMatcher, text: str, prior: Sequence[int]) -> None:
+        """Mirror a new matcher (``prior``: the tokens it has accepted already) in the child, if it is ready and
+        a slot is free; otherwise the matcher stays inline."""
+        with self._lock:
+            if not self.ready:
+                self._poll()
+            if not self.ready or not self._free:
+                return
+            slot = self._free.pop()
+            self._ops.append((ADD, slot, text, [int(t) for t in prior]))
+        m.mirror(self, slot)
+        weakref.finalize(m, self._drop, slot)
+
+    def advance(self, slot: int, token: int) -> None:
+        """The engine thread only (as ``flush``): no lock."""
+        self._ops.append(slot << 32 | token)
+
+    def _drop(self, slot: int) -> None:
+        with self._lock:
+            if self.dead:
+                return
+            self._ops.append((DROP, slot))
+            self._free.append(slot)
+
+    # -- the engine thread: each step -------------------------------------------------------------------
+    def flush(self) -> None:
+        """Send the ops queued since the last flush as one batch: the child starts filling those rows now."""
+        with self._lock:
+            if self.dead:
+                return
+            if not self.ready:
+                self._poll()
+            if not self._ops:
+                return
+            ops, self._ops = self._ops, []
+            self._sent += 1
+            payload = pickle.dumps((self._sent, ops), protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                self._stdin.write(_HEADER.pack(len(payload)) + payload)
+                self._stdin.flush()
+            except OSError as e:
+                self._die(f"could not write to it ({e})")
+                return
+            batch = self._slot_batch
+            for op in ops:
+                batch[op >> 32 if type(op) is int else op[1]] = self._sent
+
+    def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], host: np.ndarray
+             ) -> list[tuple[GrammarMatcher, int]]:
+        """Copy the child's masks of ``rows`` (matcher, row of ``host``) into ``host``, waiting for the batch that
+        carried their last tokens; returns the rows it could not serve (fill them inline)."""
+        with self._lock:
+            if self.dead or self._done < 0:
+                self.inline_rows += len(rows)
+                return list(rows)
+            unsent = {op >> 32 if type(op) is int else op[1] for op in self._ops}
+            slots: list[int] = []
+            at: list[int] = []
+            inline: list[tuple[GrammarMatcher, int]] = []
+            for m, j in rows:
+                s = m.slot_in(self)
+                if s is None or s in unsent:
+                    inline.append((m, j))
+                else:
+                    slots.append(s)
+                    at.append(j)
+            if slots:
+                need = max(self._slot_batch[s] for s in slots)
+                if need > self._done and not self._wait(need):
+                    self.inline_rows += len(rows)
+                    return list(rows)
+                host[at] = self.rows[slots]
+            self.remote_rows += len(slots)
+            self.inline_rows += len(inline)
+            return inline
+
+    # -- the child's answers (under the lock) -------------------------------------------------------------
+    def _poll(self) -> bool:
+        """Read the answers there are, without waiting. False: the child is gone."""
+        try:
+            data = os.read(self._answers, 1 << 16)
+        except BlockingIOError:
+            return True
+        except OSError as e:
+            self._die(f"could not read from it ({e})")
+            return False
+        if not data:
+            self._die(f"it exited ({self._proc.poll()})")
+            return False
+        data = self._pending + data
+        n = len(data) // _HEADER.size
+        if n:
+            self._done = _HEADER.unpack_from(data, (n - 1) * _HEADER.size)[0]
+        self._pending = data[n * _HEADER.size:]
+        return True
+
+    def _wait(self, batch: int) -> bool:
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while self._done < batch:
+            if not self._poll():
+                return False
+            if self._done >= batch:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._die(f"no answer in {REPLY_TIMEOUT_S:g} s")
+                return False
+            select.select([self._answers], [], [], left)
+        return True
+
+    def _die(self, why: str) -> None:
+        log.error("grammar mask process: %s; filling masks inline from now on", why)
+        self.dead = True
+        self._ops = []
+        self._closer()
+
+
+def _close(proc: subprocess.Popen, mapped: mmap.mmap, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        if proc.stdin is not None:
+            proc.stdin.close()  # the child exits at the end of its input
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    with contextlib.suppress(BufferError):  # a numpy view of it is still alive: the mapping goes with the last one
+        mapped.close()
+    os.close(fd)
+
+
+# -- the child ----------------------------------------------------------------------------------------------
+def _read_exact(f: Any, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = f.read(n - len(buf))
+        if not chunk:
+            return b""
+        buf += chunk
+    return buf
+
+
+def main(argv: list[str]) -> int:
+    import ctypes
+
+    import llguidance as llg
+
+    fd, capacity, words, vocab = (int(x) for x in argv[:4])
+    tok_path, eos = argv[4], json.loads(argv[5])
+    mapped = mmap.mmap(fd, capacity * words * 4)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    tokenizer_json = Path(tok_path).read_text()
+    os.unlink(tok_path)
+    tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab, eos_token=eos)
+    executor = llg.LLExecutor()
+    compiled: OrderedDict[str, Any] = OrderedDict()
+    matchers: dict[int, Any] = {}
+    stdin = sys.stdin.buffer
+    os.write(1, _HEADER.pack(0))  # ready
+    while True:
+        head = _read_exact(stdin, _HEADER.size)
+        if not head:
+            return 0
+        batch, ops = pickle.loads(_read_exact(stdin, _HEADER.unpack(head)[0]))
+        touched: dict[int, Any] = {}
+        for op in ops:
+            if type(op) is int:
+                m = matchers.get(op >> 32)
+                if m is not None:
+                    m.consume_token(op & 0xFFFFFFFF)
+                    touched[op >> 32] = m
+            elif op[0] == ADD:
+                _, slot, text, prior = op
+                base_m = compiled.get(text)
+                if base_m is None:
+                    base_m = compiled[text] = llg.LLMatcher(tok, text, log_level=0)
+                    while len(compiled) > _COMPILED_CAPACITY:
+                        compiled.popitem(last=False)
+                else:
+                    compiled.move_to_end(text)
+                m = base_m.deep_copy()
+                for t in prior:
+                    m.consume_token(t)
+                matchers[slot] = touched[slot] = m
+            else:
+                matchers.pop(op[1], None)
+                touched.pop(op[1], None)
+        rows = [(m, s) for s, m in touched.items() if not (m.is_error() or m.is_stopped())]
+        if len(rows) == 1:
+            rows[0][0].unsafe_compute_mask_ptr(base + rows[0][1] * words * 4, words * 4)
+        elif rows:
+            executor.unsafe_compute_mask_ptr(rows, base, words * 4, capacity)
+        os.write(1, _HEADER.pack(batch))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
