@@ -59,6 +59,14 @@ class ConfigError(ValueError):
     """The configuration is unusable; the message names the key and what it accepts."""
 
 
+def as_role(name: str) -> Role:
+    """``name`` as a Role; ConfigError for a name that is not one."""
+    for role in ROLES:
+        if name == role:
+            return role
+    raise ConfigError(f"unknown role {name!r}; roles are {list(ROLES)}")
+
+
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """The public edge: the gRPC ``Frontend`` and the OpenAI HTTP API."""
@@ -324,9 +332,15 @@ class ClusterConfig:
                 seen[port] = where
 
     def pool(self, role: str) -> GatewayConfig | RouterConfig | TokenizerConfig | WorkerConfig:
-        if role not in _ROLE_OFFSET:
-            raise ConfigError(f"unknown role {role!r}; roles are {list(ROLES)}")
-        return getattr(self, role)
+        return getattr(self, as_role(role))
+
+    def worker_pool(self, role: str) -> WorkerConfig:
+        """The pool of a model-running role (prefill or decode); ConfigError for any other role."""
+        if role == "prefill":
+            return self.prefill
+        if role == "decode":
+            return self.decode
+        raise ConfigError(f"{as_role(role)} is not a model-running role (prefill, decode)")
 
     def ports(self, role: str, index: int = 0) -> tuple[int, int]:
         """(gRPC port, metrics port) of instance ``index`` of ``role``."""
@@ -349,7 +363,7 @@ class ClusterConfig:
                 metrics_port: int | None = None) -> ServiceConfig:
         """The view one process runs with; ``port``/``metrics_port`` override the derived ones."""
         p, m = self.ports(role, index)
-        return ServiceConfig(self, role, index, p if port is None else port,  # type: ignore[arg-type]
+        return ServiceConfig(self, as_role(role), index, p if port is None else port,
                              m if metrics_port is None else metrics_port)
 
     def threads_for_children(self, cores: int | None = None) -> int:
@@ -358,7 +372,7 @@ class ClusterConfig:
         workers = self.prefill.count + self.decode.count
         return max(1, (cores or os.cpu_count() or 1) // max(1, workers))
 
-    def _endpoints(self) -> list[tuple[str, int, int, int, int | None]]:
+    def _endpoints(self) -> list[tuple[Role, int, int, int, int | None]]:
         out = []
         for role in ROLES:
             for i in range(self.pool(role).count):
@@ -537,8 +551,8 @@ def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
-        if dataclasses.is_dataclass(t):
-            out += _dotted_keys(t, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            out += _dotted_keys(t, f"{prefix}{f.name}.")
         else:
             out.append(prefix + f.name)
     return out
@@ -556,7 +570,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     for name, value in data.items():
         t = hints[name]
         key = prefix + name
-        if dataclasses.is_dataclass(t):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
             kw[name] = _build(t, value, key + ".")
         elif get_origin(t) is dict:
             kw[name] = _build_dict(get_args(t)[1], value, key)
@@ -585,7 +599,7 @@ def _build_dict(inner: Any, value: Any, key: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{key} must be a mapping (in the YAML file or with --set {key}.NAME...), got {value!r}")
-    if dataclasses.is_dataclass(inner):
+    if isinstance(inner, type) and dataclasses.is_dataclass(inner):
         return {str(k): _build(inner, v if v is not None else {}, f"{key}.{k}.") for k, v in value.items()}
     return {str(k): v for k, v in value.items()}
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
+RopeType = Literal["default", "linear", "llama3"]
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """RoPE frequency scaling (Llama-3 style ``llama3``, ``linear``, or none)."""
 
-    rope_type: Literal["default", "linear", "llama3"] = "default"
+    rope_type: RopeType = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -76,7 +77,7 @@ class ModelConfig:
         if rtype not in ("default", "linear", "llama3"):
             raise ValueError(f"unsupported rope_scaling type {rtype!r}")
         scaling = RopeScaling(
-            rope_type=rtype,
+            rope_type=cast(RopeType, rtype),
             factor=float(rs.get("factor", 1.0)),
             low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
             high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
