@@ -201,14 +201,14 @@ def machine_defaults(cluster: ClusterConfig, given: frozenset[str]) -> tuple[Clu
     """The dtype and layout ``tokenmill up`` takes from the machine where nothing set them
     (``common/machine.py``), and why, one phrase each (empty: everything was asked for)."""
     why = []
-    engine, counts = cluster.engine, {}
+    engine, prefill = cluster.engine, cluster.prefill
     if cluster.engine.device == "cpu":
         d = cpu_defaults()
         if "engine.dtype" not in given:
             engine = dataclasses.replace(engine, dtype=d.dtype)
             why.append(f"{d.dtype}: {d.why_dtype}")
         if "prefill.count" not in given and "prefill.gpus" not in given and d.aggregated:
-            counts["prefill"] = dataclasses.replace(cluster.prefill, count=0)
+            prefill = dataclasses.replace(cluster.prefill, count=0)
             why.append(f"aggregated: {d.why_layout}")
     else:
         if "engine.dtype" not in given:
@@ -217,7 +217,7 @@ def machine_defaults(cluster: ClusterConfig, given: frozenset[str]) -> tuple[Clu
             why.append("aggregated replicas: the most goodput measured on two GPUs")
     if why:
         why.append("--dtype and --prefills N override")
-    return dataclasses.replace(cluster, engine=engine, **counts), why
+    return dataclasses.replace(cluster, engine=engine, prefill=prefill), why
 
 
 def _layout_line(c: ClusterConfig) -> str:

@@ -35,13 +35,13 @@ from typing import Any
 
 import yaml
 
-from common.cluster_config import ROLES, ClusterConfig
+from common.cluster_config import ROLES, ClusterConfig, Role
 from services.cluster.placement_gpu import split_utilization
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "tokenmill"
-_WORKERS = ("prefill", "decode")
+_WORKERS: tuple[Role, ...] = ("prefill", "decode")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -196,7 +196,7 @@ def up(cluster: ClusterConfig, address: str, name: str = "tokenmill", gateway_ho
         try:
             for role in ROLES:
                 for i in range(cluster.pool(role).count):
-                    actors[(role, i)] = remote_cls.options(  # type: ignore[attr-defined]
+                    actors[(role, i)] = remote_cls.options(
                         name=actor_name(name, role, i), lifetime="detached", max_restarts=0,
                         num_cpus=cpus.get(role, 1.0) if role in _WORKERS else 0.0,
                         num_gpus=gpus.get(role, 0.0), scheduling_strategy="SPREAD",
@@ -296,7 +296,7 @@ def status(address: str, name: str = "tokenmill") -> list[tuple[str, str, str]]:
     try:
         names = _ours(name)
         actors = [ray.get_actor(n) for n in names]
-        ips = ray.get([a.node_ip.remote() for a in actors], timeout=60)
+        ips: list[str] = ray.get([a.node_ip.remote() for a in actors], timeout=60)
         return list(zip(names, ips, ray.get([a.health.remote() for a in actors], timeout=60)))
     finally:
         ray.shutdown()

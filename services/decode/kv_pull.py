@@ -210,7 +210,8 @@ class KvPulls:
     def _give_back(self, pull: _Pull) -> None:
         """Tell the prefill worker its lease is free (no READ of ours runs under it); best effort."""
         try:
-            self.agent.send_notification(pull.peer, pull.lease_id.encode())  # type: ignore[union-attr]
+            assert self.agent is not None  # a pull was started through it
+            self.agent.send_notification(pull.peer, pull.lease_id.encode())
         except Exception as e:  # it went away (its blocks went with it), or NIXL refused: the lease expires
             log.info("could not give lease %s back to %s: %s", pull.lease_id, pull.peer, e)
 
