@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -176,6 +176,27 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name`` (its ``default_factory`` called); a dotted name goes into a
+    nested config, e.g. ``field_default(ClusterConfig, "gateway.port")``. The command-line flags and their help text
+    take their defaults from here, so a default is written once, in its dataclass. KeyError for an unknown field or
+    one without a default."""
+    head, _, rest = name.partition(".")
+    for f in fields(cls):
+        if f.name != head:
+            continue
+        if f.default is not MISSING:
+            value = f.default
+        elif f.default_factory is not MISSING:
+            value = f.default_factory()
+        else:
+            raise KeyError(f"{cls.__name__}.{head} has no default")
+        for part in rest.split(".") if rest else ():
+            value = getattr(value, part)
+        return value
+    raise KeyError(f"{cls.__name__} has no field {head!r}")
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M KV in float32
