@@ -45,7 +45,7 @@ DEFAULT_MODEL = "smollm2"
 Role = Literal["gateway", "router", "tokenizer", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("router", "tokenizer", "prefill", "decode", "gateway")  # start order
 _ROLE_OFFSET: dict[str, int] = {"router": 0, "tokenizer": 100, "prefill": 200, "decode": 300, "gateway": 400}
-_METRICS_OFFSET = 1000
+METRICS_OFFSET = 1000  # the /metrics ports: base_port + this + the role's offset (unless a pool sets metrics_port)
 ENV_PREFIX = "TOKENMILL_"
 # Shorter environment names of the backend choices; the TOKENMILL_ENGINE__* form wins where both are set
 ENV_ALIASES = {"TOKENMILL_CPU_KERNELS": "engine.cpu_kernels", "TOKENMILL_CUDA_FAST": "engine.cuda_fast_path",
@@ -347,7 +347,7 @@ class ClusterConfig:
         pool = self.pool(role)
         first = pool.port if pool.port is not None else self.base_port + _ROLE_OFFSET[role]
         first_m = (pool.metrics_port if pool.metrics_port is not None
-                   else self.base_port + _METRICS_OFFSET + _ROLE_OFFSET[role])
+                   else self.base_port + METRICS_OFFSET + _ROLE_OFFSET[role])
         return first + index, first_m + index
 
     def addresses(self, role: str) -> list[str]:
