@@ -49,7 +49,7 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
         temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_k=p.top_k if p.HasField("top_k") else 0,
+        top_k=p.top_k if p.HasField("top_k") else None,
         top_p=p.top_p if p.HasField("top_p") else 1.0,
         min_p=p.min_p if p.HasField("min_p") else 0.0,
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
