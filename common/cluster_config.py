@@ -95,7 +95,7 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()  # empty: the model spec (e.g. smollm2) and its HF repo name if known
     max_body_bytes: int = 4 << 20  # a larger request body is refused with 413
     max_inflight_requests: int = 4096  # requests in flight at this gateway; above: 429 with Retry-After
-    tenant_max_inflight: int = 0  # per-tenant in-flight quota (0: none); above: 429 with Retry-After
+    tenant_max_inflight: int | None = None  # per-tenant in-flight quota (None: none); above: 429 with Retry-After
     # JSON lines, one per finished or refused request: time, tenant, request id, model, class, token counts,
     # status, latency, migrations (services/gateway/accounting.py); None: no audit log
     audit_log: str | None = None
@@ -316,6 +316,9 @@ class ClusterConfig:
                 raise ConfigError(f"{role}.count must be >= 0, got {self.pool(role).count}")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.gateway.tenant_max_inflight is not None and self.gateway.tenant_max_inflight < 1:
+            raise ConfigError("gateway.tenant_max_inflight must be >= 1 (or unset: no quota), got "
+                              f"{self.gateway.tenant_max_inflight}")
         if self.gateway.response_cache_bytes < 0 or not self.gateway.response_cache_ttl_s > 0:
             raise ConfigError("gateway.response_cache_bytes must be >= 0 (0: off) and gateway.response_cache_ttl_s "
                               f"> 0, got {self.gateway.response_cache_bytes} and {self.gateway.response_cache_ttl_s}")

@@ -340,7 +340,7 @@ class HttpFrontend:
             err = oa.OpenAIError(429, f"the gateway queue is full ({self.inflight} requests in flight); retry "
                                  "after the Retry-After seconds", code="queue_full",
                                  headers={"Retry-After": _RETRY_AFTER_S})
-        elif quota and self.tenant_inflight[t.name] >= quota:
+        elif quota is not None and self.tenant_inflight[t.name] >= quota:
             err = oa.OpenAIError(429, f"tenant {t.name or '(default)'} is over its quota of {quota} requests in "
                                  "flight (gateway.tenant_max_inflight); retry after the Retry-After seconds",
                                  code="quota_exceeded", headers={"Retry-After": _RETRY_AFTER_S})
