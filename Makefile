@@ -8,7 +8,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 STAMP := $(VENV)/.installed-stamp
 COMPOSE_VENV := $(VENV)/compose
 
-.PHONY: install up test test-gpu lint protos clean
+.PHONY: install up test test-gpu lint typecheck protos clean
 
 install: $(STAMP)
 
@@ -30,7 +30,10 @@ $(STAMP): pyproject.toml Makefile
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install lint
+typecheck: install
+	$(VENV)/bin/mypy common services
+
+test: install lint typecheck
 	$(VENV)/bin/pytest -q
 
 # The GPU suite: the tests marked `gpu` (tests/gpu, and the sampler's tests on cuda); each skips where torch sees
@@ -52,4 +55,4 @@ up: install
 	$(VENV)/bin/tokenmill up
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

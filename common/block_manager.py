@@ -97,7 +97,11 @@ class BlockManager:
         for bid in hit:
             self._take(bid)
         seq.block_ids = list(hit)
-        seq.block_hashes = [self.blocks[b].hash for b in hit]  # type: ignore[misc]
+        seq.block_hashes = []
+        for b in hit:
+            h = self.blocks[b].hash
+            assert h is not None  # a prefix hit is a block found by its hash
+            seq.block_hashes.append(h)
         seq.num_computed_tokens = len(hit) * self.block_size
         if not seq.admitted:
             self.stats.queries += seq.num_prompt_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from common.cluster_config import with_backend_env
-from common.config import EngineConfig, parse_bytes
+from common.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, field_default, parse_bytes
 from common.loader import DEFAULT_MODEL, ModelSource, load_model_source
 from common.machine import default_dtype
 
@@ -13,30 +13,43 @@ TOKENIZER_HELP = ("the tokenizer to use instead of the model's own: a .gguf file
                   f"(tokenizer.json) or '{DEFAULT_MODEL}'; gives a dummy:CONFIG model text in and out")
 
 
+def _default(name: str) -> object:
+    """``EngineConfig``'s default of ``name``: the flag's default, which its help text shows (``%(default)s``)."""
+    return field_default(EngineConfig, name)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags; their defaults are ``EngineConfig``'s (``--dtype``'s follows the machine)."""
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a .gguf file, a Hugging Face directory, dummy:CONFIG, or '{DEFAULT_MODEL}' (the embedded "
                         "SmolLM2-135M-Instruct; default)")
     g.add_argument("--tokenizer", default=None, help=TOKENIZER_HELP)
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=_default("device"),
+                   help="where the model runs (default %(default)s)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="weights and KV dtype (default: bfloat16 on cuda and on CPUs with bf16 arithmetic, "
                         "else float32)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--block-size", type=int, default=_default("block_size"),
+                   help="tokens per KV block (default %(default)s)")
     g.add_argument("--kv-cache-memory", default=None,
-                   help="bytes for the KV pool, e.g. 2GiB (default: 1GiB on cpu; on cuda what "
+                   help=f"bytes for the KV pool, e.g. 2GiB (default: {DEFAULT_CPU_KV_CACHE_BYTES / (1 << 30):g}GiB on cpu; "
+                        "on cuda what "
                         "--gpu-memory-utilization leaves after weights and activations)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory Tokenmill may use (default 0.9)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step (default 2048)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step (default 64)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=_default("gpu_memory_utilization"),
+                   help="fraction of GPU memory Tokenmill may use (default %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=_default("max_num_batched_tokens"),
+                   help="token budget of one step (default %(default)s)")
+    g.add_argument("--max-num-seqs", type=int, default=_default("max_num_seqs"),
+                   help="most sequences in one step (default %(default)s)")
+    g.add_argument("--max-model-len", type=int, default=_default("max_model_len"), help="context limit (default: the model's)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     g.add_argument("--no-chunked-prefill", action="store_true", help="never split a prompt across steps")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own (default 0)")
-    g.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor parallelism: split the model over N processes (on cuda, GPUs cuda:0..N-1; default 1)")
+    g.add_argument("--seed", type=int, default=_default("seed"),
+                   help="engine seed for requests without their own (default %(default)s)")
+    g.add_argument("--tp", type=int, default=_default("tensor_parallel_size"), metavar="N",
+                   help="tensor parallelism: split the model over N processes (on cuda, GPUs cuda:0..N-1; default "
+                        "%(default)s)")
 
 
 def model_source_from_args(a: argparse.Namespace) -> ModelSource:

@@ -45,7 +45,7 @@ DEFAULT_MODEL = "smollm2"
 Role = Literal["gateway", "router", "tokenizer", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("router", "tokenizer", "prefill", "decode", "gateway")  # start order
 _ROLE_OFFSET: dict[str, int] = {"router": 0, "tokenizer": 100, "prefill": 200, "decode": 300, "gateway": 400}
-_METRICS_OFFSET = 1000
+METRICS_OFFSET = 1000  # the /metrics ports: base_port + this + the role's offset (unless a pool sets metrics_port)
 ENV_PREFIX = "TOKENMILL_"
 # Shorter environment names of the backend choices; the TOKENMILL_ENGINE__* form wins where both are set
 ENV_ALIASES = {"TOKENMILL_CPU_KERNELS": "engine.cpu_kernels", "TOKENMILL_CUDA_FAST": "engine.cuda_fast_path",
@@ -57,6 +57,14 @@ _TENANT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 class ConfigError(ValueError):
     """The configuration is unusable; the message names the key and what it accepts."""
+
+
+def as_role(name: str) -> Role:
+    """``name`` as a Role; ConfigError for a name that is not one."""
+    for role in ROLES:
+        if name == role:
+            return role
+    raise ConfigError(f"unknown role {name!r}; roles are {list(ROLES)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +95,7 @@ class GatewayConfig:
     served_model_names: tuple[str, ...] = ()  # empty: the model spec (e.g. smollm2) and its HF repo name if known
     max_body_bytes: int = 4 << 20  # a larger request body is refused with 413
     max_inflight_requests: int = 4096  # requests in flight at this gateway; above: 429 with Retry-After
-    tenant_max_inflight: int = 0  # per-tenant in-flight quota (0: none); above: 429 with Retry-After
+    tenant_max_inflight: int | None = None  # per-tenant in-flight quota (None: none); above: 429 with Retry-After
     # JSON lines, one per finished or refused request: time, tenant, request id, model, class, token counts,
     # status, latency, migrations (services/gateway/accounting.py); None: no audit log
     audit_log: str | None = None
@@ -308,6 +316,9 @@ class ClusterConfig:
                 raise ConfigError(f"{role}.count must be >= 0, got {self.pool(role).count}")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.gateway.tenant_max_inflight is not None and self.gateway.tenant_max_inflight < 1:
+            raise ConfigError("gateway.tenant_max_inflight must be >= 1 (or unset: no quota), got "
+                              f"{self.gateway.tenant_max_inflight}")
         if self.gateway.response_cache_bytes < 0 or not self.gateway.response_cache_ttl_s > 0:
             raise ConfigError("gateway.response_cache_bytes must be >= 0 (0: off) and gateway.response_cache_ttl_s "
                               f"> 0, got {self.gateway.response_cache_bytes} and {self.gateway.response_cache_ttl_s}")
@@ -324,16 +335,22 @@ class ClusterConfig:
                 seen[port] = where
 
     def pool(self, role: str) -> GatewayConfig | RouterConfig | TokenizerConfig | WorkerConfig:
-        if role not in _ROLE_OFFSET:
-            raise ConfigError(f"unknown role {role!r}; roles are {list(ROLES)}")
-        return getattr(self, role)
+        return getattr(self, as_role(role))
+
+    def worker_pool(self, role: str) -> WorkerConfig:
+        """The pool of a model-running role (prefill or decode); ConfigError for any other role."""
+        if role == "prefill":
+            return self.prefill
+        if role == "decode":
+            return self.decode
+        raise ConfigError(f"{as_role(role)} is not a model-running role (prefill, decode)")
 
     def ports(self, role: str, index: int = 0) -> tuple[int, int]:
         """(gRPC port, metrics port) of instance ``index`` of ``role``."""
         pool = self.pool(role)
         first = pool.port if pool.port is not None else self.base_port + _ROLE_OFFSET[role]
         first_m = (pool.metrics_port if pool.metrics_port is not None
-                   else self.base_port + _METRICS_OFFSET + _ROLE_OFFSET[role])
+                   else self.base_port + METRICS_OFFSET + _ROLE_OFFSET[role])
         return first + index, first_m + index
 
     def addresses(self, role: str) -> list[str]:
@@ -349,7 +366,7 @@ class ClusterConfig:
                 metrics_port: int | None = None) -> ServiceConfig:
         """The view one process runs with; ``port``/``metrics_port`` override the derived ones."""
         p, m = self.ports(role, index)
-        return ServiceConfig(self, role, index, p if port is None else port,  # type: ignore[arg-type]
+        return ServiceConfig(self, as_role(role), index, p if port is None else port,
                              m if metrics_port is None else metrics_port)
 
     def threads_for_children(self, cores: int | None = None) -> int:
@@ -358,7 +375,7 @@ class ClusterConfig:
         workers = self.prefill.count + self.decode.count
         return max(1, (cores or os.cpu_count() or 1) // max(1, workers))
 
-    def _endpoints(self) -> list[tuple[str, int, int, int, int | None]]:
+    def _endpoints(self) -> list[tuple[Role, int, int, int, int | None]]:
         out = []
         for role in ROLES:
             for i in range(self.pool(role).count):
@@ -537,8 +554,8 @@ def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
-        if dataclasses.is_dataclass(t):
-            out += _dotted_keys(t, f"{prefix}{f.name}.")  # type: ignore[arg-type]
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            out += _dotted_keys(t, f"{prefix}{f.name}.")
         else:
             out.append(prefix + f.name)
     return out
@@ -556,7 +573,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     for name, value in data.items():
         t = hints[name]
         key = prefix + name
-        if dataclasses.is_dataclass(t):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
             kw[name] = _build(t, value, key + ".")
         elif get_origin(t) is dict:
             kw[name] = _build_dict(get_args(t)[1], value, key)
@@ -585,7 +602,7 @@ def _build_dict(inner: Any, value: Any, key: str) -> dict[str, Any]:
         return {}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{key} must be a mapping (in the YAML file or with --set {key}.NAME...), got {value!r}")
-    if dataclasses.is_dataclass(inner):
+    if isinstance(inner, type) and dataclasses.is_dataclass(inner):
         return {str(k): _build(inner, v if v is not None else {}, f"{key}.{k}.") for k, v in value.items()}
     return {str(k): v for k, v in value.items()}
 

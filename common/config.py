@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16", "float16"]
+RopeType = Literal["default", "linear", "llama3"]
 
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
     """RoPE frequency scaling (Llama-3 style ``llama3``, ``linear``, or none)."""
 
-    rope_type: Literal["default", "linear", "llama3"] = "default"
+    rope_type: RopeType = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -76,7 +77,7 @@ class ModelConfig:
         if rtype not in ("default", "linear", "llama3"):
             raise ValueError(f"unsupported rope_scaling type {rtype!r}")
         scaling = RopeScaling(
-            rope_type=rtype,
+            rope_type=cast(RopeType, rtype),
             factor=float(rs.get("factor", 1.0)),
             low_freq_factor=float(rs.get("low_freq_factor", 1.0)),
             high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
@@ -178,6 +179,27 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name`` (its ``default_factory`` called); a dotted name goes into a
+    nested config, e.g. ``field_default(ClusterConfig, "gateway.port")``. The command-line flags and their help text
+    take their defaults from here, so a default is written once, in its dataclass. KeyError for an unknown field or
+    one without a default."""
+    head, _, rest = name.partition(".")
+    for f in fields(cls):
+        if f.name != head:
+            continue
+        if f.default is not MISSING:
+            value = f.default
+        elif f.default_factory is not MISSING:
+            value = f.default_factory()
+        else:
+            raise KeyError(f"{cls.__name__}.{head} has no default")
+        for part in rest.split(".") if rest else ():
+            value = getattr(value, part)
+        return value
+    raise KeyError(f"{cls.__name__} has no field {head!r}")
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M KV in float32

@@ -294,8 +294,9 @@ class LLMEngine:
         is queued to recompute locally instead (KvImport is None, same output)."""
         seq = self._new_seq(request_id, prompt_ids, params, priority, cache_salt, tenancy=tenancy)
         if seq.matcher is not None and not seq.matcher.accept(int(first_token)):
+            assert params.structured is not None  # the matcher was compiled from it
             raise RequestError(f"the first token {first_token} does not follow the request's "
-                               f"{params.structured.kind.replace('_', ' ')} constraint")  # type: ignore[union-attr]
+                               f"{params.structured.kind.replace('_', ' ')} constraint")
         seq.output_ids.append(int(first_token))
         out = self._token_output(seq, int(first_token), first_logprob)
         if out.finished:
@@ -468,16 +469,16 @@ class LLMEngine:
         progress: bool = False,
     ) -> list[CompletionResult]:
         """Run every prompt to completion; results in input order. Raises RequestError before any work."""
-        prompts = [list(p) for p in prompts]
-        plist = list(params) if isinstance(params, list | tuple) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        for ids, p in zip(prompts, plist):
+        lists = [list(p) for p in prompts]
+        plist = [params] * len(lists) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(lists):
+            raise ValueError(f"{len(lists)} prompts but {len(plist)} sampling params")
+        for ids, p in zip(lists, plist):
             self.validate(ids, p)
         texts = OutputProcessor(self.tokenizer)
-        rids = [f"gen-{next(self._counter)}" for _ in prompts]
+        rids = [f"gen-{next(self._counter)}" for _ in lists]
         acc: dict[str, CompletionResult] = {}
-        for rid, prompt, p in zip(rids, prompts, plist):
+        for rid, prompt, p in zip(rids, lists, plist):
             self.add_request(rid, prompt, p)
             texts.add(rid, prompt, p)
             acc[rid] = CompletionResult(rid, prompt, [], "", "", [] if p.logprobs is not None else None)
@@ -485,9 +486,9 @@ class LLMEngine:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(prompts), desc="generate", unit="req", dynamic_ncols=True)
+            bar = tqdm(total=len(lists), desc="generate", unit="req", dynamic_ncols=True)
         done = 0
-        while done < len(prompts):
+        while done < len(lists):
             for o in self.step():
                 d = texts.process(o.request_id, o.new_token_ids, o.finished, o.finish_reason)
                 if d is None:

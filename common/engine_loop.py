@@ -42,12 +42,14 @@ class EngineLoop:
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:
         # an engine, or a factory the loop's thread calls first (see the module's docstring); ``ready`` holds it
-        built = isinstance(engine, LLMEngine)
-        self._factory = None if built else engine
-        self.engine: LLMEngine | None = engine if built else None  # type: ignore[assignment]
+        self._factory: Callable[[], LLMEngine] | None = None
+        self.engine: LLMEngine | None = None
         self.ready: Future[LLMEngine] = Future()
-        if built:
-            self.ready.set_result(engine)  # type: ignore[arg-type]
+        if isinstance(engine, LLMEngine):
+            self.engine = engine
+            self.ready.set_result(engine)
+        else:
+            self._factory = engine
         self._on_outputs = on_outputs
         self._on_tick = on_tick
         self._busy = busy or (lambda: False)
@@ -75,7 +77,7 @@ class EngineLoop:
             self._cmds.put((fn, fut))
         return fut
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, eng: LLMEngine, block: bool) -> None:
         timeout = self._idle_tick_s if self._busy() else 0.5
         try:
             item = self._cmds.get(timeout=timeout) if block else self._cmds.get_nowait()
@@ -85,7 +87,7 @@ class EngineLoop:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self.engine))
+                    fut.set_result(fn(eng))
                 except BaseException as e:
                     fut.set_exception(e)
             try:
@@ -109,7 +111,7 @@ class EngineLoop:
         assert eng is not None
         try:
             while not self._stopping:
-                self._run_commands(block=not eng.has_unfinished())
+                self._run_commands(eng, block=not eng.has_unfinished())
                 if self._on_tick is not None:
                     self._on_tick(eng)
                 if eng.has_unfinished():

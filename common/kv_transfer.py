@@ -150,7 +150,9 @@ class KvCompat:
     def for_pool(cls, kv_cache: torch.Tensor, model_id: str, layout: str | None = None) -> KvCompat:
         """The compat of a block-major pool tensor ``[blocks, layers, 2, block_size, kv_heads, head_dim]``."""
         if layout is None:
-            from common.model_runner import KV_LAYOUT as layout
+            from common.model_runner import KV_LAYOUT
+
+            layout = KV_LAYOUT
         _, layers, _, block_size, kv_heads, head_dim = kv_cache.shape
         return cls(PROTOCOL_VERSION, model_id, dtype_name(kv_cache.dtype), layers, kv_heads, head_dim,
                    block_size, layout)

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def engine_load(
-    engine: LLMEngine, worker_id: str, address: str, role: int, full: bool = False, draining: bool = False
+    engine: LLMEngine, worker_id: str, address: str, role: router_pb2.WorkerRole, full: bool = False, draining: bool = False
 ) -> router_pb2.WorkerLoad:
     """A load report from the engine's current state (call on the engine thread).
 
@@ -86,7 +86,8 @@ async def report_forever(
                             # the first report of a stream must be a full one: wait for it
                             done, _ = await asyncio.wait({pending}, timeout=None if last is None else interval_s)
                             if not done:
-                                yield still_alive(last)  # type: ignore[arg-type]  (last is set once waited on)
+                                assert last is not None  # the first wait has no timeout: it returns done
+                                yield still_alive(last)
                                 continue
                             last, pending = pending.result(), None
                             yield last

@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from common.config import DType
+
 HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 _huge_pages_set_here = False
 
@@ -43,7 +45,7 @@ def usable_cores() -> int:
 
 @dataclass(frozen=True, slots=True)
 class CpuDefaults:
-    dtype: str
+    dtype: DType
     aggregated: bool  # no prefill pool: the decode workers prefill
     why_dtype: str
     why_layout: str
@@ -61,7 +63,7 @@ def cpu_defaults(flags: frozenset[str] | None = None, cores: int | None = None) 
     return CpuDefaults("bfloat16" if bf16 else "float32", aggregated, why_dtype, why_layout)
 
 
-def default_dtype(device: str) -> str:
+def default_dtype(device: str) -> DType:
     """The dtype a command uses on ``device`` when none is asked for."""
     return "bfloat16" if device == "cuda" else cpu_defaults().dtype
 

@@ -12,9 +12,9 @@ Weights are taken with Hugging Face names (``model.layers.0.self_attn.q_proj.wei
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +95,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class DecoderLayer(torch.nn.Module):
+    """One layer's fused parameters (the backend runs its forward): set by ``LlamaModel``, declared here for
+    their types."""
+
+    input_norm: torch.nn.Parameter
+    qkv: torch.nn.Parameter
+    qkv_bias: torch.nn.Parameter | None  # None: the model has no attention bias
+    o_proj: torch.nn.Parameter
+    post_norm: torch.nn.Parameter
+    gate_up: torch.nn.Parameter
+    down: torch.nn.Parameter
+
+
+class DecoderLayers(torch.nn.ModuleList):
+    """A ``ModuleList`` of ``DecoderLayer``, typed as one."""
+
+    def __iter__(self) -> Iterator[DecoderLayer]:
+        return cast(Iterator[DecoderLayer], super().__iter__())
+
+    @overload
+    def __getitem__(self, idx: slice) -> torch.nn.ModuleList: ...
+
+    @overload
+    def __getitem__(self, idx: int) -> DecoderLayer: ...
+
+    def __getitem__(self, idx: int | slice) -> DecoderLayer | torch.nn.ModuleList:
+        return cast(DecoderLayer | torch.nn.ModuleList, super().__getitem__(idx))
+
+
 class LlamaModel(torch.nn.Module):
     """The decoder. ``forward`` returns final hidden states; ``compute_logits`` projects the chosen rows.
 
@@ -103,6 +132,10 @@ class LlamaModel(torch.nn.Module):
     o_proj and down row-parallel, each followed by an all-reduce). The embedding and the LM head are replicated
     (vocab-parallel was not measured), so every rank's logits are the same. Raises ValueError when the group's size
     does not divide the heads, the KV heads or the intermediate size."""
+
+    # buffers, registered in __init__ (declared for their types)
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                  shard: Shard = SINGLE) -> None:
@@ -124,9 +157,9 @@ class LlamaModel(torch.nn.Module):
             return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=self.device), requires_grad=False)
 
         self.embed_tokens = empty(cfg.vocab_size, h)
-        self.layers = torch.nn.ModuleList()
+        self.layers = DecoderLayers()
         for _ in range(cfg.num_layers):
-            layer = torch.nn.Module()
+            layer = DecoderLayer()
             layer.input_norm = empty(h)
             layer.qkv = empty(q + 2 * kv, h)
             layer.qkv_bias = empty(q + 2 * kv) if cfg.attention_bias else None
@@ -188,7 +221,7 @@ class LlamaModel(torch.nn.Module):
                 "mlp.up_proj.weight": (layer.gate_up, (i, 2 * i), 0),
                 "mlp.down_proj.weight": (layer.down, None, 1),
             }
-            if cfg.attention_bias:
+            if layer.qkv_bias is not None:  # set when cfg.attention_bias
                 targets["self_attn.q_proj.bias"] = (layer.qkv_bias, (0, q), 0)
                 targets["self_attn.k_proj.bias"] = (layer.qkv_bias, (q, q + kv), 0)
                 targets["self_attn.v_proj.bias"] = (layer.qkv_bias, (q + kv, q + 2 * kv), 0)

@@ -129,7 +129,7 @@ def translate_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
             gen = method(self, request, context)
-            context.add_done_callback(lambda _ctx: _close_soon(gen))
+            context.add_done_callback(lambda _ctx: _close_soon(gen))  # type: ignore[arg-type]  # types-grpcio's callback type is a class: no function matches
             try:
                 async for item in gen:
                     yield item
@@ -188,7 +188,7 @@ def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: 
     """Register ``servicer``'s methods of ``service``, as the generated ``add_*Servicer_to_server`` does, except that
     a request whose bytes do not parse ends INVALID_ARGUMENT (gRPC's own deserializer ends it UNKNOWN). For services
     that take bytes from outside; unary requests only."""
-    handlers = {}
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for m in service.methods:
         if m.client_streaming:
             raise TypeError(f"{m.full_name}: add_servicer takes unary requests only")
@@ -260,7 +260,9 @@ class StubCache:
 class ServiceApp(Protocol):
     """What ``run`` needs from a service."""
 
-    role: str
+    @property
+    def role(self) -> str: ...
+
     registry: CollectorRegistry
 
     def register(self, server: grpc.aio.Server) -> list[str]:

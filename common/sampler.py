@@ -382,7 +382,7 @@ class _RowStatic:
 
     @classmethod
     def of(cls, p: SamplingParams, seed: int, vocab: int) -> _RowStatic:
-        k = p.top_k if 0 < p.top_k < vocab else 0
+        k = p.top_k if p.top_k is not None and 0 < p.top_k < vocab else 0
         greedy = p.greedy
         # a greedy row is picked by argmax; in the sampling pass it keeps one candidate at temperature 1 (finite)
         head = (1.0 if greedy else p.temperature, 1.0 if greedy else float(k), p.top_p, p.min_p,

@@ -27,7 +27,7 @@ class SamplingParams:
 
     max_tokens: int | None = 16  # None: up to the context limit
     temperature: float = 1.0  # 0 → greedy
-    top_k: int = 0  # 0 or -1 → off
+    top_k: int | None = None  # None: off (0 and -1, the OpenAI clients' and vLLM's "off", are taken as None)
     top_p: float = 1.0
     min_p: float = 0.0
     presence_penalty: float = 0.0
@@ -54,6 +54,8 @@ class SamplingParams:
         except (TypeError, ValueError) as e:
             raise ValueError(f"logit_bias must map token ids to numbers, got {lb!r}") from e
         object.__setattr__(self, "logit_bias", norm)
+        if self.top_k in (0, -1):
+            object.__setattr__(self, "top_k", None)
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +69,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
+        if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")

@@ -14,7 +14,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import llguidance as llg
 import numpy as np
@@ -23,11 +23,13 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from common.sampling import StructuredOutput
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stub only
+
     from common.grammar_proc import MaskProcess
 
 # JSON is generated with the separators the model writes itself (``{"a": 1, "b": 2}``) and no free whitespace:
 # the model cannot pad an object with spaces until max_tokens runs out.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _MAX_ERROR = 400  # characters of llguidance's message kept in an error (it appends its whole state)
 
 

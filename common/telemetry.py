@@ -32,7 +32,7 @@ import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 from opentelemetry import context as otel_context
@@ -219,7 +219,7 @@ def traced(name: str, kind: SpanKind = SERVER) -> Callable[[F], F]:
             with TRACER.start_as_current_span(name, kind=kind):
                 return await method(*args, **kwargs)
 
-        return wrapper  # type: ignore[return-value]
+        return cast(F, wrapper)  # wraps keeps the signature of ``method``
 
     return deco
 

@@ -10,7 +10,7 @@ from tokenmill.v1 import common_pb2
 from common.sampling import SamplingParams, StructuredOutput
 from common.sequence import PriorityClass, Tenancy
 
-_CLASSES = {
+_CLASSES: dict[int, PriorityClass] = {
     common_pb2.PRIORITY_CLASS_UNSPECIFIED: PriorityClass.STANDARD,
     common_pb2.PRIORITY_CLASS_INTERACTIVE: PriorityClass.INTERACTIVE,
     common_pb2.PRIORITY_CLASS_STANDARD: PriorityClass.STANDARD,
@@ -21,7 +21,7 @@ _CLASSES = {
 def priority_class_from_proto(value: int) -> PriorityClass:
     """Unset: standard. Raises ValueError for a value this build does not know."""
     try:
-        return _CLASSES[value]  # type: ignore[index]
+        return _CLASSES[value]
     except KeyError:
         raise ValueError(f"priority_class {value} is unknown; use interactive, standard or batch") from None
 
@@ -49,7 +49,7 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
         temperature=p.temperature if p.HasField("temperature") else 1.0,
-        top_k=p.top_k if p.HasField("top_k") else 0,
+        top_k=p.top_k if p.HasField("top_k") else None,
         top_p=p.top_p if p.HasField("top_p") else 1.0,
         min_p=p.min_p if p.HasField("min_p") else 0.0,
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else 0.0,
@@ -63,7 +63,7 @@ def sampling_params_from_proto(p: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
-        logit_bias=dict(p.logit_bias),
+        logit_bias=tuple(p.logit_bias.items()),
         structured=structured_from_proto(p.structured) if p.HasField("structured") else None,
     )
 
@@ -85,4 +85,8 @@ def structured_to_proto(so: StructuredOutput) -> common_pb2.StructuredOutput:
         return common_pb2.StructuredOutput(choice=common_pb2.ChoiceList(choices=list(so.choices)))
     if so.kind == "json_object":
         return common_pb2.StructuredOutput(json_object=True)
-    return common_pb2.StructuredOutput(**{so.kind: so.spec})
+    if so.kind == "regex":
+        return common_pb2.StructuredOutput(regex=so.spec)
+    if so.kind == "grammar":
+        return common_pb2.StructuredOutput(grammar=so.spec)
+    return common_pb2.StructuredOutput(json_schema=so.spec)

@@ -94,10 +94,15 @@ class WorkerMetrics:
         bm = engine.block_manager
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
+
+        def by_class(klass: PriorityClass, i: int) -> Callable[[], float]:
+            """The class's count of waiting (``i`` 0) or running (1) requests."""
+            return lambda: engine.num_by_class(klass)[i]
+
         for klass in PriorityClass:
             label = klass.name.lower()
-            self.class_waiting.labels(label).set_function(lambda k=klass: engine.num_by_class(k)[0])
-            self.class_running.labels(label).set_function(lambda k=klass: engine.num_by_class(k)[1])
+            self.class_waiting.labels(label).set_function(by_class(klass, 0))
+            self.class_running.labels(label).set_function(by_class(klass, 1))
         self.kv_used.set_function(bm.usage)
         self.kv_free.set_function(lambda: bm.num_free_blocks)
         self.kv_total.set_function(lambda: bm.num_blocks)
@@ -131,9 +136,12 @@ def build_engine(cfg: ServiceConfig) -> LLMEngine:
 
 def make_agent(cfg: ServiceConfig, engine: LLMEngine) -> KvTransferAgent:
     kv = engine.runner.kv_cache
+    role = cfg.role
+    if role != "prefill" and role != "decode":
+        raise ValueError(f"{cfg.name}: a KV transfer agent belongs to a prefill or decode worker")
     # the name is unique to this process: a restarted worker's peers see a new agent, never READ through the old
     return KvTransferAgent(f"{cfg.name}.{os.getpid()}", kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT),
-                           role=cfg.role)
+                           role=role)
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:
@@ -150,7 +158,7 @@ def logprob_proto(lp: Any) -> common_pb2.TokenLogprob:
 class WorkerBase:
     """Engine + loop + agent + load reports; subclasses add their servicer and output handling."""
 
-    role_proto: int = router_pb2.WORKER_ROLE_UNSPECIFIED
+    role_proto: router_pb2.WorkerRole = router_pb2.WORKER_ROLE_UNSPECIFIED
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
@@ -208,7 +216,7 @@ class WorkerBase:
         self.loop.start()
         self.engine = await asyncio.wrap_future(self.loop.ready)
         self.metrics.bind(self.engine, self.agent)
-        interval = self.cfg.cluster.pool(self.cfg.role).report_interval_s  # type: ignore[union-attr]
+        interval = self.cfg.cluster.worker_pool(self.cfg.role).report_interval_s
         # every router replica keeps its own view: each gets this worker's stream
         self._report_tasks = [
             asyncio.create_task(report_forever(addr, self._snapshot_for(addr), interval, self._stop_reports))

@@ -101,7 +101,7 @@ def _expected(params: SamplingParams) -> dict[int, float]:
     """The exact distribution of one row, computed the textbook way: temperature, top-k, top-p, min-p."""
     q = [p ** (1.0 / params.temperature) for p in _PROBS]
     order = sorted(range(len(q)), key=lambda i: -q[i])
-    keep = order[: params.top_k] if params.top_k > 0 else order
+    keep = order[: params.top_k] if params.top_k is not None else order
     z = sum(q[i] for i in keep)
     p = {i: q[i] / z for i in keep}
     if params.top_p < 1.0:

@@ -14,40 +14,52 @@ from pathlib import Path
 from typing import Any
 
 from common.cluster_config import (
+    METRICS_OFFSET,
     ROLES,
     ClusterConfig,
     ConfigError,
     load_cluster_config_given,
     parse_set_option,
 )
+from common.config import field_default
 from common.machine import cpu_defaults
 
 # Entry points: ``serve(cfg: ServiceConfig) -> int | None`` (a coroutine function is run with asyncio.run).
 ENTRY_POINTS = {role: f"services.{role}.server" for role in ROLES}
 
 
+def default_of(key: str) -> Any:
+    """``ClusterConfig``'s default of a dotted key (``gateway.port``), as the help text names it: the flags themselves
+    default to None, so that the file and the environment are not overridden by a flag that was not given."""
+    return field_default(ClusterConfig, key)
+
+
 def _common_args(p: argparse.ArgumentParser) -> None:
+    d = default_of
     g = p.add_argument_group("cluster config (file → TOKENMILL_* env → these flags)")
     g.add_argument("--config", type=Path, help="YAML file with any ClusterConfig field (common/cluster_config.py)")
     g.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_items",
                    help="set any config field by its dotted key, e.g. --set router.prefill_weight=2 "
                         "--set engine.max_num_seqs=32 (repeatable)")
-    g.add_argument("--host", help="interface every service binds (default 127.0.0.1)")
-    g.add_argument("--model", help="model spec for every pool (default: smollm2, the embedded SmolLM2-135M)")
+    g.add_argument("--host", help=f"interface every service binds (default {d('host')})")
+    g.add_argument("--model", help=f"model spec for every pool (default: {d('model')}, the embedded SmolLM2-135M)")
     g.add_argument("--tokenizer", dest="tokenizer_spec", metavar="SPEC",
                    help="tokenizer for every pool: a .gguf, an HF directory or smollm2 (default: the model's own); "
                         "e.g. with --model dummy:llama-3.1-8b")
     g.add_argument("--device", choices=["cpu", "cuda"],
-                   help="where the model workers run (engine.device, default cpu); on cuda the dtype defaults to "
-                        "bfloat16")
+                   help=f"where the model workers run (engine.device, default {d('engine.device')}); on cuda the "
+                        "dtype defaults to bfloat16")
     g.add_argument("--tp", type=int, metavar="N",
                    help="engine.tensor_parallel_size: each model worker splits the model over N processes and, on "
-                        "cuda, N GPUs (default 1; N > 1 runs the aggregated layout, no prefill pool)")
+                        f"cuda, N GPUs (default {d('engine.tensor_parallel_size')}; N > 1 runs the aggregated "
+                        "layout, no prefill pool)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="engine.dtype (default: from the machine: bfloat16 on cuda and on CPUs with bf16 "
                         "arithmetic, else float32)")
-    g.add_argument("--base-port", type=int, help="first internal port (default 20000; metrics from +1000)")
-    g.add_argument("--grace", type=float, dest="grace_s", help="seconds to drain in-flight RPCs on SIGTERM (10)")
+    g.add_argument("--base-port", type=int,
+                   help=f"first internal port (default {d('base_port')}; metrics from +{METRICS_OFFSET})")
+    g.add_argument("--grace", type=float, dest="grace_s",
+                   help=f"seconds to drain in-flight RPCs on SIGTERM ({d('grace_s'):g})")
 
 
 def _overrides(a: argparse.Namespace) -> dict[str, Any]:
@@ -72,13 +84,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                     "(grpc.health.v1), print where to connect; Ctrl-C drains and stops them.")
     _common_args(up)
     g = up.add_argument_group("pools (counts and first ports)")
-    for role, default in (("gateway", 1), ("router", 1), ("tokenizer", 2), ("prefill", 1), ("decode", 1)):
+    for role in ("gateway", "router", "tokenizer", "prefill", "decode"):
         g.add_argument(f"--{role}s", type=int, dest=f"{role}_count", metavar="N",
-                       help=f"{role} processes (default {default})")
+                       help=f"{role} processes (default {default_of(f'{role}.count')})")
         g.add_argument(f"--{role}-port", type=int, dest=f"{role}_port", metavar="PORT",
-                       help="public gRPC port (default 50051)" if role == "gateway"
+                       help=f"public gRPC port (default {default_of('gateway.port')})" if role == "gateway"
                        else f"first {role} gRPC port (default: from --base-port)")
-    g.add_argument("--http-port", type=int, help="the gateway's OpenAI HTTP port (default 8000)")
+    g.add_argument("--http-port", type=int,
+                   help=f"the gateway's OpenAI HTTP port (default {default_of('gateway.http_port')})")
     g = up.add_argument_group("GPUs (with --device cuda; default: an aggregated replica on every GPU, no prefill "
                               "worker; with --prefills N, a GPU per prefill worker and a decode worker on each GPU "
                               "left)")
@@ -89,7 +102,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                             f"engine.gpu_memory_utilization; one device: cuda:1)")
     up.add_argument("--dry-run", action="store_true",
                     help="print each process's devices and command line, start nothing")
-    up.add_argument("--startup-timeout", type=float, help="seconds to wait for every service to be SERVING (600)")
+    up.add_argument("--startup-timeout", type=float,
+                    help=f"seconds to wait for every service to be SERVING ({default_of('startup_timeout_s'):g})")
     up.add_argument("--state-file", type=Path, help="where `status` finds the cluster "
                                                     "(default $XDG_RUNTIME_DIR/tokenmill or ~/.cache/tokenmill)")
     up.set_defaults(func=cmd_up)
@@ -114,7 +128,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                         "grpc.health.v1, or when an http(s):// URL answers 200 (the gateway's "
                                         "/health); else print why and exit 1.")
     health.add_argument("target", help="HOST:PORT of a gRPC service, or a URL such as http://127.0.0.1:8000/health")
-    health.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds (default %(default)g)")
     health.set_defaults(func=cmd_health)
 
     keys = sub.add_parser("keys", help="API keys for the tenants: section (stored as SHA-256 hashes)")
@@ -201,14 +215,14 @@ def machine_defaults(cluster: ClusterConfig, given: frozenset[str]) -> tuple[Clu
     """The dtype and layout ``tokenmill up`` takes from the machine where nothing set them
     (``common/machine.py``), and why, one phrase each (empty: everything was asked for)."""
     why = []
-    engine, counts = cluster.engine, {}
+    engine, prefill = cluster.engine, cluster.prefill
     if cluster.engine.device == "cpu":
         d = cpu_defaults()
         if "engine.dtype" not in given:
             engine = dataclasses.replace(engine, dtype=d.dtype)
             why.append(f"{d.dtype}: {d.why_dtype}")
         if "prefill.count" not in given and "prefill.gpus" not in given and d.aggregated:
-            counts["prefill"] = dataclasses.replace(cluster.prefill, count=0)
+            prefill = dataclasses.replace(cluster.prefill, count=0)
             why.append(f"aggregated: {d.why_layout}")
     else:
         if "engine.dtype" not in given:
@@ -217,7 +231,7 @@ def machine_defaults(cluster: ClusterConfig, given: frozenset[str]) -> tuple[Clu
             why.append("aggregated replicas: the most goodput measured on two GPUs")
     if why:
         why.append("--dtype and --prefills N override")
-    return dataclasses.replace(cluster, engine=engine, **counts), why
+    return dataclasses.replace(cluster, engine=engine, prefill=prefill), why
 
 
 def _layout_line(c: ClusterConfig) -> str:

@@ -161,8 +161,8 @@ def plan_gpus(cluster: ClusterConfig, visible: Sequence[str], given: Collection[
                                   split_utilization(u, 1 / max(sharing[i] for i in gpus)))
                   for name, gpus in gpus_of.items()}
     try:
-        planned = dataclasses.replace(cluster, **{r: dataclasses.replace(_pool(cluster, r), count=counts[r])
-                                                  for r in WORKERS})
+        planned = dataclasses.replace(cluster, prefill=dataclasses.replace(cluster.prefill, count=counts["prefill"]),
+                                      decode=dataclasses.replace(cluster.decode, count=counts["decode"]))
     except ConfigError as e:
         raise GpuPlanError(str(e)) from e
     return GpuPlan(planned, placements)

@@ -35,13 +35,13 @@ from typing import Any
 
 import yaml
 
-from common.cluster_config import ROLES, ClusterConfig
+from common.cluster_config import ROLES, ClusterConfig, Role
 from services.cluster.placement_gpu import split_utilization
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "tokenmill"
-_WORKERS = ("prefill", "decode")
+_WORKERS: tuple[Role, ...] = ("prefill", "decode")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -196,7 +196,7 @@ def up(cluster: ClusterConfig, address: str, name: str = "tokenmill", gateway_ho
         try:
             for role in ROLES:
                 for i in range(cluster.pool(role).count):
-                    actors[(role, i)] = remote_cls.options(  # type: ignore[attr-defined]
+                    actors[(role, i)] = remote_cls.options(
                         name=actor_name(name, role, i), lifetime="detached", max_restarts=0,
                         num_cpus=cpus.get(role, 1.0) if role in _WORKERS else 0.0,
                         num_gpus=gpus.get(role, 0.0), scheduling_strategy="SPREAD",
@@ -296,7 +296,7 @@ def status(address: str, name: str = "tokenmill") -> list[tuple[str, str, str]]:
     try:
         names = _ours(name)
         actors = [ray.get_actor(n) for n in names]
-        ips = ray.get([a.node_ip.remote() for a in actors], timeout=60)
+        ips: list[str] = ray.get([a.node_ip.remote() for a in actors], timeout=60)
         return list(zip(names, ips, ray.get([a.health.remote() for a in actors], timeout=60)))
     finally:
         ray.shutdown()
@@ -304,7 +304,7 @@ def status(address: str, name: str = "tokenmill") -> list[tuple[str, str, str]]:
 
 # -- the command ----------------------------------------------------------------------------------------------
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from services.cluster.cli import _common_args
+    from services.cluster.cli import _common_args, default_of
 
     p = sub.add_parser("ray", help="run the pools as Ray actors on an existing Ray cluster",
                        description="The same pools as `tokenmill up`, each instance a Ray actor running "
@@ -313,7 +313,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     def target(q: argparse.ArgumentParser) -> None:
         q.add_argument("--address", required=True, help="the Ray cluster, e.g. 10.0.0.1:6379 or ray://HOST:10001")
-        q.add_argument("--name", default="tokenmill", help="names this deployment's actors (default tokenmill)")
+        q.add_argument("--name", default="tokenmill", help="names this deployment's actors (default %(default)s)")
 
     u = rs.add_parser("up", help="start every pool as actors, wait until all are SERVING, print the gateway")
     target(u)
@@ -321,23 +321,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = u.add_argument_group("pools")
     for role in ROLES:
         g.add_argument(f"--{role}s", type=int, dest=f"{role}_count", metavar="N", help=f"{role} actors")
-    g.add_argument("--gateway-port", type=int, dest="gateway_port", metavar="PORT", help="public gRPC (50051)")
-    g.add_argument("--http-port", type=int, help="the gateway's OpenAI HTTP port (8000)")
+    g.add_argument("--gateway-port", type=int, dest="gateway_port", metavar="PORT",
+                   help=f"public gRPC ({default_of('gateway.port')})")
+    g.add_argument("--http-port", type=int, help=f"the gateway's OpenAI HTTP port ({default_of('gateway.http_port')})")
     g.add_argument("--gateway-host", default="0.0.0.0",
-                   help="interface the gateway binds on its node (default 0.0.0.0: reachable from outside)")
+                   help="interface the gateway binds on its node (default %(default)s: reachable from outside)")
     for role in _WORKERS:
         g.add_argument(f"--{role}-gpus", type=float, metavar="N",
                        help=f"GPUs per {role} actor (Ray num_gpus; >0 also sets engine.device=cuda; default 1 with "
                             f"--device cuda, else 0; a fraction shares a GPU and that fraction of "
                             f"engine.gpu_memory_utilization)")
         g.add_argument(f"--{role}-cpus", type=int, default=1, metavar="N",
-                       help=f"CPUs Ray reserves per {role} actor, and its compute threads (default 1)")
-    u.add_argument("--startup-timeout", type=float, help="seconds to wait for every service to be SERVING (600)")
+                       help=f"CPUs Ray reserves per {role} actor, and its compute threads (default %(default)s)")
+    u.add_argument("--startup-timeout", type=float,
+                   help=f"seconds to wait for every service to be SERVING ({default_of('startup_timeout_s'):g})")
     u.set_defaults(func=cmd_up)
 
     d = rs.add_parser("down", help="drain and remove the actors")
     target(d)
-    d.add_argument("--grace", type=float, default=10.0, dest="grace_s", help="seconds to drain (10)")
+    d.add_argument("--grace", type=float, default=default_of("grace_s"), dest="grace_s",
+                   help="seconds to drain (%(default)g)")
     d.set_defaults(func=cmd_down)
 
     s = rs.add_parser("status", help="every actor: node, health")

@@ -192,7 +192,9 @@ class DecodeWorker(WorkerBase):
         if d is None:
             return
         if d.stopped_by_string or d.filter_reason:
-            self.loop.submit(lambda e, rid=o.request_id: self._abort(e, rid))  # type: ignore[union-attr]
+            assert self.loop is not None  # outputs come from the running loop
+            rid = o.request_id
+            self.loop.submit(lambda e: self._abort(e, rid))
         if d.finished:
             self.metrics.requests.labels(d.finish_reason.value if d.finish_reason else "abort").inc()
         ready.append((o.request_id, _Item(d, d.logprobs, o.num_prompt_tokens, o.num_output_tokens,
@@ -215,7 +217,8 @@ def _merge(items: list[_Item]) -> decode_pb2.TokenDelta:
         text="".join(i.delta.text for i in items),
         token_ids=[t for i in items for t in i.delta.token_ids],
         logprobs=[logprob_proto(lp) for i in items for lp in (i.logprobs or [])],
-        finish_reason=FINISH_TO_PROTO[last.delta.finish_reason] if last.delta.finished else 0,
+        finish_reason=(FINISH_TO_PROTO[last.delta.finish_reason] if last.delta.finished
+                       else common_pb2.FINISH_REASON_UNSPECIFIED),
         filter_reason=last.delta.filter_reason,
     )
     if last.delta.finished:
@@ -262,18 +265,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, tenancy, lease,
                                                                         admission, trace_ctx)))
             while not finished:
-                items = [await q.get()]
+                got = [await q.get()]
                 while not q.empty():
-                    items.append(q.get_nowait())
-                for it in items:
+                    got.append(q.get_nowait())
+                items: list[_Item] = []
+                for it in got:
                     if isinstance(it, BaseException):
                         raise it
-                finished = items[-1].delta.finished  # type: ignore[union-attr]
+                    items.append(it)
+                finished = items[-1].delta.finished
                 if finished:
-                    last: _Item = items[-1]  # type: ignore[assignment]
+                    last = items[-1]
                     reason = last.delta.finish_reason.value if last.delta.finish_reason else "abort"
                     telemetry.finish(span, attributes={"output_tokens": last.output_tokens, "finish_reason": reason})
-                yield _merge(items)  # type: ignore[arg-type]
+                yield _merge(items)
         except BaseException as e:
             if not finished:  # cancelled, or failed
                 telemetry.finish(span, attributes={"finish_reason": "abort"}, error=e)

@@ -30,13 +30,13 @@ import logging
 import time
 import uuid
 from collections import Counter as Tally
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
-from tokenmill.v1 import frontend_pb2, router_pb2, tokenizer_pb2
+from tokenmill.v1 import common_pb2, frontend_pb2, router_pb2, tokenizer_pb2
 
 from common import rpc, telemetry
 from services.gateway import openai_api as oa
@@ -340,7 +340,7 @@ class HttpFrontend:
             err = oa.OpenAIError(429, f"the gateway queue is full ({self.inflight} requests in flight); retry "
                                  "after the Retry-After seconds", code="queue_full",
                                  headers={"Retry-After": _RETRY_AFTER_S})
-        elif quota and self.tenant_inflight[t.name] >= quota:
+        elif quota is not None and self.tenant_inflight[t.name] >= quota:
             err = oa.OpenAIError(429, f"tenant {t.name or '(default)'} is over its quota of {quota} requests in "
                                  "flight (gateway.tenant_max_inflight); retry after the Retry-After seconds",
                                  code="quota_exceeded", headers={"Retry-After": _RETRY_AFTER_S})
@@ -355,6 +355,7 @@ class HttpFrontend:
             if self._tokenizer is None:
                 from common.loader import load_tokenizer
 
+                fn: Callable[[int], str]
                 try:
                     c = self.gw.cfg.cluster
                     tok = await asyncio.to_thread(load_tokenizer, c.tokenizer_spec or c.model)
@@ -397,8 +398,9 @@ class HttpFrontend:
             self.gw.admit_request(t, rid, parsed.model)
         if parsed.service_tier is not None:
             for r in parsed.requests:
-                r.priority_class = parsed.service_tier  # type: ignore[assignment]
-        tier = oa.TIER_OF_CLASS[self.gw.tenancy.priority_class(t, parsed.service_tier or 0)]
+                r.priority_class = parsed.service_tier
+        asked = parsed.service_tier or common_pb2.PRIORITY_CLASS_UNSPECIFIED
+        tier = oa.TIER_OF_CLASS[self.gw.tenancy.priority_class(t, asked)]
         for i, r in enumerate(parsed.requests):
             r.request_id = rid if len(parsed.requests) == 1 else f"{rid}-{i}"
         fmt = oa.LogprobFormatter(await self._token_text() if parsed.logprobs else str)
@@ -449,8 +451,9 @@ class HttpFrontend:
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
-                if t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
+                exc = t.exception()
+                if exc is not None:
+                    raise exc
         finally:
             for t in tasks:
                 t.cancel()

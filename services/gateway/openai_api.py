@@ -37,7 +37,7 @@ Kind = Literal["chat", "completion"]
 MAX_N = schema.MAX_N
 MAX_LOGPROBS = schema.MAX_LOGPROBS
 M = TypeVar("M", bound=BaseModel)
-_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
+_FINISH: dict[int, str] = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_CONTENT_FILTER: "content_filter"}
 # OpenAI's error types by status code
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -45,7 +45,7 @@ _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "
                503: "service_unavailable", 504: "timeout_error"}
 # OpenAI's service_tier → the priority class (None: the tenant's default); a class's own name is accepted too.
 # Responses carry the tier the request ran in (TIER_OF_CLASS).
-SERVICE_TIERS: dict[str, int | None] = {
+SERVICE_TIERS: dict[str, common_pb2.PriorityClass | None] = {
     "auto": None, "priority": common_pb2.PRIORITY_CLASS_INTERACTIVE, "default": common_pb2.PRIORITY_CLASS_STANDARD,
     "flex": common_pb2.PRIORITY_CLASS_BATCH, "interactive": common_pb2.PRIORITY_CLASS_INTERACTIVE,
     "standard": common_pb2.PRIORITY_CLASS_STANDARD, "batch": common_pb2.PRIORITY_CLASS_BATCH}
@@ -91,7 +91,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
-    service_tier: int | None = None  # the priority class asked for (None: the tenant's default)
+    service_tier: common_pb2.PriorityClass | None = None  # the priority class asked for (None: the tenant's default)
     tools: tl.ToolRequest | None = None  # chat with tools offered to the model (tool_choice other than none)
     tool_parser: tl.ParserName = "hermes"
 
@@ -225,7 +225,11 @@ def parse(body: Any, kind: Kind, resolve_model: Callable[[str | None], str],
 
     ``resolve_model`` maps the requested model to the served name (or raises the 404); ``tool_parser`` reads tool
     calls out of the model's text (``gateway.tool_parser``)."""
-    r = validate(schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest, body, resolve_model)
+    r: schema.ChatCompletionRequest | schema.CompletionRequest
+    if kind == "chat":
+        r = validate(schema.ChatCompletionRequest, body, resolve_model)
+    else:
+        r = validate(schema.CompletionRequest, body, resolve_model)
     model = resolve_model(r.model)
     n = r.n or 1
     params, want_logprobs = _params(body, r)

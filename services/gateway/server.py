@@ -134,7 +134,8 @@ class _Timing:
     """TTFT / ITL bookkeeping of one stream."""
 
     def __init__(self, m: GatewayMetrics) -> None:
-        self.m, self.t0, self.last, self.tokens = m, time.perf_counter(), None, 0
+        self.m, self.t0, self.tokens = m, time.perf_counter(), 0
+        self.last: float | None = None
 
     def on_tokens(self, k: int) -> None:
         if k <= 0:
@@ -320,7 +321,8 @@ class GatewayService:
             span = telemetry.current_span()
             span.set_attributes({"request_id": rid, "tenant": meta.tenant_id, "priority": req.priority,
                                  "priority_class": rec.priority_class})
-            key, recorded = None, None
+            key: bytes | None = None
+            recorded: list[frontend_pb2.GenerateResponse] | None = None  # the stream, while it is to be cached
             if self.cache is not None and cacheable(req):
                 key = self.cache.key(meta.tenant_id, self.cfg.cluster.model, req)
                 hit = None
@@ -364,7 +366,8 @@ class GatewayService:
                 if recorded is not None:
                     recorded.append(resp)
                     if outcome in ("stop", "length"):  # a complete answer: never an aborted or filtered one
-                        self.cache.put(key, recorded)  # type: ignore[union-attr,arg-type]
+                        assert self.cache is not None and key is not None  # both set with recorded
+                        self.cache.put(key, recorded)
                 yield resp
         except (QuotaExceeded, RequestTooLarge) as e:
             outcome = rpc.status_for(e)[0].name

@@ -241,7 +241,7 @@ class Tenancy:
 
     # -- what the workers are told -------------------------------------------------------------------------------
     @staticmethod
-    def priority_class(t: Tenant, asked: int) -> int:
+    def priority_class(t: Tenant, asked: common_pb2.PriorityClass) -> common_pb2.PriorityClass:
         """The class a request runs in: the one it asks for (unset: the tenant's default), no more urgent than
         the tenant's maximum (the enum's order: interactive 1 < standard 2 < batch 3)."""
         want = asked if asked in CLASS_NAME else CLASS_ENUM[t.cfg.default_class]
@@ -258,10 +258,10 @@ class Tenancy:
             return f"shared\x00{salt}" if salt else ""
         return f"tenant\x00{t.name}\x00{salt}"
 
-    def fill_meta(self, t: Tenant, meta: common_pb2.RequestMeta, asked_class: int) -> None:
+    def fill_meta(self, t: Tenant, meta: common_pb2.RequestMeta, asked_class: common_pb2.PriorityClass) -> None:
         """The tenant's fields of a request's RequestMeta (every worker call carries it)."""
         meta.tenant_id = t.name
-        meta.priority_class = self.priority_class(t, asked_class)  # type: ignore[assignment]
+        meta.priority_class = self.priority_class(t, asked_class)
         meta.tenant_weight = t.cfg.weight
         meta.tenant_max_running = t.cfg.max_running
         meta.cache_salt = self.cache_salt(t, meta.cache_salt)

@@ -50,6 +50,7 @@ class ArgsDelta:
 
 
 Event = Text | CallStart | ArgsDelta
+CallEvent = CallStart | ArgsDelta  # what a call's scanner emits
 
 
 class NotACall(ValueError):
@@ -83,7 +84,7 @@ class _CallScanner:
         """Whether the current call's CallStart went out."""
         return self.open and self.name is not None
 
-    def put(self, c: str) -> list[Event]:
+    def put(self, c: str) -> list[CallEvent]:
         if self.ended:
             raise NotACall("text after the calls")
         if self.in_str:
@@ -125,7 +126,7 @@ class _CallScanner:
                 self._new_call()
                 return []
             raise NotACall(f"{c!r} where a call object was expected")
-        out: list[Event] = []
+        out = []
         if self.scalar:
             if not (c.isspace() or c in ",}"):
                 return self._add(c)
@@ -158,7 +159,7 @@ class _CallScanner:
     def _new_call(self) -> None:
         self.open, self.slot, self.name, self.held_args, self.args_seen = True, "key", None, "", False
 
-    def _add(self, c: str) -> list[Event]:
+    def _add(self, c: str) -> list[CallEvent]:
         if self.in_str and self.token == "key" and len(self.stack) == self.call_level:
             self.buf += c
             return []
@@ -170,13 +171,13 @@ class _CallScanner:
             return [ArgsDelta(self.index, c)]
         return []
 
-    def _end_key(self) -> list[Event]:
+    def _end_key(self) -> list[CallEvent]:
         self.key = json.loads('"' + self.buf)
         self.slot = "colon"
         return []
 
-    def _end_value(self) -> list[Event]:
-        out: list[Event] = []
+    def _end_value(self) -> list[CallEvent]:
+        out: list[CallEvent] = []
         self.scalar = False
         if self.key == "name":
             try:
@@ -194,10 +195,10 @@ class _CallScanner:
         self.slot = "after"
         return out
 
-    def _close_call(self) -> list[Event]:
+    def _close_call(self) -> list[CallEvent]:
         if self.name is None:
             raise NotACall("an object without a name")
-        out: list[Event] = [] if self.args_seen else [ArgsDelta(self.index, "{}")]
+        out: list[CallEvent] = [] if self.args_seen else [ArgsDelta(self.index, "{}")]
         self.open = False
         self.calls += 1
         self.index += 1
@@ -291,8 +292,8 @@ class JsonCallsStream(CallStream):
             self.pending = self.pending + c if self.scan.open and not self.scan.started else ""
         return out
 
-    def _keep(self, evs: list[Event]) -> list[Event]:
-        kept = []
+    def _keep(self, evs: list[CallEvent]) -> list[CallEvent]:
+        kept: list[CallEvent] = []
         for e in evs:
             if isinstance(e, CallStart):
                 self.calls += 1

@@ -86,7 +86,8 @@ class PrefillWorker(WorkerBase):
         if fut is not None and not fut.done():
             fut.set_result(o)
         elif o.leased:  # nobody waits any more (cancelled): free at once
-            self.loop.submit(lambda e: e.release(o.request_id))  # type: ignore[union-attr]
+            assert self.loop is not None  # the output came from the running loop
+            self.loop.submit(lambda e: e.release(o.request_id))
 
     def busy(self) -> bool:
         return bool(self._leases)
