@@ -94,3 +94,37 @@ def test_seeded_sampling_same_in_any_batch(source, graphs_engine, gpu_prompts):
     _assert_no_leak(eng)
     del eng
     release_cuda()
+
+
+def test_constrained_rows_take_their_masks_from_the_mask_process(source, graphs_engine, gpu_prompts):
+    """On cuda the grammar masks come from the process beside the engine (common/grammar_proc.py): 32 constrained
+    rows, greedy and seeded, give the tokens of an engine that fills them inline, and every mask after the child
+    is ready came from it."""
+    import json
+
+    from common.sampling import StructuredOutput
+
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}
+    kinds = [StructuredOutput("json_schema", json.dumps(person)), StructuredOutput("regex", r"[0-9]{3}-[a-z]{2}"),
+             StructuredOutput("choice", choices=("yes", "no", "maybe")), StructuredOutput("json_object")]
+    prompts = (gpu_prompts * 2)[:32]
+    params = [SamplingParams(max_tokens=32, temperature=0.0 if i % 2 else 1.0, seed=i, structured=kinds[i % 4])
+              for i in range(32)]
+    model = graphs_engine.runner.model
+    mirrored = _engine(source, model=model, grammar_process=None)  # the default: on, on cuda
+    masks = mirrored.grammars.masks
+    assert masks is not None and masks.wait_ready()
+    got = [r.token_ids for r in mirrored.generate(prompts, params)]
+    assert masks.remote_rows > 0 and masks.inline_rows == 0 and not masks.dead, (masks.remote_rows,
+                                                                                   masks.inline_rows)
+    inline = _engine(source, model=model, grammar_process=False)
+    want = [r.token_ids for r in inline.generate(prompts, params)]
+    bad = {i: first_diff(g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w}
+    assert not bad, f"masks from the process give other tokens than inline masks (row: first diff): {bad}"
+    for eng in (mirrored, inline):
+        _assert_no_leak(eng)
+        eng.close()
+    del mirrored, inline
+    release_cuda()
