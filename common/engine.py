@@ -394,10 +394,15 @@ class LLMEngine:
             logits = logits[:, : self.sample_vocab]
         with torch.inference_mode():
             result = self.sampler.sample(logits, rows)
+        if self._grammars is not None:  # the mask process starts on the next masks before the rows below
+            for s, tok in zip(sampling, result.token_ids):
+                if s.matcher is not None:
+                    s.matcher.send(tok)
+            self._grammars.flush()
         now = time.monotonic()
         outputs = []
         for s, tok, lp in zip(sampling, result.token_ids, result.logprobs):
-            broken = s.matcher is not None and not s.matcher.accept(tok)
+            broken = s.matcher is not None and not s.matcher.consume(tok)
             if broken:  # cannot happen while the mask holds; ends the request rather than the engine
                 log.error("request %s: token %d does not follow its grammar; finishing it", s.request_id, tok)
                 s.matcher = None
@@ -416,8 +421,6 @@ class LLMEngine:
                 self.scheduler.remove(s)
                 self._seqs.pop(s.request_id, None)
             outputs.append(o)
-        if self._grammars is not None:
-            self._grammars.flush()  # the mask process fills the next step's masks while this one is handed out
         self.num_generated_tokens += len(outputs)
         return outputs
 

@@ -138,6 +138,15 @@ class GrammarMatcher:
             self._remote.advance(self._slot, token)
         return self._m.consume_token(token)
 
+    def send(self, token: int) -> None:
+        """The first half of ``accept``: the token to the mirror (sent at the next flush), if there is one."""
+        if self._remote is not None:
+            self._remote.advance(self._slot, token)
+
+    def consume(self, token: int) -> bool:
+        """The second half of ``accept``: this matcher's own advance."""
+        return self._m.consume_token(token)
+
     @property
     def terminated(self) -> bool:
         """The grammar is complete and allows nothing more: the sequence ends here."""

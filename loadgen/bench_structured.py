@@ -224,18 +224,23 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     parts = {"fill": 0.0, "advance": 0.0}
     fill_s: list[float] = []
     advance_s: list[float] = []
-    real_fill, real_accept = sampler_mod.fill_bitmask, GrammarMatcher.accept
+    real_fill, real_consume, real_send = sampler_mod.fill_bitmask, GrammarMatcher.consume, GrammarMatcher.send
 
     def timed_fill(*args: Any) -> None:
         t = time.perf_counter()
         real_fill(*args)
         parts["fill"] += time.perf_counter() - t
 
-    def timed_accept(self: GrammarMatcher, token: int) -> bool:
+    def timed_consume(self: GrammarMatcher, token: int) -> bool:
         t = time.perf_counter()
-        ok = real_accept(self, token)
+        ok = real_consume(self, token)
         parts["advance"] += time.perf_counter() - t
         return ok
+
+    def timed_send(self: GrammarMatcher, token: int) -> None:
+        t = time.perf_counter()
+        real_send(self, token)
+        parts["advance"] += time.perf_counter() - t
 
     def timed_update(out: Any, logits: Any) -> Any:
         parts["fill"] = parts["advance"] = 0.0
@@ -248,7 +253,8 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
 
     eng._update = timed_update  # type: ignore[method-assign]
     sampler_mod.fill_bitmask = timed_fill  # type: ignore[assignment]
-    GrammarMatcher.accept = timed_accept  # type: ignore[method-assign]
+    GrammarMatcher.consume = timed_consume  # type: ignore[method-assign]
+    GrammarMatcher.send = timed_send  # type: ignore[method-assign]
 
     def window(constrained: bool, tag: str, n: int) -> tuple[list[float], list[float]]:
         for i, ids in enumerate(prompts):
@@ -300,7 +306,8 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
                 masked_u += u
     finally:
         sampler_mod.fill_bitmask = real_fill  # type: ignore[assignment]
-        GrammarMatcher.accept = real_accept  # type: ignore[method-assign]
+        GrammarMatcher.consume = real_consume  # type: ignore[method-assign]
+        GrammarMatcher.send = real_send  # type: ignore[method-assign]
     med = statistics.median
     extra = med(masked_u) - med(plain_u)  # the mask fill, its application and the matchers' advance
     if masks is not None:

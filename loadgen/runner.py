@@ -99,11 +99,12 @@ async def run_load(target: Target, requests: Iterator[RequestSpec], load: LoadCo
             assert sem is not None
             while time.perf_counter() - t0 < load.duration_s:
                 await sem.acquire()
-                if time.perf_counter() - t0 >= load.duration_s:
+                now = time.perf_counter() - t0  # read once: the request's time is the one checked
+                if now >= load.duration_s:
                     sem.release()
                     break
                 spec = next(requests)
-                rec = _record(spec, time.perf_counter() - t0, False)
+                rec = _record(spec, now, False)
                 records.append(rec)
                 tasks.append(asyncio.create_task(one(spec, rec, t0)))
             return
