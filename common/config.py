@@ -152,11 +152,6 @@ class EngineConfig:
     cuda_fast_path: bool = True
     # CUDA: decode-only steps replay CUDA graphs (common/cuda_graphs.py); False: eager
     cuda_graphs: bool = True
-    # A wave's prefills in one step: when the last running sequences finished together (a closed-loop client
-    # sends the next ones at once), the idle engine waits up to this long, until as many have arrived or the
-    # token budget is full, before a prefill-only step. 0: never wait. None: 30 ms on cpu (a 256-token prefill
-    # step there takes about 100 ms), 2 ms on cuda.
-    prefill_gather_ms: float | None = None
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
     # the engine runs its next step. None: on cuda, where a step's host time is short; inline on cpu.
     grammar_process: bool | None = None
@@ -175,9 +170,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device == "cpu" and self.dtype == "float16":
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
-        if self.prefill_gather_ms is not None and self.prefill_gather_ms < 0:
-            raise ValueError(f"prefill_gather_ms must be >= 0 (or unset: the device's default), got "
-                             f"{self.prefill_gather_ms}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.noop_model and self.tensor_parallel_size > 1:

@@ -139,11 +139,6 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self.num_steps = 0
         self.num_generated_tokens = 0
-        gather_ms = self.cfg.prefill_gather_ms
-        if gather_ms is None:
-            gather_ms = 30.0 if self.cfg.device == "cpu" else 2.0
-        self._gather_s = gather_ms / 1000
-        self._expect = 0  # sequences that finished together when the engine last drained: as many may come back
 
     @classmethod
     def from_spec(cls, model: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
@@ -359,23 +354,6 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def gather_wait(self) -> float:
-        """Seconds to hold the next step so that a wave of prompts is prefilled in one step, or 0: go. Holds only
-        when nothing runs, fewer prompts wait than finished together when the engine drained, their tokens are
-        under the step's budget, and the first of them came less than ``prefill_gather_ms`` ago."""
-        sched = self.scheduler
-        if not self._expect or sched.running or not sched.waiting or self._pending_kv:
-            return 0.0
-        if len(sched.waiting) >= self._expect:
-            self._expect = 0
-            return 0.0
-        first = min(s.arrival for s in sched.waiting)
-        left = first + self._gather_s - time.monotonic()
-        if left <= 0 or sum(s.num_tokens for s in sched.waiting) >= self.cfg.max_num_batched_tokens:
-            self._expect = 0
-            return 0.0
-        return left
-
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -443,8 +421,6 @@ class LLMEngine:
                 self.scheduler.remove(s)
                 self._seqs.pop(s.request_id, None)
             outputs.append(o)
-        if not self.scheduler.running:  # drained: as many as just finished may come back at once
-            self._expect = sum(1 for o in outputs if o.finished or o.leased)
         self.num_generated_tokens += len(outputs)
         return outputs
 

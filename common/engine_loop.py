@@ -77,9 +77,8 @@ class EngineLoop:
             self._cmds.put((fn, fut))
         return fut
 
-    def _run_commands(self, eng: LLMEngine, block: bool, timeout: float | None = None) -> None:
-        if timeout is None:
-            timeout = self._idle_tick_s if self._busy() else 0.5
+    def _run_commands(self, eng: LLMEngine, block: bool) -> None:
+        timeout = self._idle_tick_s if self._busy() else 0.5
         try:
             item = self._cmds.get(timeout=timeout) if block else self._cmds.get_nowait()
         except queue.Empty:
@@ -116,10 +115,6 @@ class EngineLoop:
                 if self._on_tick is not None:
                     self._on_tick(eng)
                 if eng.has_unfinished():
-                    hold = eng.gather_wait()
-                    if hold > 0:  # a wave's prompts are arriving: run what they submit, then look again
-                        self._run_commands(eng, block=True, timeout=hold)
-                        continue
                     outs = eng.step()
                     if outs:
                         self._on_outputs(outs)
