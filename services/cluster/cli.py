@@ -224,13 +224,16 @@ def machine_defaults(cluster: ClusterConfig, given: frozenset[str]) -> tuple[Clu
         if "prefill.count" not in given and "prefill.gpus" not in given and d.aggregated:
             prefill = dataclasses.replace(cluster.prefill, count=0)
             why.append(f"aggregated: {d.why_layout}")
+        if "engine.max_num_batched_tokens" not in given and d.max_num_batched_tokens != engine.max_num_batched_tokens:
+            engine = dataclasses.replace(engine, max_num_batched_tokens=d.max_num_batched_tokens)
+            why.append(f"{d.max_num_batched_tokens} tokens a step: {d.why_budget}")
     else:
         if "engine.dtype" not in given:
             why.append("bfloat16 on cuda")
         if "prefill.count" not in given and "prefill.gpus" not in given:
             why.append("aggregated replicas: the most goodput measured on two GPUs")
     if why:
-        why.append("--dtype and --prefills N override")
+        why.append("--dtype, --prefills N and --set engine.max_num_batched_tokens=N override")
     return dataclasses.replace(cluster, engine=engine, prefill=prefill), why
 
 
