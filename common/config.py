@@ -153,8 +153,8 @@ class EngineConfig:
     # CUDA: decode-only steps replay CUDA graphs (common/cuda_graphs.py); False: eager
     cuda_graphs: bool = True
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
-    # the engine runs its next step. None: on cuda, where a step's host time is short; inline on cpu.
-    grammar_process: bool | None = None
+    # the engine runs its next step; False: inline, on the engine thread
+    grammar_process: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

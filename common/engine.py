@@ -212,11 +212,8 @@ class LLMEngine:
                 own = self.tokenizer.tk.token_to_id(self.tokenizer.eos_token) if self.tokenizer.eos_token else None
                 if not eos and own is not None:
                     eos = [own]
-                fill_process = self.cfg.grammar_process
-                if fill_process is None:
-                    fill_process = self.cfg.device == "cuda"
                 self._grammars = GrammarCompiler(self.tokenizer.tk.to_str(), self.sample_vocab, eos,
-                                                 fill_process=fill_process)
+                                                 fill_process=self.cfg.grammar_process)
             return self._grammars
 
     def grammar_matcher(self, params: SamplingParams, prior: Seq[int] = ()) -> GrammarMatcher | None:

@@ -291,7 +291,7 @@ def test_the_mask_process_fills_the_masks_the_matchers_fill_inline():
 
 
 def _mirrored_engine(make_engine, **kw):
-    eng = make_engine(dtype="float32", grammar_process=True, **kw)
+    eng = make_engine(dtype="float32", **kw)  # the default: the mask process
     assert eng.grammars.masks is not None and eng.grammars.masks.wait_ready()
     return eng
 
@@ -308,7 +308,9 @@ MIXED = [SamplingParams(max_tokens=40, temperature=0, structured=PERSON_SO),
 
 def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_engine):
     prompts = [chat(engine, q) for q in ("A person as JSON.", "An order as JSON.", "A code?", "Say hi.", "Yes?")]
-    want = [r.token_ids for r in engine.generate(prompts, MIXED)]
+    inline = make_engine(dtype="float32", grammar_process=False)
+    want = [r.token_ids for r in inline.generate(prompts, MIXED)]
+    assert inline.grammars.masks is None
     eng = _mirrored_engine(make_engine)
     got = [r.token_ids for r in eng.generate(prompts, MIXED)]
     assert got == want
@@ -323,7 +325,7 @@ def test_a_dead_mask_process_leaves_the_fills_inline(engine, make_engine):
     import signal
 
     prompts = [chat(engine, q) for q in ("A person as JSON.", "An order as JSON.", "A code?", "Say hi.", "Yes?")]
-    want = [r.token_ids for r in engine.generate(prompts, MIXED)]
+    want = [r.token_ids for r in make_engine(dtype="float32", grammar_process=False).generate(prompts, MIXED)]
     eng = _mirrored_engine(make_engine)
     masks = eng.grammars.masks
     got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}

@@ -111,8 +111,8 @@ NotServed = Annotated[Any, BeforeValidator(_not_served), WithJsonSchema(
 
 
 def _delegated(schema: dict[str, Any], checked_by: str) -> dict[str, Any]:
-    """The OpenAPI schema of a field checked elsewhere (``checked_by``)."""
-    return {**schema, "description": f"checked by {checked_by}"}
+    """The OpenAPI schema of a field checked elsewhere (``checked_by``); null, as absent, is accepted too."""
+    return {"anyOf": [schema, {"type": "null"}], "description": f"checked by {checked_by}"}
 
 
 _TOOLS_PY, _CONSTRAINTS_PY = "services/gateway/tools.py", "services/gateway/constraints.py"
@@ -123,7 +123,8 @@ Tools = Annotated[Any, WithJsonSchema(_delegated({"type": "array", "items": {"ty
 ToolChoice = Annotated[Any, WithJsonSchema(_delegated(
     {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]}, _TOOLS_PY))]
 ToolFlag = Annotated[Any, WithJsonSchema(_delegated({"type": "boolean"}, _TOOLS_PY))]
-Absent = Annotated[Any, WithJsonSchema({"not": {}, "description": "not served (a 400 that says so)"})]
+Absent = Annotated[Any, WithJsonSchema({"type": "null", "description": "not served (any value but null is a 400 that "
+                                                                        "says so)"})]
 Constraint = Annotated[Any, WithJsonSchema(_delegated({"type": "object"}, _CONSTRAINTS_PY))]
 JsonConstraint = Annotated[Any, WithJsonSchema(_delegated({"anyOf": [{"type": "object"}, {"type": "string"}]},
                                                            _CONSTRAINTS_PY))]
@@ -323,8 +324,8 @@ class _Request(BaseModel):
         {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]})] = None
     stop_token_ids: Annotated[list[int] | None, BeforeValidator(_stop_token_ids)] = None
     logit_bias: Annotated[dict[int, float] | None, BeforeValidator(_logit_bias), WithJsonSchema(
-        {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-         "description": "token id → bias"})] = None
+        {"anyOf": [{"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+                   {"type": "null"}], "description": "token id → bias"})] = None
     response_format: Constraint = None
     structured_outputs: Constraint = None
     guided_json: JsonConstraint = None

@@ -97,7 +97,7 @@ def test_seeded_sampling_same_in_any_batch(source, graphs_engine, gpu_prompts):
 
 
 def test_constrained_rows_take_their_masks_from_the_mask_process(source, graphs_engine, gpu_prompts):
-    """On cuda the grammar masks come from the process beside the engine (common/grammar_proc.py): 32 constrained
+    """By default the grammar masks come from the process beside the engine (common/grammar_proc.py): 32 constrained
     rows, greedy and seeded, give the tokens of an engine that fills them inline, and every mask after the child
     is ready came from it."""
     import json
@@ -113,7 +113,7 @@ def test_constrained_rows_take_their_masks_from_the_mask_process(source, graphs_
     params = [SamplingParams(max_tokens=32, temperature=0.0 if i % 2 else 1.0, seed=i, structured=kinds[i % 4])
               for i in range(32)]
     model = graphs_engine.runner.model
-    mirrored = _engine(source, model=model, grammar_process=None)  # the default: on, on cuda
+    mirrored = _engine(source, model=model)  # the default: the mask process
     masks = mirrored.grammars.masks
     assert masks is not None and masks.wait_ready()
     got = [r.token_ids for r in mirrored.generate(prompts, params)]

@@ -313,6 +313,10 @@ def test_openapi_document_lists_the_routes_and_their_bodies(tok):
             bodies = {"/v1/chat/completions": {"model": "smollm2", "messages": CHAT, "max_tokens": 2, "n": 1},
                       "/v1/completions": {"model": "smollm2", "prompt": [[1, 2, 3]], "max_tokens": 2},
                       "/tokenize": {"messages": CHAT}, "/detokenize": {"tokens": [1, 2]}}
+            # null where a client library sends it for "not set" (the server takes it as absent)
+            bodies["/v1/chat/completions"].update(logit_bias=None, response_format=None, tools=None, tool_choice=None,
+                                                  functions=None, guided_json=None)
+            bodies["/v1/completions"].update(logit_bias=None, response_format=None)
             for path, good in bodies.items():
                 jsonschema.validate(good, schemas[path])
                 async with s.post(f"{root}{path}", json=good) as r:
