@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stub only
 
     from common.grammar_proc import MaskProcess
+
+log = logging.getLogger(__name__)
 
 # JSON is generated with the separators the model writes itself (``{"a": 1, "b": 2}``) and no free whitespace:
 # the model cannot pad an object with spaces until max_tokens runs out.
@@ -174,7 +177,10 @@ class GrammarCompiler:
         if fill_process:
             from common.grammar_proc import MaskProcess
 
-            self.masks = MaskProcess(tokenizer_json, vocab_size, eos_ids)
+            try:
+                self.masks = MaskProcess(tokenizer_json, vocab_size, eos_ids)
+            except (OSError, AttributeError) as e:  # no memfd (not Linux), or no process could start
+                log.warning("grammar masks are filled inline: the mask process could not start (%s)", e)
         self.vocab_size = vocab_size
         self.capacity = capacity
         self._cache: OrderedDict[StructuredOutput, llg.LLMatcher] = OrderedDict()

@@ -341,3 +341,14 @@ def test_a_dead_mask_process_leaves_the_fills_inline(engine, make_engine):
         steps += 1
     assert masks.dead and list(got.values()) == want
     eng.close()
+
+
+def test_without_memfd_the_masks_are_filled_inline(monkeypatch):
+    """Where the mask process cannot start (no memfd_create off Linux), the compiler fills inline and says so."""
+    import os
+
+    monkeypatch.delattr(os, "memfd_create")
+    c = GrammarCompiler(load_tokenizer().tk.to_str(), V, EOS, fill_process=True)
+    assert c.masks is None
+    m = c.matcher(PERSON_SO)
+    assert m._remote is None and m.accept(load_tokenizer().encode("{", add_special_tokens=False)[0])
