@@ -218,7 +218,8 @@ class GrammarCompiler:
         return m
 
     def flush(self) -> None:
-        """The end of an engine step: the mask process starts on the tokens the matchers accepted."""
+        """Send what the matchers queued for the mask process (new matchers, accepted tokens): the engine calls it
+        before each forward and right after each pick, so the next masks fill while it goes on."""
         if self.masks is not None:
             self.masks.flush()
 
