@@ -20,6 +20,7 @@ import grpc
 from tokenmill.v1 import router_pb2, router_pb2_grpc
 
 from common.cluster_config import ClusterConfig, ConfigError, load_cluster_config
+from common.config import EngineConfig, field_default
 from common.rpc import RunningServer, ServiceApp, start_server
 
 HOST = "127.0.0.1"
@@ -121,11 +122,14 @@ async def wait_for_workers(router_address: str, n: int, timeout: float = 5.0) ->
 
 def _pinned(args: tuple[str, ...]) -> list[str]:
     """What the tests' clusters fix that ``tokenmill up`` would otherwise take from the machine (common/machine.py):
-    float32 (outputs are compared with the float32 engine) and, on the CPU, one prefill worker."""
+    float32 (outputs are compared with the float32 engine), on the CPU one prefill worker, and the engine's own step
+    budget (tests that time steps count on it, whatever the machine's cores)."""
     joined = " ".join(args)
     out = [] if "--dtype" in args or "engine.dtype=" in joined else ["--dtype", "float32"]
     if "cuda" not in args and "--prefills" not in args and "prefill.count=" not in joined:
         out += ["--prefills", "1"]
+    if "engine.max_num_batched_tokens=" not in joined:
+        out += ["--set", f"engine.max_num_batched_tokens={field_default(EngineConfig, 'max_num_batched_tokens')}"]
     return out
 
 
