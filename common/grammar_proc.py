@@ -63,15 +63,21 @@ class MaskProcess:
         self._fd = os.memfd_create("tokenmill-grammar-masks")
         os.ftruncate(self._fd, nbytes)
         self._map = mmap.mmap(self._fd, nbytes)
-        self.rows = np.frombuffer(self._map, dtype=np.int32).reshape(capacity, self.words)
         with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="tokenmill-tokenizer-", delete=False) as f:
-            f.write(tokenizer_json)  # the child reads it, then deletes it
+            f.write(tokenizer_json)  # the child reads it, then deletes it (and the closer, if the child could not)
         root = str(Path(__file__).resolve().parent.parent)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "common.grammar_proc", str(self._fd), str(capacity), str(self.words),
-             str(vocab_size), f.name, json.dumps(list(eos_ids))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._fd,), env=env)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "common.grammar_proc", str(self._fd), str(capacity), str(self.words),
+                 str(vocab_size), f.name, json.dumps(list(eos_ids))],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._fd,), env=env)
+        except OSError:
+            os.unlink(f.name)
+            self._map.close()
+            os.close(self._fd)
+            raise
+        self.rows = np.frombuffer(self._map, dtype=np.int32).reshape(capacity, self.words)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin = self._proc.stdin
         self._answers = self._proc.stdout.fileno()
@@ -85,7 +91,7 @@ class MaskProcess:
         self._pending = b""
         self.dead = False
         self.remote_rows = self.inline_rows = 0  # rows served from the child / filled inline, for the benchmark
-        self._closer = weakref.finalize(self, _close, self._proc, self._map, self._fd)
+        self._closer = weakref.finalize(self, _close, self._proc, self._map, self._fd, f.name)
 
     @property
     def ready(self) -> bool:
@@ -224,7 +230,7 @@ class MaskProcess:
         self._closer()
 
 
-def _close(proc: subprocess.Popen, mapped: mmap.mmap, fd: int) -> None:
+def _close(proc: subprocess.Popen, mapped: mmap.mmap, fd: int, tokenizer_file: str) -> None:
     with contextlib.suppress(OSError):
         if proc.stdin is not None:
             proc.stdin.close()  # the child exits at the end of its input
@@ -238,6 +244,8 @@ def _close(proc: subprocess.Popen, mapped: mmap.mmap, fd: int) -> None:
     with contextlib.suppress(BufferError):  # a numpy view of it is still alive: the mapping goes with the last one
         mapped.close()
     os.close(fd)
+    with contextlib.suppress(FileNotFoundError):  # a child that never started left it
+        os.unlink(tokenizer_file)
 
 
 # -- the child ----------------------------------------------------------------------------------------------

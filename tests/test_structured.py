@@ -352,3 +352,18 @@ def test_without_memfd_the_masks_are_filled_inline(monkeypatch):
     assert c.masks is None
     m = c.matcher(PERSON_SO)
     assert m._remote is None and m.accept(load_tokenizer().encode("{", add_special_tokens=False)[0])
+
+
+def test_a_mask_process_that_cannot_start_leaves_nothing_behind(monkeypatch, tmp_path):
+    """Popen fails: the compiler fills inline, and the tokenizer file written for the child is gone."""
+    import subprocess
+    import tempfile
+
+    def refuse(*a, **kw):
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+    c = GrammarCompiler(load_tokenizer().tk.to_str(), V, EOS, fill_process=True)
+    assert c.masks is None and list(tmp_path.iterdir()) == []
+    assert c.matcher(PERSON_SO)._remote is None
