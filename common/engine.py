@@ -391,7 +391,7 @@ class LLMEngine:
             logits = logits[:, : self.sample_vocab]
         with torch.inference_mode():
             result = self.sampler.sample(logits, rows)
-        if self._grammars is not None:  # the mask process starts on the next masks before the rows below
+        if self._grammars is not None and self._grammars.masks is not None:  # the next masks start before the rows below
             for s, tok in zip(sampling, result.token_ids):
                 if s.matcher is not None:
                     s.matcher.send(tok)

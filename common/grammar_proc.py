@@ -99,14 +99,8 @@ class MaskProcess:
 
     def wait_ready(self, timeout: float = 30.0) -> bool:
         """Wait until the child has loaded the tokenizer (matchers made before then stay inline)."""
-        deadline = time.monotonic() + timeout
         with self._lock:
-            while not self.dead and self._poll() and self._done < 0:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                select.select([self._answers], [], [], left)
-        return self.ready
+            return self._wait(0, timeout) and self.ready
 
     def close(self) -> None:
         self.dead = True
@@ -181,7 +175,9 @@ class MaskProcess:
                     at.append(j)
             if slots:
                 need = max(self._slot_batch[s] for s in slots)
-                if need > self._done and not self._wait(need):
+                if need > self._done and not self._wait(need, REPLY_TIMEOUT_S):
+                    if not self.dead:
+                        self._die(f"no answer in {REPLY_TIMEOUT_S:g} s")
                     self.inline_rows += len(rows)
                     return list(rows)
                 host[at] = self.rows[slots]
@@ -209,19 +205,16 @@ class MaskProcess:
         self._pending = data[n * _HEADER.size:]
         return True
 
-    def _wait(self, batch: int) -> bool:
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while self._done < batch:
-            if not self._poll():
-                return False
-            if self._done >= batch:
-                break
+    def _wait(self, batch: int, timeout: float) -> bool:
+        """Read answers until the child has answered ``batch`` (0: it is ready). False: it is gone, or ``timeout``
+        seconds passed first."""
+        deadline = time.monotonic() + timeout
+        while self._poll() and self._done < batch:
             left = deadline - time.monotonic()
             if left <= 0:
-                self._die(f"no answer in {REPLY_TIMEOUT_S:g} s")
                 return False
             select.select([self._answers], [], [], left)
-        return True
+        return self._done >= batch and not self.dead
 
     def _die(self, why: str) -> None:
         log.error("grammar mask process: %s; filling masks inline from now on", why)
@@ -246,6 +239,17 @@ def _close(proc: subprocess.Popen, mapped: mmap.mmap, fd: int, tokenizer_file: s
     os.close(fd)
     with contextlib.suppress(FileNotFoundError):  # a child that never started left it
         os.unlink(tokenizer_file)
+
+
+def compute_masks(executor: Any, rows: Sequence[tuple[Any, int]], base: int, row_bytes: int) -> None:
+    """llguidance's masks of ``rows`` (matcher, row) into the bitmask at address ``base``, ``row_bytes`` a row:
+    one row on this thread, several in parallel on ``executor`` (an ``LLExecutor``), without the GIL. The child
+    and the engine's inline fill (``common/structured.py``) both fill through here."""
+    if len(rows) == 1:
+        m, i = rows[0]
+        m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
+    elif rows:
+        executor.unsafe_compute_mask_ptr(list(rows), base, row_bytes, max(i for _, i in rows) + 1)
 
 
 # -- the child ----------------------------------------------------------------------------------------------
@@ -304,11 +308,8 @@ def main(argv: list[str]) -> int:
             else:
                 matchers.pop(op[1], None)
                 touched.pop(op[1], None)
-        rows = [(m, s) for s, m in touched.items() if not (m.is_error() or m.is_stopped())]
-        if len(rows) == 1:
-            rows[0][0].unsafe_compute_mask_ptr(base + rows[0][1] * words * 4, words * 4)
-        elif rows:
-            executor.unsafe_compute_mask_ptr(rows, base, words * 4, capacity)
+        compute_masks(executor, [(m, s) for s, m in touched.items() if not (m.is_error() or m.is_stopped())],
+                      base, words * 4)
         os.write(1, _HEADER.pack(batch))
 
 

@@ -21,12 +21,11 @@ import llguidance as llg
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
+from common.grammar_proc import MaskProcess, compute_masks
 from common.sampling import StructuredOutput
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stub only
-
-    from common.grammar_proc import MaskProcess
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +107,9 @@ def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], host: np.ndarray) -
         rows = remote.fill(rows, host)
         if not rows:
             return
-    ptr, nbytes = host.ctypes.data, host.shape[1] * 4
-    if len(rows) == 1:
-        m, i = rows[0]
-        m.raw.unsafe_compute_mask_ptr(ptr + i * nbytes, nbytes)
-        return
-    if _executor is None:
+    if _executor is None and len(rows) > 1:
         _executor = llg.LLExecutor()
-    _executor.unsafe_compute_mask_ptr([(m.raw, i) for m, i in rows], ptr, nbytes, max(i for _, i in rows) + 1)
+    compute_masks(_executor, [(m.raw, i) for m, i in rows], host.ctypes.data, host.shape[1] * 4)
 
 
 class GrammarMatcher:
@@ -137,9 +131,8 @@ class GrammarMatcher:
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the grammar does not allow it (the matcher is then broken)."""
-        if self._remote is not None:
-            self._remote.advance(self._slot, token)
-        return self._m.consume_token(token)
+        self.send(token)
+        return self.consume(token)
 
     def send(self, token: int) -> None:
         """The first half of ``accept``: the token to the mirror (sent at the next flush), if there is one."""
@@ -175,8 +168,6 @@ class GrammarCompiler:
         self._tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
         self.masks: MaskProcess | None = None
         if fill_process:
-            from common.grammar_proc import MaskProcess
-
             try:
                 self.masks = MaskProcess(tokenizer_json, vocab_size, eos_ids)
             except (OSError, AttributeError) as e:  # no memfd (not Linux), or no process could start
