@@ -150,8 +150,12 @@ class EngineConfig:
     cpu_kernels: bool | None = None
     # CUDA: the Triton forward (common/model_cuda.py); False: the portable path, and no CUDA graphs
     cuda_fast_path: bool = True
-    # CUDA: decode-only steps replay CUDA graphs (common/cuda_graphs.py); False: eager
+    # CUDA: decode steps replay CUDA graphs (common/cuda_graphs.py); False: eager
     cuda_graphs: bool = True
+    # CUDA graphs: a step whose prompt chunks total at most this many tokens replays a graph too, each prompt token
+    # run as a decode row (a short prompt joining a running batch, a batch tenant's chunk beside urgent work);
+    # larger chunks run eagerly, with flash attention. 0: graphs for decode-only steps
+    cuda_graph_prefill_tokens: int = 64
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
     # the engine runs its next step; False: inline, on the engine thread
     grammar_process: bool = True
@@ -166,6 +170,8 @@ class EngineConfig:
         if self.batch_prefill_tokens_beside_urgent is not None and self.batch_prefill_tokens_beside_urgent < 1:
             raise ValueError("batch_prefill_tokens_beside_urgent must be >= 1 (or unset: no limit), got "
                              f"{self.batch_prefill_tokens_beside_urgent}")
+        if self.cuda_graph_prefill_tokens < 0:
+            raise ValueError(f"cuda_graph_prefill_tokens must be >= 0, got {self.cuda_graph_prefill_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device == "cpu" and self.dtype == "float16":

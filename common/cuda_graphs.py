@@ -1,10 +1,16 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps, and for steps that carry short prompt chunks beside them.
 
-A decode-only step of B sequences runs as the replay of a graph captured for the smallest captured batch size
-≥ B; the rows past B are padding (context length 0, KV slot −1: the kernels skip them). Inputs go through
-persistent buffers: the step's token ids, positions, KV slots, context lengths and block tables are written into
-one pinned host buffer (:class:`DecodeStaging`, plain CPU code, tested on CPU) and copied to the device buffer the
-graphs read with one asynchronous copy; the step's only host synchronization is the sampler reading the tokens.
+A step of B rows runs as the replay of a graph captured for the smallest captured size ≥ B; the rows past B are
+padding (context length 0, KV slot −1: the kernels skip them). A row is one token: each decode, and each token of a
+prompt chunk when the step's chunks are short (``engine.cuda_graph_prefill_tokens``). A prompt token at position p
+is a decode row attending over positions 0..p: its own K/V and those of the chunk's earlier tokens are written to
+the pool before attention in the same layer, so the paged decode kernel computes causal attention for it, and a
+step with a short prompt costs what a decode step of as many rows does instead of an eager forward's launches.
+
+Inputs go through persistent buffers: the step's token ids, positions, KV slots, context lengths and block tables
+are written into one pinned host buffer (:class:`DecodeStaging`, plain CPU code, tested on CPU) and copied to the
+device buffer the graphs read with one asynchronous copy; the step's only host synchronization is the sampler
+reading the tokens.
 
 The graphs replay ``LlamaModel.forward`` on its CUDA fast path (``common/triton_ops.py``) plus the logits matmul.
 In a tensor-parallel group every rank captures the same sizes (their NCCL all-reduces inside the graphs); rank 0
@@ -44,6 +50,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def sample_rows(decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq]) -> list[int]:
+    """The staged rows whose logits a step samples, in the engine's order: the last token of each prompt chunk that
+    ends its prompt (staged after the decodes), then the decodes."""
+    out, end = [], len(decodes)
+    for item in prefills:
+        end += item.num_tokens
+        if item.samples:
+            out.append(end - 1)
+    return out + list(range(len(decodes)))
+
+
 def padded_size(sizes: Sequence[int], batch: int) -> int | None:
     """The smallest captured size that holds ``batch`` rows, or None."""
     for s in sizes:
@@ -66,27 +83,23 @@ class DecodeStaging:
         self._row_lists: list[list[int] | None] = [None] * max_batch  # the block_ids list each row holds
         self._row_lens = [0] * max_batch
 
-    def fits(self, decodes: Sequence[ScheduledSeq]) -> bool:
-        return len(decodes) <= self.max_batch and all(len(d.seq.block_ids) <= self.width for d in decodes)
+    def fits(self, decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq] = ()) -> bool:
+        rows = len(decodes) + sum(p.num_tokens for p in prefills)
+        return rows <= self.max_batch and all(len(d.seq.block_ids) <= self.width for d in (*decodes, *prefills))
 
-    def fill(self, decodes: Sequence[ScheduledSeq], padded: int) -> int:
-        """Write the step's rows and padding up to ``padded`` rows; returns how many int32 to copy.
+    def fill(self, decodes: Sequence[ScheduledSeq], padded: int, prefills: Sequence[ScheduledSeq] = ()) -> int:
+        """Write the step's rows (the decodes, then each prompt chunk's tokens) and padding up to ``padded`` rows;
+        returns how many int32 to copy.
 
         A block-table row is rewritten only where it changed: a sequence's ``block_ids`` list only grows by
         ``append`` (the block manager replaces the whole list when it frees or re-matches one), so a row that
-        still holds the same list object only needs the entries appended since the last step."""
+        still holds the same list object only needs the entries appended since the last step. Decodes come first,
+        so their rows keep their tables while prompts come and go behind them."""
         bs, per_block = self.block_size, self.per_block
         tables, row_lists, row_lens = self.tables, self._row_lists, self._row_lens
-        b = len(decodes)
         ids, pos, slot, ctx = [0] * padded, [0] * padded, [-1] * padded, [0] * padded
-        for i, d in enumerate(decodes):
-            s = d.seq
-            c = s.num_computed_tokens
-            bl = s.block_ids
-            ids[i] = s.token_at(c)
-            pos[i] = c
-            slot[i] = bl[c // bs] * per_block + c % bs
-            ctx[i] = c + 1
+
+        def table(i: int, bl: list[int]) -> None:
             n = len(bl)
             if row_lists[i] is bl:
                 if n > row_lens[i]:
@@ -95,13 +108,35 @@ class DecodeStaging:
                 tables[i, :n] = bl
                 row_lists[i] = bl
             row_lens[i] = n
+
+        for i, d in enumerate(decodes):
+            s = d.seq
+            c = s.num_computed_tokens
+            bl = s.block_ids
+            ids[i] = s.token_at(c)
+            pos[i] = c
+            slot[i] = bl[c // bs] * per_block + c % bs
+            ctx[i] = c + 1
+            table(i, bl)
+        i = len(decodes)
+        for item in prefills:
+            s = item.seq
+            c = s.num_computed_tokens
+            bl = s.block_ids
+            for p, tok in enumerate(s.tokens_range(c, c + item.num_tokens), start=c):
+                ids[i] = tok
+                pos[i] = p
+                slot[i] = bl[p // bs] * per_block + p % bs
+                ctx[i] = p + 1
+                table(i, bl)
+                i += 1
         head = self.head
         head[_IDS, :padded] = ids
         head[_POS, :padded] = pos
         head[_SLOT, :padded] = slot
         head[_CTX, :padded] = ctx
-        for i in range(b, padded):
-            row_lists[i] = None
+        for j in range(i, padded):
+            row_lists[j] = None
         return 4 * self.max_batch + padded * self.width
 
     def rows(self, b: int, padded: int) -> np.ndarray:
@@ -120,23 +155,26 @@ class DecodeStaging:
 
 
 class CudaGraphDecoder:
-    """Captures and replays decode steps; owns the persistent device inputs and the logits outputs (without
-    ``logits``, the graphs end at the hidden states: a tensor-parallel rank other than 0)."""
+    """Captures and replays decode steps (with up to ``prefill_tokens`` prompt tokens beside ``max_batch``
+    decodes); owns the persistent device inputs and the logits outputs (without ``logits``, the graphs end at the
+    hidden states: a tensor-parallel rank other than 0)."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, max_batch: int,
-                 max_model_len: int, logits: bool = True) -> None:
+                 max_model_len: int, logits: bool = True, prefill_tokens: int = 0) -> None:
         self.model = model
+        self.prefill_tokens = prefill_tokens
         self.with_logits = logits
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         width = -(-max_model_len // block_size)
-        self.sizes = graph_batch_sizes(max_batch)
-        self.staging = DecodeStaging(max_batch, width, block_size, model.cfg.num_layers, pin=True)
+        self.sizes = graph_batch_sizes(max_batch + prefill_tokens)
+        self.staging = DecodeStaging(self.sizes[-1], width, block_size, model.cfg.num_layers, pin=True)
         self.dev = torch.zeros(self.staging.host.numel(), dtype=torch.int32, device=self.device)
         self._copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0
+        self.prompt_replays = 0  # replays of steps that carried prompt tokens
         self.capture_seconds = 0.0
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -177,22 +215,36 @@ class CudaGraphDecoder:
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.sizes), self.sizes, self.capture_seconds)
+        log.info("captured %d graphs (rows %s) in %.1f s", len(self.sizes), self.sizes, self.capture_seconds)
 
-    def can_run(self, decodes: Sequence[ScheduledSeq]) -> bool:
-        return len(decodes) > 0 and self.staging.fits(decodes)
+    def can_run(self, decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq] = ()) -> bool:
+        """Whether a graph holds this step: its prompt chunks total at most ``prefill_tokens`` tokens, and its rows
+        and block lists fit the captured sizes."""
+        if prefills and sum(p.num_tokens for p in prefills) > self.prefill_tokens:
+            return False
+        return (len(decodes) > 0 or len(prefills) > 0) and self.staging.fits(decodes, prefills)
 
-    def run(self, decodes: Sequence[ScheduledSeq], send: Callable[[np.ndarray], None] | None = None) -> torch.Tensor:
-        """Replay for these decodes; returns float32 logits ``[len(decodes), vocab]`` on the device (a view of the
-        graph's output, valid until the next replay). ``send``: hands the staged rows to the other ranks first."""
-        b = len(decodes)
+    def run(self, decodes: Sequence[ScheduledSeq], send: Callable[[np.ndarray], None] | None = None,
+            prefills: Sequence[ScheduledSeq] = ()) -> torch.Tensor | None:
+        """Replay for these rows; returns float32 logits ``[sampled rows, vocab]`` on the device, in the engine's
+        order (the prompts that end this step, then the decodes; a view of the graph's output when the step has
+        no prompt, valid until the next replay), or None when no row samples. ``send``: hands the staged rows to
+        the other ranks first."""
+        b = len(decodes) + sum(p.num_tokens for p in prefills)
         padded = padded_size(self.sizes, b)
         assert padded is not None
         self._copied.synchronize()  # the previous step's copy has read the pinned buffer
-        n = self.staging.fill(decodes, padded)
+        n = self.staging.fill(decodes, padded, prefills)
         if send is not None:
             send(self.staging.rows(b, padded))
-        return self._replay(padded, n)[:b]
+        logits = self._replay(padded, n)
+        if not prefills:
+            return logits[:b]
+        self.prompt_replays += 1
+        rows = sample_rows(decodes, prefills)
+        if not rows:
+            return None
+        return logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True))
 
     def follow(self, rows: np.ndarray) -> None:
         """A rank other than 0: replay the graph rank 0 replays, on the rows it sent (``DecodeStaging.rows``)."""

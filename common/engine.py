@@ -104,6 +104,8 @@ class LLMEngine:
         self.model_cfg = source.config
         self.tokenizer: TextTokenizer | None = source.tokenizer
         self.tp: TensorParallelWorkers | None = None
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._grammars_lock = threading.Lock()
         if self.cfg.tensor_parallel_size > 1:
             if model is not None:
                 raise ValueError("a shared model cannot serve a tensor-parallel engine: each rank loads its own part")
@@ -135,8 +137,6 @@ class LLMEngine:
         if self.cfg.noop_model:
             self.sample_vocab = 1  # its logits have one column
         self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs)
-        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
-        self._grammars_lock = threading.Lock()
         self.num_steps = 0
         self.num_generated_tokens = 0
 

@@ -187,7 +187,8 @@ class ModelRunner:
         if self.fast_cuda and cfg.cuda_graphs:
             # the other ranks' graphs stop at the hidden states: only rank 0 needs logits (the head is replicated)
             self.graphs = CudaGraphDecoder(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
-                                           cfg.max_model_len or m.max_position_embeddings, logits=shard.rank == 0)
+                                           cfg.max_model_len or m.max_position_embeddings, logits=shard.rank == 0,
+                                           prefill_tokens=cfg.cuda_graph_prefill_tokens)
             self.graphs.capture()
 
     @property
@@ -364,13 +365,14 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run the step; return logits ``[num_sampling_rows, vocab]`` (or None): float32 on the device with the CUDA
         fast path (the sampler then runs there); on the CPU, in the model's dtype (the sampler converts as needed).
-        A decode-only step replays a CUDA graph. In a tensor-parallel group, rank 0 calls this; the others follow."""
+        A decode step, or one whose prompt chunks are short (``engine.cuda_graph_prefill_tokens``), replays a CUDA
+        graph. In a tensor-parallel group, rank 0 calls this; the others follow."""
         if self.cfg.noop_model:
             # a one-entry vocabulary: every sampled token is id 0, and sampling costs nothing per vocab entry
             n = sum(1 for it in (*out.prefills, *out.decodes) if it.samples)
             return torch.zeros(n, 1) if n else None
-        if self.graphs is not None and not out.prefills and self.graphs.can_run(out.decodes):
-            return self.graphs.run(out.decodes, self._send_graph_rows if self.shard.size > 1 else None)
+        if self.graphs is not None and self.graphs.can_run(out.decodes, out.prefills):
+            return self.graphs.run(out.decodes, self._send_graph_rows if self.shard.size > 1 else None, out.prefills)
         plan = self.plan(out)
         if self.shard.size > 1:
             send_step(self.shard, Op.STEP, plan.pack())

@@ -175,7 +175,7 @@ def _rope_kv_write_kernel(
     if j >= H:
         kh = j - H
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        ok = (offs < HALF) & (slot >= 0)
+        ok = offs < tl.where(slot >= 0, HALF, 0)  # padding rows (slot < 0) store nothing
         dst = cache_ptr + layer_off + slot * (KVH * D) + kh * D
         tl.store(dst + offs, o1, mask=ok)
         tl.store(dst + HALF + offs, o2, mask=ok)

@@ -2,23 +2,21 @@
 
 The kernels and graphs themselves need a GPU: tests/gpu (``make test-gpu``) checks every Triton kernel against
 float64 / portable references on random data, and SmolLM2 through the fast path (CUDA graphs) greedy-equal to
-transformers. Where Triton is installed, the last test here runs the same kernels on CPU through Triton's
-interpreter.
+transformers. The last test here runs the same kernels on CPU through Triton's interpreter (Triton is a dev
+dependency).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from common.config import EngineConfig
-from common.cuda_graphs import DecodeStaging, decode_num_splits, graph_batch_sizes, padded_size
+from common.cuda_graphs import DecodeStaging, decode_num_splits, graph_batch_sizes, padded_size, sample_rows
 from common.model_runner import use_fast_path
 from common.scheduler import ScheduledSeq
 
@@ -78,6 +76,38 @@ def test_decode_staging_rows_and_padding():
     assert st.fits(decodes) and not st.fits([_decode(2, [1], 0, list(range(6)))])
 
 
+def _chunk(tokens: list[int], computed: int, n: int, blocks: list[int]) -> ScheduledSeq:
+    seq = SimpleNamespace(num_computed_tokens=computed, num_tokens=len(tokens), block_ids=blocks,
+                          tokens_range=lambda a, b: tokens[a:b])
+    return ScheduledSeq(seq, n)  # type: ignore[arg-type]
+
+
+def test_prompt_chunks_stage_as_decode_rows_after_the_decodes():
+    """Each prompt token is a row at its own position, attending over the context up to itself (its chunk's
+    earlier tokens are written to the pool in the same layer first); the logits rows come back in the engine's
+    order: the chunks that end their prompt, then the decodes."""
+    bs, layers = 4, 1
+    per_block = layers * 2 * bs
+    st = DecodeStaging(max_batch=8, width=4, block_size=bs, num_layers=layers, pin=False)
+    dec = _decode(0, list(range(100, 110)), 9, [7, 3, 9])
+    mid = _chunk(list(range(200, 210)), 2, 3, [5, 6])  # tokens 2..4 of 10: the prompt goes on next step
+    end = _chunk(list(range(300, 306)), 4, 2, [1, 2])  # tokens 4..5 of 6, a cached prefix before: samples
+    assert not mid.samples and end.samples
+    assert st.fits([dec], [mid, end]) and not st.fits([dec], [mid, end, _chunk(list(range(9)), 0, 3, [1])])
+    st.fill([dec], 8, [mid, end])
+    ids, pos, slot, ctx = (st.head[i].tolist() for i in range(4))
+    assert ids[:6] == [109, 202, 203, 204, 304, 305] and pos[:6] == [9, 2, 3, 4, 4, 5]
+    assert ctx == [10, 3, 4, 5, 5, 6, 0, 0]
+    assert slot[1:6] == [5 * per_block + 2, 5 * per_block + 3, 6 * per_block + 0, 2 * per_block + 0,
+                         2 * per_block + 1] and slot[6:] == [-1, -1]
+    assert [st.tables[r, :2].tolist() for r in range(1, 6)] == [[5, 6]] * 3 + [[1, 2]] * 2
+    assert sample_rows([dec], [mid, end]) == [5, 0]
+    assert sample_rows([], [mid]) == [] and sample_rows([dec, dec], []) == [0, 1]
+    # the next decode-only step keeps the decode row's table
+    st.fill([dec], 1)
+    assert st.head[3].tolist()[:1] == [10] and st._row_lists[0] is dec.seq.block_ids
+
+
 def test_decode_staging_rewrites_only_changed_table_rows():
     st = DecodeStaging(max_batch=2, width=6, block_size=2, num_layers=1, pin=False)
     blocks = [4, 5]
@@ -93,12 +123,13 @@ def test_decode_staging_rewrites_only_changed_table_rows():
     assert st.tables[0, :3].tolist() == [1, 2, 3]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CPU CI)")
 def test_fast_forward_matches_portable_in_triton_interpreter():
-    """Greedy tokens of the fast forward (eager, and through the graph decoder's staging without graphs) equal the
-    portable path's, with Triton's CPU interpreter."""
+    """Greedy tokens of the fast forward (eager, and through the graph decoder's staging without graphs: decode
+    steps, and steps whose short prompt chunks run as decode rows) equal the portable path's, with Triton's CPU
+    interpreter; chunked prompts (a 32-token step budget) and cached prefixes included."""
     code = r"""
 import os, torch
+from types import SimpleNamespace
 from unittest import mock
 from common import model_runner, cuda_graphs
 from common.config import EngineConfig
@@ -106,33 +137,37 @@ from common.engine import LLMEngine
 from common.sampling import SamplingParams
 
 class NoGraphs(cuda_graphs.CudaGraphDecoder):
-    def __init__(self, model, kv, bs, mb, mlen):
-        self.model, self.kv_cache, self.device = model, kv, kv.device
-        self.sizes = cuda_graphs.graph_batch_sizes(mb)
-        self.staging = cuda_graphs.DecodeStaging(mb, -(-mlen // bs), bs, model.cfg.num_layers, pin=False)
+    def __init__(self, model, kv, bs, mb, mlen, logits=True, prefill_tokens=0):
+        self.model, self.kv_cache, self.device, self.with_logits = model, kv, kv.device, logits
+        self.prefill_tokens = prefill_tokens
+        self.sizes = cuda_graphs.graph_batch_sizes(mb + prefill_tokens)
+        self.staging = cuda_graphs.DecodeStaging(self.sizes[-1], -(-mlen // bs), bs, model.cfg.num_layers, pin=False)
         self.dev = torch.zeros_like(self.staging.host)
-        self.replays = 0
+        self._copied = SimpleNamespace(synchronize=lambda: None)
+        self.replays = self.prompt_replays = 0
     def capture(self):
         pass
-    def run(self, decodes):
-        b = len(decodes); p = cuda_graphs.padded_size(self.sizes, b)
-        n = self.staging.fill(decodes, p)
+    def _replay(self, padded, n):
         self.dev[:n].copy_(self.staging.host[:n]); self.replays += 1
-        return self._run(p)[:b]
+        return self._run(padded)
 
-cfg = EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, kv_cache_memory=64 << 20, max_model_len=256)
 g = torch.Generator().manual_seed(0)
 ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 37, 20)]
 p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-ref = [r.token_ids for r in LLMEngine.from_spec("dummy:tiny-llama", cfg).generate(ps, p)]
-with mock.patch.object(model_runner, "use_fast_path", lambda d, c: True), \
-     mock.patch.object(model_runner, "CudaGraphDecoder", NoGraphs):
-    eng = LLMEngine.from_spec("dummy:tiny-llama", cfg)
-    out = [r.token_ids for r in eng.generate(ps, p)]
-    assert eng.runner.graphs.replays > 0
-    again = [r.token_ids for r in eng.generate([q + [7, 8] for q in ps], p)]  # cached prefixes
-ref2 = [r.token_ids for r in LLMEngine.from_spec("dummy:tiny-llama", cfg).generate([q + [7, 8] for q in ps], p)]
-assert out == ref and again == ref2, (out, ref, again, ref2)
+for budget in (2048, 32):
+    cfg = EngineConfig(device="cpu", dtype="float32", max_num_seqs=8, kv_cache_memory=64 << 20, max_model_len=256,
+                       max_num_batched_tokens=budget)
+    ref = [r.token_ids for r in LLMEngine.from_spec("dummy:tiny-llama", cfg).generate(ps, p)]
+    ref2 = [r.token_ids for r in LLMEngine.from_spec("dummy:tiny-llama", cfg).generate([q + [7, 8] for q in ps], p)]
+    with mock.patch.object(model_runner, "use_fast_path", lambda d, c: True), \
+         mock.patch.object(model_runner, "CudaGraphDecoder", NoGraphs):
+        eng = LLMEngine.from_spec("dummy:tiny-llama", cfg)
+        out = [r.token_ids for r in eng.generate(ps, p)]
+        again = [r.token_ids for r in eng.generate([q + [7, 8] for q in ps], p)]  # cached prefixes
+        # every step of these short prompts fits a graph: the prompts' steps too
+        g = eng.runner.graphs
+        assert g.replays == eng.num_steps and g.prompt_replays >= 2, (g.replays, eng.num_steps, g.prompt_replays)
+    assert out == ref and again == ref2, (budget, out, ref, again, ref2)
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")

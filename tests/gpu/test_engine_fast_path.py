@@ -55,6 +55,34 @@ def test_fast_path_greedy_equals_transformers(graph_outputs, hf_reference):
     assert not bad, f"prompts diverging from transformers (prompt: first differing token): {bad}"
 
 
+def test_prompts_joining_running_decodes_replay_graphs_and_equal_transformers(graphs_engine, gpu_prompts,
+                                                                            hf_reference):
+    """The prompts arrive one a step, so each joins the running decodes; the short ones run as rows of the step's
+    CUDA graph (``engine.cuda_graph_prefill_tokens``). Greedy tokens still equal transformers'."""
+    eng = graphs_engine
+    g = eng.runner.graphs
+    short = sum(len(p) <= eng.cfg.cuda_graph_prefill_tokens for p in gpu_prompts)
+    assert short >= 5, [len(p) for p in gpu_prompts]
+    r0, p0, s0 = g.replays, g.prompt_replays, eng.num_steps
+    outs: dict[str, list[int]] = {}
+    pending = list(enumerate(gpu_prompts))
+    done = 0
+    while done < len(gpu_prompts):
+        if pending:
+            i, p = pending.pop(0)
+            outs[f"join-{i}"] = []
+            eng.add_request(f"join-{i}", p, GREEDY, cache_salt="join")  # no hits on the other tests' prompts
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+            done += o.finished
+    _assert_no_leak(eng)
+    steps = eng.num_steps - s0
+    assert g.prompt_replays - p0 >= short, f"{g.prompt_replays - p0} graph steps with a prompt; {short} short prompts"
+    assert g.replays - r0 >= steps - (len(gpu_prompts) - short), f"{g.replays - r0} replays in {steps} steps"
+    bad = {i: first_diff(outs[f"join-{i}"], r) for i, r in enumerate(hf_reference) if outs[f"join-{i}"] != r}
+    assert not bad, f"prompts diverging from transformers (prompt: first differing token): {bad}"
+
+
 def test_cuda_graph_decode_equals_eager(source, graphs_engine, graph_outputs, gpu_prompts):
     eager = _engine(source, model=graphs_engine.runner.model, cuda_graphs=False)
     assert eager.runner.graphs is None and eager.runner.fast_cuda
