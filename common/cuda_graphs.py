@@ -50,6 +50,23 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+# Prompt rows' attention reads in a graphed step, in context tokens: those of a batch-64 decode at 1,024 tokens. A
+# prompt row reads its whole context (the decode kernel has no causal tiling over a chunk), so a chunk deep into a
+# long prompt reads far more than flash attention over the same chunk would; such a step runs eagerly.
+PROMPT_CONTEXT_BUDGET = 64 * 1024
+
+
+def prompt_rows_fit(prefills: Sequence[ScheduledSeq], max_tokens: int) -> bool:
+    """Whether these prompt chunks may run as decode rows of a graph: at most ``max_tokens`` tokens, whose contexts
+    total at most :data:`PROMPT_CONTEXT_BUDGET` tokens."""
+    tokens = reads = 0
+    for item in prefills:
+        n, c = item.num_tokens, item.seq.num_computed_tokens
+        tokens += n
+        reads += n * c + n * (n + 1) // 2
+    return tokens <= max_tokens and reads <= PROMPT_CONTEXT_BUDGET
+
+
 def sample_rows(decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq]) -> list[int]:
     """The staged rows whose logits a step samples, in the engine's order: the last token of each prompt chunk that
     ends its prompt (staged after the decodes), then the decodes."""
@@ -218,9 +235,9 @@ class CudaGraphDecoder:
         log.info("captured %d graphs (rows %s) in %.1f s", len(self.sizes), self.sizes, self.capture_seconds)
 
     def can_run(self, decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq] = ()) -> bool:
-        """Whether a graph holds this step: its prompt chunks total at most ``prefill_tokens`` tokens, and its rows
-        and block lists fit the captured sizes."""
-        if prefills and sum(p.num_tokens for p in prefills) > self.prefill_tokens:
+        """Whether a graph holds this step: its prompt chunks fit :func:`prompt_rows_fit`, and its rows and block
+        lists fit the captured sizes."""
+        if prefills and not prompt_rows_fit(prefills, self.prefill_tokens):
             return False
         return (len(decodes) > 0 or len(prefills) > 0) and self.staging.fits(decodes, prefills)
 

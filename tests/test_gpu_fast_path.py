@@ -16,7 +16,14 @@ from types import SimpleNamespace
 import torch
 
 from common.config import EngineConfig
-from common.cuda_graphs import DecodeStaging, decode_num_splits, graph_batch_sizes, padded_size, sample_rows
+from common.cuda_graphs import (
+    DecodeStaging,
+    decode_num_splits,
+    graph_batch_sizes,
+    padded_size,
+    prompt_rows_fit,
+    sample_rows,
+)
 from common.model_runner import use_fast_path
 from common.scheduler import ScheduledSeq
 
@@ -106,6 +113,16 @@ def test_prompt_chunks_stage_as_decode_rows_after_the_decodes():
     # the next decode-only step keeps the decode row's table
     st.fill([dec], 1)
     assert st.head[3].tolist()[:1] == [10] and st._row_lists[0] is dec.seq.block_ids
+
+
+def test_prompt_rows_fit_by_tokens_and_by_the_context_they_read():
+    short = _chunk(list(range(40)), 0, 40, [1, 2, 3])
+    assert prompt_rows_fit([short], 64) and not prompt_rows_fit([short], 39)
+    assert prompt_rows_fit([short, _chunk(list(range(30)), 6, 24, [4, 5])], 64)  # 64 tokens
+    # 30 new tokens after a cached 2,000-token prefix: 30 · 2,000 + 465 context reads fit; 40 after 2,000 do not
+    after = list(range(2040))
+    assert prompt_rows_fit([_chunk(after, 2000, 30, [])], 64)
+    assert not prompt_rows_fit([_chunk(after, 2000, 40, [])], 64)
 
 
 def test_decode_staging_rewrites_only_changed_table_rows():
