@@ -153,9 +153,10 @@ class EngineConfig:
     # CUDA: decode steps replay CUDA graphs (common/cuda_graphs.py); False: eager
     cuda_graphs: bool = True
     # CUDA graphs: a step whose prompt chunks total at most this many tokens replays a graph too, each prompt token
-    # run as a decode row (a short prompt joining a running batch, a batch tenant's chunk beside urgent work);
-    # larger chunks run eagerly, with flash attention. 0: graphs for decode-only steps
-    cuda_graph_prefill_tokens: int = 64
+    # run as a decode row (short prompts joining a running batch, a batch tenant's chunk beside urgent work), as
+    # long as those rows read little context (common/cuda_graphs.py, PROMPT_CONTEXT_BUDGET); other prompt steps run
+    # eagerly, with flash attention. 0: graphs for decode-only steps
+    cuda_graph_prefill_tokens: int = 512
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
     # the engine runs its next step; False: inline, on the engine thread
     grammar_process: bool = True

@@ -32,7 +32,7 @@ from common.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
-_IDS, _POS, _SLOT, _CTX = range(4)
+_IDS, _POS, _SLOT, _CTX, _TAB = range(5)
 
 
 def decode_num_splits(batch: int, kv_heads: int, sms: int, max_splits: int = 16) -> int:
@@ -44,9 +44,12 @@ def decode_num_splits(batch: int, kv_heads: int, sms: int, max_splits: int = 16)
     return max(1, min(max_splits, -(-2 * sms // programs)))
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """Captured decode batch sizes: 1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (which is always included)."""
+def graph_batch_sizes(max_num_seqs: int, prompt_rows: int = 0) -> list[int]:
+    """Captured row counts: 1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (always included); with
+    ``prompt_rows``, every 32 beyond it up to ``max_num_seqs + prompt_rows`` (always included)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8)) + [max_num_seqs]
+    top = max_num_seqs + prompt_rows
+    sizes += [*range(max_num_seqs + 32, top, 32), top]
     return sorted(set(sizes))
 
 
@@ -87,34 +90,40 @@ def padded_size(sizes: Sequence[int], batch: int) -> int | None:
 
 
 class DecodeStaging:
-    """Host side of the persistent decode inputs: one int32 buffer ``[4 · max_batch + max_batch · width]``
-    (ids, positions, layer-0 K rows of the new token, context lengths, then the block-table rows)."""
+    """Host side of the persistent step inputs: one int32 buffer ``[5 · max_batch + max_tables · width]``: per row
+    its token id, position, layer-0 K row of the new token, context length and block-table index, then the
+    block-table rows, one per sequence (a prompt chunk's rows share their sequence's table)."""
 
-    def __init__(self, max_batch: int, width: int, block_size: int, num_layers: int, pin: bool) -> None:
+    def __init__(self, max_batch: int, width: int, block_size: int, num_layers: int, pin: bool,
+                 max_tables: int | None = None) -> None:
         self.max_batch, self.width, self.block_size = max_batch, width, block_size
+        self.max_tables = max_tables or max_batch
         self.per_block = num_layers * 2 * block_size
-        self.host = torch.zeros(4 * max_batch + max_batch * width, dtype=torch.int32, pin_memory=pin)
+        self.head_len = 5 * max_batch
+        self.host = torch.zeros(self.head_len + self.max_tables * width, dtype=torch.int32, pin_memory=pin)
         self._np = self.host.numpy()
-        self.head = self._np[: 4 * max_batch].reshape(4, max_batch)
-        self.tables = self._np[4 * max_batch :].reshape(max_batch, width)
-        self._row_lists: list[list[int] | None] = [None] * max_batch  # the block_ids list each row holds
-        self._row_lens = [0] * max_batch
+        self.head = self._np[: self.head_len].reshape(5, max_batch)
+        self.tables = self._np[self.head_len :].reshape(self.max_tables, width)
+        self._row_lists: list[list[int] | None] = [None] * self.max_tables  # the block_ids list each table holds
+        self._row_lens = [0] * self.max_tables
+        self.num_tables = 0  # tables the last step used
 
     def fits(self, decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq] = ()) -> bool:
         rows = len(decodes) + sum(p.num_tokens for p in prefills)
-        return rows <= self.max_batch and all(len(d.seq.block_ids) <= self.width for d in (*decodes, *prefills))
+        return (rows <= self.max_batch and len(decodes) + len(prefills) <= self.max_tables
+                and all(len(d.seq.block_ids) <= self.width for d in (*decodes, *prefills)))
 
     def fill(self, decodes: Sequence[ScheduledSeq], padded: int, prefills: Sequence[ScheduledSeq] = ()) -> int:
         """Write the step's rows (the decodes, then each prompt chunk's tokens) and padding up to ``padded`` rows;
-        returns how many int32 to copy.
+        returns how many int32 to copy (the head, then the tables the step uses).
 
-        A block-table row is rewritten only where it changed: a sequence's ``block_ids`` list only grows by
-        ``append`` (the block manager replaces the whole list when it frees or re-matches one), so a row that
-        still holds the same list object only needs the entries appended since the last step. Decodes come first,
-        so their rows keep their tables while prompts come and go behind them."""
+        A block table is rewritten only where it changed: a sequence's ``block_ids`` list only grows by ``append``
+        (the block manager replaces the whole list when it frees or re-matches one), so a table that still holds
+        the same list object only needs the entries appended since the last step. Decodes take the first tables,
+        so theirs stay put while prompts come and go behind them."""
         bs, per_block = self.block_size, self.per_block
         tables, row_lists, row_lens = self.tables, self._row_lists, self._row_lens
-        ids, pos, slot, ctx = [0] * padded, [0] * padded, [-1] * padded, [0] * padded
+        ids, pos, slot, ctx, tab = [0] * padded, [0] * padded, [-1] * padded, [0] * padded, [0] * padded
 
         def table(i: int, bl: list[int]) -> None:
             n = len(bl)
@@ -134,41 +143,45 @@ class DecodeStaging:
             pos[i] = c
             slot[i] = bl[c // bs] * per_block + c % bs
             ctx[i] = c + 1
+            tab[i] = i
             table(i, bl)
-        i = len(decodes)
+        i = t = len(decodes)
         for item in prefills:
             s = item.seq
             c = s.num_computed_tokens
             bl = s.block_ids
+            table(t, bl)
             for p, tok in enumerate(s.tokens_range(c, c + item.num_tokens), start=c):
                 ids[i] = tok
                 pos[i] = p
                 slot[i] = bl[p // bs] * per_block + p % bs
                 ctx[i] = p + 1
-                table(i, bl)
+                tab[i] = t
                 i += 1
+            t += 1
         head = self.head
         head[_IDS, :padded] = ids
         head[_POS, :padded] = pos
         head[_SLOT, :padded] = slot
         head[_CTX, :padded] = ctx
-        for j in range(i, padded):
-            row_lists[j] = None
-        return 4 * self.max_batch + padded * self.width
+        head[_TAB, :padded] = tab
+        self.num_tables = t
+        return self.head_len + t * self.width
 
-    def rows(self, b: int, padded: int) -> np.ndarray:
-        """The step ``fill`` staged, for another rank's staging: ``[padded, b, w]``, the head up to ``padded`` rows,
-        then the first ``w`` entries of each of the ``b`` block-table rows (``w``: the longest row's blocks)."""
-        w = max(self._row_lens[:b], default=0)
-        return np.concatenate([np.array([padded, b, w], dtype=np.int32), self.head[:, :padded].ravel(),
-                               self.tables[:b, :w].ravel()])
+    def rows(self, padded: int) -> np.ndarray:
+        """The step ``fill`` staged, for another rank's staging: ``[padded, tables, w]``, the head up to ``padded``
+        rows, then the first ``w`` entries of each table the step uses (``w``: the longest one's blocks)."""
+        t = self.num_tables
+        w = max(self._row_lens[:t], default=0)
+        return np.concatenate([np.array([padded, t, w], dtype=np.int32), self.head[:, :padded].ravel(),
+                               self.tables[:t, :w].ravel()])
 
     def load(self, rows: np.ndarray) -> tuple[int, int]:
         """Stage what ``rows`` gave; returns the padded batch size and how many int32 to copy (as ``fill``)."""
-        padded, b, w = (int(x) for x in rows[:3])
-        self.head[:, :padded] = rows[3 : 3 + 4 * padded].reshape(4, padded)
-        self.tables[:b, :w] = rows[3 + 4 * padded :].reshape(b, w)
-        return padded, 4 * self.max_batch + padded * self.width
+        padded, t, w = (int(x) for x in rows[:3])
+        self.head[:, :padded] = rows[3 : 3 + 5 * padded].reshape(5, padded)
+        self.tables[:t, :w] = rows[3 + 5 * padded :].reshape(t, w)
+        return padded, self.head_len + t * self.width
 
 
 class CudaGraphDecoder:
@@ -184,8 +197,10 @@ class CudaGraphDecoder:
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         width = -(-max_model_len // block_size)
-        self.sizes = graph_batch_sizes(max_batch + prefill_tokens)
-        self.staging = DecodeStaging(self.sizes[-1], width, block_size, model.cfg.num_layers, pin=True)
+        self.sizes = graph_batch_sizes(max_batch, prefill_tokens)
+        # one block table per sequence: a step runs at most max_batch of them (the scheduler's max_num_seqs)
+        self.staging = DecodeStaging(self.sizes[-1], width, block_size, model.cfg.num_layers, pin=True,
+                                     max_tables=max_batch)
         self.dev = torch.zeros(self.staging.host.numel(), dtype=torch.int32, device=self.device)
         self._copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -195,14 +210,14 @@ class CudaGraphDecoder:
         self.capture_seconds = 0.0
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        mb, width = self.staging.max_batch, self.staging.width
-        head = self.dev[: 4 * mb].view(4, mb)
-        tables = self.dev[4 * mb :].view(mb, width)[:b]
-        bs = self.staging.block_size
+        st = self.staging
+        head = self.dev[: st.head_len].view(5, st.max_batch)
+        tables = self.dev[st.head_len :].view(st.max_tables, st.width)
+        bs = st.block_size
         meta = AttentionMetadata(
             slot_rows=head[_SLOT, :b], prefill_query_lens=[], prefill_context_lens=[], prefill_rows=[],
             num_decode_tokens=b, decode_rows=None, decode_mask=None, layer_stride=2 * bs, kv_stride=bs,
-            decode_block_tables=tables, decode_context_lens=head[_CTX, :b],
+            decode_block_tables=tables, decode_context_lens=head[_CTX, :b], decode_table_rows=head[_TAB, :b],
         )
         return head[_IDS, :b], head[_POS, :b], meta
 
@@ -253,7 +268,7 @@ class CudaGraphDecoder:
         self._copied.synchronize()  # the previous step's copy has read the pinned buffer
         n = self.staging.fill(decodes, padded, prefills)
         if send is not None:
-            send(self.staging.rows(b, padded))
+            send(self.staging.rows(padded))
         logits = self._replay(padded, n)
         if not prefills:
             return logits[:b]

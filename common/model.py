@@ -46,6 +46,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, W] block ids (for the CPU kernel)
     decode_context_lens: torch.Tensor | None = None  # [B] tokens each decode attends over
     decode_num_splits: int = 0  # CUDA fast path: context splits of the decode kernel (0: by batch size)
+    # CUDA fast path: [B] int32, the block table of each decode row (None: row b reads table b); a CUDA graph's
+    # prompt rows share their sequence's table
+    decode_table_rows: torch.Tensor | None = None
 
     @property
     def num_prefill_tokens(self) -> int:

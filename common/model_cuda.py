@@ -89,7 +89,7 @@ def attention(
     if meta.num_decode_tokens:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         tk.paged_decode_attention(q[start:], kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens,
-                                  d**-0.5, out[start:], meta.decode_num_splits)
+                                  d**-0.5, out[start:], meta.decode_num_splits, table_rows=meta.decode_table_rows)
     return out
 
 

@@ -38,16 +38,20 @@ def num_sms(device: torch.device) -> int:
 def _paged_decode_kernel(
     q_ptr, q_stride_b,
     cache_ptr, blk_stride, v_off,
-    table_ptr, table_stride, ctx_ptr,
+    table_ptr, table_stride, trow_ptr, ctx_ptr,
     out_ptr, out_stride_b,
     part_ptr, lse_ptr,
     scale, num_splits, num_heads,
     KVH: tl.constexpr, G: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, ROW_MAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
     s = tl.program_id(2)
+    if ROW_MAP:
+        trow = tl.load(trow_ptr + b).to(tl.int64)
+    else:
+        trow = b.to(tl.int64)
     ctx = tl.load(ctx_ptr + b)
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     lo = s * chunk
@@ -64,7 +68,7 @@ def _paged_decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         tok = start + offs_n
         nmask = tok < hi
-        blk = tl.load(table_ptr + b * table_stride + tok // BS, mask=nmask, other=0).to(tl.int64)
+        blk = tl.load(table_ptr + trow * table_stride + tok // BS, mask=nmask, other=0).to(tl.int64)
         base = blk * blk_stride + ((tok % BS) * KVH + kh) * D
         k = tl.load(cache_ptr + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
         if IEEE:
@@ -116,12 +120,15 @@ def _merge_splits_kernel(part_ptr, lse_ptr, out_ptr, out_stride_b, num_heads, nu
 def paged_decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
     scale: float, out: torch.Tensor, num_splits: int = 0, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence against its paged context, read in place from the pool.
+    """One query token per row against its paged context, read in place from the pool.
 
-    q: [B, H, D] (rows may be strided, heads contiguous); block_tables: [B, W] int32; context_lens: [B] int32
-    (0: the row is padding, its output is zeros); out: [B, H, D] with contiguous heads. ``num_splits`` 0 picks
-    :func:`decode_num_splits`. Launch shapes depend only on B and the splits, so a CUDA graph can hold it."""
+    q: [B, H, D] (rows may be strided, heads contiguous); block_tables: [B, W] int32, or [N, W] with
+    ``table_rows`` ([B] int32: row b reads table ``table_rows[b]``; the prompt tokens of one sequence, each a row,
+    share its table); context_lens: [B] int32 (0: the row is padding, its output is zeros); out: [B, H, D] with
+    contiguous heads. ``num_splits`` 0 picks :func:`decode_num_splits`. Launch shapes depend only on B and the
+    splits, so a CUDA graph can hold it."""
     bsz, heads, d = q.shape
     _, _, _, bs, kvh, _ = kv_cache.shape
     g = heads // kvh
@@ -132,18 +139,19 @@ def paged_decode_attention(
     block_h = max(16, triton.next_power_of_2(g))
     ieee = q.dtype == torch.float32
     common = dict(KVH=kvh, G=g, BLOCK_H=block_h, D=d, BS=bs, BLOCK_N=block_n, IEEE=ieee, num_warps=num_warps,
-                  num_stages=num_stages)
+                  num_stages=num_stages, ROW_MAP=table_rows is not None)
+    trows = table_rows if table_rows is not None else context_lens  # not read without ROW_MAP
     if num_splits == 1:
         _paged_decode_kernel[(bsz, kvh, 1)](
             q, q.stride(0), cache_l, kv_cache.stride(0), kv_cache.stride(2), block_tables, block_tables.stride(0),
-            context_lens, out, out.stride(0), out, out, scale, 1, heads, DIRECT=True, **common,
+            trows, context_lens, out, out.stride(0), out, out, scale, 1, heads, DIRECT=True, **common,
         )
         return out
     part = torch.empty((bsz, heads, num_splits, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=q.device)
     _paged_decode_kernel[(bsz, kvh, num_splits)](
         q, q.stride(0), cache_l, kv_cache.stride(0), kv_cache.stride(2), block_tables, block_tables.stride(0),
-        context_lens, out, out.stride(0), part, lse, scale, num_splits, heads, DIRECT=False, **common,
+        trows, context_lens, out, out.stride(0), part, lse, scale, num_splits, heads, DIRECT=False, **common,
     )
     _merge_splits_kernel[(bsz, heads)](
         part, lse, out, out.stride(0), heads, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits),

@@ -48,6 +48,9 @@ def test_graph_batch_sizes_and_padding():
     assert sizes[-1] == 20
     assert [padded_size(sizes, b) for b in (1, 3, 8, 9, 17, 20)] == [1, 4, 8, 16, 20, 20]
     assert padded_size(sizes, 21) is None
+    assert graph_batch_sizes(64, 512)[10:] == [64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448, 480,
+                                                512, 544, 576]
+    assert graph_batch_sizes(8, 40) == [1, 2, 4, 8, 40, 48]
 
 
 def test_decode_num_splits_fills_the_chip():
@@ -68,15 +71,15 @@ def test_decode_staging_rows_and_padding():
     st = DecodeStaging(max_batch=4, width=5, block_size=bs, num_layers=layers, pin=False)
     decodes = [_decode(0, list(range(100, 110)), 9, [7, 3, 9]), _decode(1, [5, 6], 1, [2])]
     n = st.fill(decodes, padded=4)
-    assert n == 4 * 4 + 4 * 5
-    ids, pos, slot, ctx = (st.head[i].tolist() for i in range(4))
-    assert ids == [109, 6, 0, 0] and pos == [9, 1, 0, 0] and ctx == [10, 2, 0, 0]
+    assert n == 5 * 4 + 2 * 5  # the head, then the two tables in use (padding rows read none)
+    ids, pos, slot, ctx, tab = (st.head[i].tolist() for i in range(5))
+    assert ids == [109, 6, 0, 0] and pos == [9, 1, 0, 0] and ctx == [10, 2, 0, 0] and tab == [0, 1, 0, 0]
     per_block = layers * 2 * bs
     assert slot[:2] == [9 * per_block + 1, 2 * per_block + 1]  # position 9 → block index 2 (id 9), offset 1
     assert slot[2:] == [-1, -1]  # padding rows write nothing
     assert st.tables[0, :3].tolist() == [7, 3, 9] and st.tables[1, :1].tolist() == [2]
     flat = st.host[:n]
-    assert flat[: 16].view(4, 4)[3].tolist() == [10, 2, 0, 0]
+    assert flat[:20].view(5, 4)[3].tolist() == [10, 2, 0, 0] and flat[20:23].tolist() == [7, 3, 9]
     # a smaller step afterwards re-pads the rows it no longer uses
     st.fill(decodes[1:], padded=2)
     assert st.head[3].tolist()[:2] == [2, 0] and st.head[2].tolist()[:2] == [2 * per_block + 1, -1]
@@ -95,19 +98,23 @@ def test_prompt_chunks_stage_as_decode_rows_after_the_decodes():
     order: the chunks that end their prompt, then the decodes."""
     bs, layers = 4, 1
     per_block = layers * 2 * bs
-    st = DecodeStaging(max_batch=8, width=4, block_size=bs, num_layers=layers, pin=False)
+    st = DecodeStaging(max_batch=8, width=4, block_size=bs, num_layers=layers, pin=False, max_tables=3)
     dec = _decode(0, list(range(100, 110)), 9, [7, 3, 9])
     mid = _chunk(list(range(200, 210)), 2, 3, [5, 6])  # tokens 2..4 of 10: the prompt goes on next step
     end = _chunk(list(range(300, 306)), 4, 2, [1, 2])  # tokens 4..5 of 6, a cached prefix before: samples
     assert not mid.samples and end.samples
-    assert st.fits([dec], [mid, end]) and not st.fits([dec], [mid, end, _chunk(list(range(9)), 0, 3, [1])])
-    st.fill([dec], 8, [mid, end])
-    ids, pos, slot, ctx = (st.head[i].tolist() for i in range(4))
+    assert st.fits([dec], [mid, end])
+    assert not st.fits([dec], [mid, end, _chunk(list(range(9)), 0, 3, [1])])  # 9 rows
+    assert not st.fits([dec], [mid, end, _chunk(list(range(9)), 0, 1, [1])])  # 4 tables
+    n = st.fill([dec], 8, [mid, end])
+    assert n == 5 * 8 + 3 * 4
+    ids, pos, slot, ctx, tab = (st.head[i].tolist() for i in range(5))
     assert ids[:6] == [109, 202, 203, 204, 304, 305] and pos[:6] == [9, 2, 3, 4, 4, 5]
     assert ctx == [10, 3, 4, 5, 5, 6, 0, 0]
     assert slot[1:6] == [5 * per_block + 2, 5 * per_block + 3, 6 * per_block + 0, 2 * per_block + 0,
                          2 * per_block + 1] and slot[6:] == [-1, -1]
-    assert [st.tables[r, :2].tolist() for r in range(1, 6)] == [[5, 6]] * 3 + [[1, 2]] * 2
+    assert tab[:6] == [0, 1, 1, 1, 2, 2]  # a chunk's rows share its sequence's table
+    assert st.tables[1, :2].tolist() == [5, 6] and st.tables[2, :2].tolist() == [1, 2]
     assert sample_rows([dec], [mid, end]) == [5, 0]
     assert sample_rows([], [mid]) == [] and sample_rows([dec, dec], []) == [0, 1]
     # the next decode-only step keeps the decode row's table
@@ -157,8 +164,9 @@ class NoGraphs(cuda_graphs.CudaGraphDecoder):
     def __init__(self, model, kv, bs, mb, mlen, logits=True, prefill_tokens=0):
         self.model, self.kv_cache, self.device, self.with_logits = model, kv, kv.device, logits
         self.prefill_tokens = prefill_tokens
-        self.sizes = cuda_graphs.graph_batch_sizes(mb + prefill_tokens)
-        self.staging = cuda_graphs.DecodeStaging(self.sizes[-1], -(-mlen // bs), bs, model.cfg.num_layers, pin=False)
+        self.sizes = cuda_graphs.graph_batch_sizes(mb, prefill_tokens)
+        self.staging = cuda_graphs.DecodeStaging(self.sizes[-1], -(-mlen // bs), bs, model.cfg.num_layers, pin=False,
+                                                 max_tables=mb)
         self.dev = torch.zeros_like(self.staging.host)
         self._copied = SimpleNamespace(synchronize=lambda: None)
         self.replays = self.prompt_replays = 0

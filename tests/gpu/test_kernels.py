@@ -66,7 +66,10 @@ def ref_decode(q: torch.Tensor, cache: torch.Tensor, layer: int, tables: torch.T
     return torch.stack(outs)
 
 
-def check_decode_attention(device: str, config: str, batch: int, max_ctx: int, splits: int, nb: int = 3000) -> None:
+def check_decode_attention(device: str, config: str, batch: int, max_ctx: int, splits: int, nb: int = 3000,
+                           row_map: bool = False) -> None:
+    """``row_map``: the rows share three block tables (``table_rows``), as a CUDA graph's prompt rows share their
+    sequence's."""
     from common import triton_ops as tk
 
     dtype, h, kvh, d, tol = CONFIGS[config]
@@ -81,9 +84,13 @@ def check_decode_attention(device: str, config: str, batch: int, max_ctx: int, s
     qkv = _randn(batch, (h + 2 * kvh) * d, g=g, dtype=dtype, device=device)
     q = qkv[:, : h * d].view(batch, h, d)  # strided rows, as the forward passes them
     out = torch.full((batch, h, d), float("nan"), dtype=dtype, device=device)
-    tk.paged_decode_attention(q, cache, 2, tables, ctx, d**-0.5, out, num_splits=splits)
-    assert_close(out, ref_decode(q, cache, 2, tables, ctx), tol,
-                 f"paged decode attention {config} batch {batch} context ≤{max_ctx} splits {splits}")
+    rows = None
+    if row_map:
+        rows = torch.randint(0, 3, (batch,), device=device, generator=g).int()
+        tables, per_row = tables[:3].contiguous(), tables[:3][rows.long()]
+    tk.paged_decode_attention(q, cache, 2, tables, ctx, d**-0.5, out, num_splits=splits, table_rows=rows)
+    assert_close(out, ref_decode(q, cache, 2, per_row if row_map else tables, ctx), tol,
+                 f"paged decode attention {config} batch {batch} context ≤{max_ctx} splits {splits} map {row_map}")
 
 
 def check_rope_kv_write(device: str, config: str, nb: int = 3000) -> None:
@@ -187,6 +194,12 @@ def check_gemv_and_splitk(device: str, n: int, k: int) -> None:
 @pytest.mark.parametrize("config", CONFIGS)
 def test_paged_decode_attention(config, case):
     check_decode_attention("cuda", config, *case)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("config", CONFIGS)
+def test_paged_decode_attention_rows_sharing_tables(config, splits):
+    check_decode_attention("cuda", config, 24, 700, splits, row_map=True)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
