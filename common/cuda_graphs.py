@@ -32,7 +32,8 @@ from common.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
-_IDS, _POS, _SLOT, _CTX, _TAB = range(5)
+_IDS, _POS, _SLOT, _CTX, _TAB, _SEL = range(6)
+_FIELDS = 6
 
 
 def decode_num_splits(batch: int, kv_heads: int, sms: int, max_splits: int = 16) -> int:
@@ -90,23 +91,25 @@ def padded_size(sizes: Sequence[int], batch: int) -> int | None:
 
 
 class DecodeStaging:
-    """Host side of the persistent step inputs: one int32 buffer ``[5 · max_batch + max_tables · width]``: per row
-    its token id, position, layer-0 K row of the new token, context length and block-table index, then the
-    block-table rows, one per sequence (a prompt chunk's rows share their sequence's table)."""
+    """Host side of the persistent step inputs: one int32 buffer ``[6 · max_batch + max_tables · width]``: per row
+    its token id, position, layer-0 K row of the new token, context length and block-table index, and the rows
+    whose logits the step samples (in the engine's order); then the block-table rows, one per sequence (a prompt
+    chunk's rows share their sequence's table)."""
 
     def __init__(self, max_batch: int, width: int, block_size: int, num_layers: int, pin: bool,
                  max_tables: int | None = None) -> None:
         self.max_batch, self.width, self.block_size = max_batch, width, block_size
         self.max_tables = max_tables or max_batch
         self.per_block = num_layers * 2 * block_size
-        self.head_len = 5 * max_batch
+        self.head_len = _FIELDS * max_batch
         self.host = torch.zeros(self.head_len + self.max_tables * width, dtype=torch.int32, pin_memory=pin)
         self._np = self.host.numpy()
-        self.head = self._np[: self.head_len].reshape(5, max_batch)
+        self.head = self._np[: self.head_len].reshape(_FIELDS, max_batch)
         self.tables = self._np[self.head_len :].reshape(self.max_tables, width)
         self._row_lists: list[list[int] | None] = [None] * self.max_tables  # the block_ids list each table holds
         self._row_lens = [0] * self.max_tables
         self.num_tables = 0  # tables the last step used
+        self.num_sampled = 0  # rows whose logits the last step samples
 
     def fits(self, decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq] = ()) -> bool:
         rows = len(decodes) + sum(p.num_tokens for p in prefills)
@@ -165,7 +168,9 @@ class DecodeStaging:
         head[_SLOT, :padded] = slot
         head[_CTX, :padded] = ctx
         head[_TAB, :padded] = tab
-        self.num_tables = t
+        sel = sample_rows(decodes, prefills)
+        head[_SEL, :padded] = sel + [0] * (padded - len(sel))
+        self.num_tables, self.num_sampled = t, len(sel)
         return self.head_len + t * self.width
 
     def rows(self, padded: int) -> np.ndarray:
@@ -179,8 +184,8 @@ class DecodeStaging:
     def load(self, rows: np.ndarray) -> tuple[int, int]:
         """Stage what ``rows`` gave; returns the padded batch size and how many int32 to copy (as ``fill``)."""
         padded, t, w = (int(x) for x in rows[:3])
-        self.head[:, :padded] = rows[3 : 3 + 5 * padded].reshape(5, padded)
-        self.tables[:t, :w] = rows[3 + 5 * padded :].reshape(t, w)
+        self.head[:, :padded] = rows[3 : 3 + _FIELDS * padded].reshape(_FIELDS, padded)
+        self.tables[:t, :w] = rows[3 + _FIELDS * padded :].reshape(t, w)
         return padded, self.head_len + t * self.width
 
 
@@ -211,7 +216,7 @@ class CudaGraphDecoder:
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         st = self.staging
-        head = self.dev[: st.head_len].view(5, st.max_batch)
+        head = self.dev[: st.head_len].view(_FIELDS, st.max_batch)
         tables = self.dev[st.head_len :].view(st.max_tables, st.width)
         bs = st.block_size
         meta = AttentionMetadata(
@@ -222,9 +227,15 @@ class CudaGraphDecoder:
         return head[_IDS, :b], head[_POS, :b], meta
 
     def _run(self, b: int) -> torch.Tensor:
+        """The forward of ``b`` rows; with logits, those of the staged sampled rows only (at most one a sequence:
+        ``max_tables``), so prompt rows cost no LM head."""
         ids, pos, meta = self._inputs(b)
         hidden = self.model(ids, pos, meta, self.kv_cache)
-        return self.model.compute_logits(hidden) if self.with_logits else hidden
+        if not self.with_logits:
+            return hidden
+        st = self.staging
+        sel = self.dev[_SEL * st.max_batch : _SEL * st.max_batch + min(b, st.max_tables)]
+        return self.model.compute_logits(hidden.index_select(0, sel))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -259,9 +270,8 @@ class CudaGraphDecoder:
     def run(self, decodes: Sequence[ScheduledSeq], send: Callable[[np.ndarray], None] | None = None,
             prefills: Sequence[ScheduledSeq] = ()) -> torch.Tensor | None:
         """Replay for these rows; returns float32 logits ``[sampled rows, vocab]`` on the device, in the engine's
-        order (the prompts that end this step, then the decodes; a view of the graph's output when the step has
-        no prompt, valid until the next replay), or None when no row samples. ``send``: hands the staged rows to
-        the other ranks first."""
+        order (the prompts that end this step, then the decodes): a view of the graph's output, valid until the
+        next replay; None when no row samples. ``send``: hands the staged rows to the other ranks first."""
         b = len(decodes) + sum(p.num_tokens for p in prefills)
         padded = padded_size(self.sizes, b)
         assert padded is not None
@@ -270,13 +280,10 @@ class CudaGraphDecoder:
         if send is not None:
             send(self.staging.rows(padded))
         logits = self._replay(padded, n)
-        if not prefills:
-            return logits[:b]
-        self.prompt_replays += 1
-        rows = sample_rows(decodes, prefills)
-        if not rows:
-            return None
-        return logits.index_select(0, torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True))
+        if prefills:
+            self.prompt_replays += 1
+        k = self.staging.num_sampled
+        return logits[:k] if k else None
 
     def follow(self, rows: np.ndarray) -> None:
         """A rank other than 0: replay the graph rank 0 replays, on the rows it sent (``DecodeStaging.rows``)."""

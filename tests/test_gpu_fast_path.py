@@ -71,15 +71,16 @@ def test_decode_staging_rows_and_padding():
     st = DecodeStaging(max_batch=4, width=5, block_size=bs, num_layers=layers, pin=False)
     decodes = [_decode(0, list(range(100, 110)), 9, [7, 3, 9]), _decode(1, [5, 6], 1, [2])]
     n = st.fill(decodes, padded=4)
-    assert n == 5 * 4 + 2 * 5  # the head, then the two tables in use (padding rows read none)
-    ids, pos, slot, ctx, tab = (st.head[i].tolist() for i in range(5))
+    assert n == 6 * 4 + 2 * 5  # the head, then the two tables in use (padding rows read none)
+    ids, pos, slot, ctx, tab, sel = (st.head[i].tolist() for i in range(6))
     assert ids == [109, 6, 0, 0] and pos == [9, 1, 0, 0] and ctx == [10, 2, 0, 0] and tab == [0, 1, 0, 0]
+    assert sel[:2] == [0, 1] and st.num_sampled == 2
     per_block = layers * 2 * bs
     assert slot[:2] == [9 * per_block + 1, 2 * per_block + 1]  # position 9 → block index 2 (id 9), offset 1
     assert slot[2:] == [-1, -1]  # padding rows write nothing
     assert st.tables[0, :3].tolist() == [7, 3, 9] and st.tables[1, :1].tolist() == [2]
     flat = st.host[:n]
-    assert flat[:20].view(5, 4)[3].tolist() == [10, 2, 0, 0] and flat[20:23].tolist() == [7, 3, 9]
+    assert flat[:24].view(6, 4)[3].tolist() == [10, 2, 0, 0] and flat[24:27].tolist() == [7, 3, 9]
     # a smaller step afterwards re-pads the rows it no longer uses
     st.fill(decodes[1:], padded=2)
     assert st.head[3].tolist()[:2] == [2, 0] and st.head[2].tolist()[:2] == [2 * per_block + 1, -1]
@@ -107,8 +108,9 @@ def test_prompt_chunks_stage_as_decode_rows_after_the_decodes():
     assert not st.fits([dec], [mid, end, _chunk(list(range(9)), 0, 3, [1])])  # 9 rows
     assert not st.fits([dec], [mid, end, _chunk(list(range(9)), 0, 1, [1])])  # 4 tables
     n = st.fill([dec], 8, [mid, end])
-    assert n == 5 * 8 + 3 * 4
-    ids, pos, slot, ctx, tab = (st.head[i].tolist() for i in range(5))
+    assert n == 6 * 8 + 3 * 4
+    ids, pos, slot, ctx, tab, sel = (st.head[i].tolist() for i in range(6))
+    assert sel[:2] == [5, 0] and st.num_sampled == 2  # the graph computes logits of these rows only
     assert ids[:6] == [109, 202, 203, 204, 304, 305] and pos[:6] == [9, 2, 3, 4, 4, 5]
     assert ctx == [10, 3, 4, 5, 5, 6, 0, 0]
     assert slot[1:6] == [5 * per_block + 2, 5 * per_block + 3, 6 * per_block + 0, 2 * per_block + 0,
