@@ -29,7 +29,6 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter as Tally
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +40,6 @@ from tokenmill.v1 import common_pb2, frontend_pb2, router_pb2, tokenizer_pb2
 from common import rpc, telemetry
 from services.gateway import openai_api as oa
 from services.gateway import openai_schema as schema
-from services.gateway.accounting import AuditRecord
 from services.gateway.tenancy import QuotaExceeded, RequestTooLarge, Tenant
 
 if TYPE_CHECKING:
@@ -123,7 +121,7 @@ def error_from(exc: BaseException) -> oa.OpenAIError:
     if status == 500:
         log.error("unexpected error serving an HTTP request: %s", message, exc_info=exc)
     if isinstance(exc, QuotaExceeded):  # Retry-After from the tenant's bucket, and its x-ratelimit-* headers
-        return oa.OpenAIError(429, message, code="rate_limit_exceeded", headers=exc.headers)
+        return oa.OpenAIError(429, message, code=exc.openai_code, headers=exc.headers)
     if isinstance(exc, rpc.Unauthenticated):
         return oa.OpenAIError(401, message, code="invalid_api_key")
     retry = {"Retry-After": _RETRY_AFTER_S} if status in (429, 503) else None
@@ -139,8 +137,6 @@ class HttpFrontend:
         g = gw.cfg.cluster.gateway
         self.cfg = g
         self.names = served_model_names(gw.cfg.cluster.model, g.served_model_names)
-        self.inflight = 0
-        self.tenant_inflight: Tally[str] = Tally()
         self.draining = False
         self._ready_at = 0.0  # monotonic time of the last successful readiness check
         self._ready_why = "not checked yet"
@@ -333,22 +329,6 @@ class HttpFrontend:
         request[_TENANT] = tenant
         return tenant
 
-    def _admit(self, t: Tenant, rid: str, model: str) -> None:
-        """The gateway's and the tenant's in-flight caps. Raises 429; the refusal is counted and audited."""
-        quota = self.cfg.tenant_max_inflight
-        if self.inflight >= self.cfg.max_inflight_requests:
-            err = oa.OpenAIError(429, f"the gateway queue is full ({self.inflight} requests in flight); retry "
-                                 "after the Retry-After seconds", code="queue_full",
-                                 headers={"Retry-After": _RETRY_AFTER_S})
-        elif quota is not None and self.tenant_inflight[t.name] >= quota:
-            err = oa.OpenAIError(429, f"tenant {t.name or '(default)'} is over its quota of {quota} requests in "
-                                 "flight (gateway.tenant_max_inflight); retry after the Retry-After seconds",
-                                 code="quota_exceeded", headers={"Retry-After": _RETRY_AFTER_S})
-        else:
-            return
-        self.gw.accounting.refused(t, "in_flight", AuditRecord(t.name, rid, model, "RESOURCE_EXHAUSTED"))
-        raise err
-
     async def _token_text(self) -> Any:
         """A cached ``id → text`` for logprobs (the tokenizer loads on first use, off the event loop)."""
         async with self._tokenizer_lock:
@@ -394,7 +374,7 @@ class HttpFrontend:
                                       "with stream true and the X-Request-Id of the stream to resume")
         rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if resume is None:
-            self._admit(t, rid, parsed.model)
+            self.gw.admit_in_flight(t, rid, parsed.model)
             self.gw.admit_request(t, rid, parsed.model)
         if parsed.service_tier is not None:
             for r in parsed.requests:
@@ -406,11 +386,9 @@ class HttpFrontend:
         fmt = oa.LogprobFormatter(await self._token_text() if parsed.logprobs else str)
         builder = oa.ResponseBuilder(parsed, rid, fmt, tier)
         parent = telemetry.incoming_context([(k.lower(), v) for k, v in request.headers.items()])
-        self.inflight += 1
-        self.tenant_inflight[tenant] += 1
         try:
-            with telemetry.stream_span(f"openai.{kind}", telemetry.SERVER, {"request_id": rid, "tenant": tenant},
-                                       parent):
+            with self.gw.in_flight(t), telemetry.stream_span(f"openai.{kind}", telemetry.SERVER,
+                                                             {"request_id": rid, "tenant": tenant}, parent):
                 if parsed.stream:
                     return await self._stream(request, parsed, builder, t, resume)
                 return await self._unary(parsed, builder, t)
@@ -418,11 +396,6 @@ class HttpFrontend:
             if resume is None:
                 self.gw.tenancy.refund_request(t)  # refused after the door: nothing is half-admitted
             raise
-        finally:
-            self.inflight -= 1
-            self.tenant_inflight[tenant] -= 1
-            if not self.tenant_inflight[tenant]:
-                del self.tenant_inflight[tenant]
 
     async def _choice(self, req: frontend_pb2.GenerateRequest, tenant: Tenant, resumable: bool = False,
                       after: int | None = None) -> AsyncIterator[frontend_pb2.GenerateResponse]:

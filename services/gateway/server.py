@@ -28,10 +28,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import Counter as Tally
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,6 +174,10 @@ class _Attempts:
         return True
 
 
+# Retry-After of an in-flight cap's refusal, in seconds: a request in flight ends in about that long
+IN_FLIGHT_RETRY_S = 1
+
+
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     def __init__(self, app: GatewayService) -> None:
         self.app = app
@@ -183,6 +189,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             tenant = self.app.identify(_metadata(context, "authorization"), _metadata(context, "x-tenant-id"),
                                        request.request_id, request.model)
             try:
+                self.app.admit_in_flight(tenant, request.request_id, request.model)
                 self.app.admit_request(tenant, request.request_id, request.model)
             except QuotaExceeded as e:
                 context.set_trailing_metadata(_grpc_headers(e.headers))
@@ -192,23 +199,30 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             left = context.time_remaining()
             deadline = None if left is None else time.monotonic() + left
             try:
-                streams = self.app.streams
-                if streams is None:
-                    async for resp in self.app.generate(request, tenant, deadline):
+                with self.app.in_flight(tenant):
+                    async for resp in self._generate(request, tenant, deadline):
                         yield resp
-                    return
-                req = frontend_pb2.GenerateRequest()
-                req.CopyFrom(request)
-                req.request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-                gen = self.app.generate(req, tenant, deadline)
-                sl = streams.start(req.request_id, gen, owner=tenant.name)
-                async for resp in streams.follow(sl):
-                    yield resp
             except (QuotaExceeded, RequestTooLarge) as e:
                 self.app.tenancy.refund_request(tenant)  # refused after the door: nothing is half-admitted
                 if isinstance(e, QuotaExceeded):
                     context.set_trailing_metadata(_grpc_headers({**e.headers, **tenant.ratelimit_headers()}))
                 raise
+
+    async def _generate(self, request: frontend_pb2.GenerateRequest, tenant: Tenant, deadline: float | None
+                        ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        """The request's responses: straight from the generation, or through the resumable streams."""
+        streams = self.app.streams
+        if streams is None:
+            async for resp in self.app.generate(request, tenant, deadline):
+                yield resp
+            return
+        req = frontend_pb2.GenerateRequest()
+        req.CopyFrom(request)
+        req.request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+        gen = self.app.generate(req, tenant, deadline)
+        sl = streams.start(req.request_id, gen, owner=tenant.name)
+        async for resp in streams.follow(sl):
+            yield resp
 
     @rpc.translate_errors
     async def Resume(self, request: frontend_pb2.ResumeRequest, context: grpc.aio.ServicerContext
@@ -246,6 +260,8 @@ class GatewayService:
             self.cache = ResponseCache(c.gateway.response_cache_bytes, c.gateway.response_cache_ttl_s,
                                        CacheMetrics(self.registry))
         self.policies = PolicySet(c.output_filter, c.model)  # for an answer that ends at prefill (no decode)
+        self.inflight = 0  # requests in flight through either front door (admit_in_flight, in_flight)
+        self.tenant_inflight: Tally[str] = Tally()
         self.http = HttpFrontend(self)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
@@ -283,6 +299,39 @@ class GatewayService:
             self.accounting.refused(None, "unauthenticated", AuditRecord(
                 "", request_id, model or self.cfg.cluster.model, "UNAUTHENTICATED"))
             raise
+
+    def admit_in_flight(self, tenant: Tenant, request_id: str, model: str) -> None:
+        """The gateway's and the tenant's in-flight caps (``gateway.max_inflight_requests``,
+        ``gateway.tenant_max_inflight``), one count for both front doors. Raises QuotaExceeded (HTTP 429, gRPC
+        RESOURCE_EXHAUSTED, Retry-After); the refusal is counted and audited. Checked before the request's quota
+        takes anything."""
+        g = self.cfg.cluster.gateway
+        cap = g.tenant_max_inflight
+        if self.inflight >= g.max_inflight_requests:
+            msg, code = (f"the gateway queue is full ({self.inflight} requests in flight); retry after the "
+                         "Retry-After seconds", "queue_full")
+        elif cap is not None and self.tenant_inflight[tenant.name] >= cap:
+            msg, code = (f"tenant {tenant.name or '(default)'} is over its quota of {cap} requests in flight "
+                         "(gateway.tenant_max_inflight); retry after the Retry-After seconds", "quota_exceeded")
+        else:
+            return
+        self.accounting.refused(tenant, "in_flight", AuditRecord(
+            tenant.name, request_id, model or self.cfg.cluster.model, "RESOURCE_EXHAUSTED"))
+        raise QuotaExceeded(msg, "in_flight", IN_FLIGHT_RETRY_S, {"Retry-After": str(IN_FLIGHT_RETRY_S)},
+                            openai_code=code)
+
+    @contextlib.contextmanager
+    def in_flight(self, tenant: Tenant) -> Iterator[None]:
+        """Counts a request in flight, at this gateway and for its tenant, while the block runs."""
+        self.inflight += 1
+        self.tenant_inflight[tenant.name] += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            self.tenant_inflight[tenant.name] -= 1
+            if not self.tenant_inflight[tenant.name]:
+                del self.tenant_inflight[tenant.name]
 
     def admit_request(self, tenant: Tenant, request_id: str, model: str) -> None:
         """Take the request's token from the tenant's requests-per-minute bucket (before any work). Raises

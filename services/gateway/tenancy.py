@@ -41,9 +41,11 @@ class QuotaExceeded(ResourceExhausted):
     """A tenant's quota refuses the request now: HTTP 429, gRPC RESOURCE_EXHAUSTED. ``retry_after_s``: when the
     bucket will hold what the request needs; ``headers``: Retry-After and the tenant's x-ratelimit-* headers."""
 
-    def __init__(self, message: str, quota: str, retry_after_s: float, headers: dict[str, str]) -> None:
+    def __init__(self, message: str, quota: str, retry_after_s: float, headers: dict[str, str],
+                 openai_code: str = "rate_limit_exceeded") -> None:
         super().__init__(message)
         self.quota, self.retry_after_s, self.headers = quota, retry_after_s, headers
+        self.openai_code = openai_code  # the HTTP error body's code
 
 
 class RequestTooLarge(ValueError):

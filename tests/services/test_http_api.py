@@ -254,10 +254,10 @@ def test_client_disconnect_mid_stream_cancels_the_decode_call(tok):
                 r.close()  # the client goes away mid-stream
             await asyncio.wait_for(d.cancelled.wait(), 5)
             for _ in range(50):  # the gateway's in-flight count goes back to zero
-                if st.gw.http.inflight == 0:
+                if st.gw.inflight == 0:
                     break
                 await asyncio.sleep(0.05)
-            assert st.gw.http.inflight == 0
+            assert st.gw.inflight == 0
 
     asyncio.run(body())
 
