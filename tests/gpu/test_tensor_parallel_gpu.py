@@ -1,5 +1,5 @@
 """Tensor parallelism on two GPUs: a dummy Llama-3.1-8B (seeded random weights) in float32, TP=2 (NCCL, all-reduces
-inside the captured decode graphs) against TP=1 on one GPU.
+inside the captured graphs, the prompts' step among them) against TP=1 on one GPU.
 
 The TP=1 run comes first and is freed before the TP=2 engine starts (32 GB of float32 weights on cuda:0)."""
 
@@ -36,9 +36,11 @@ def engine(tp: int) -> LLMEngine:
 
 def run(eng: LLMEngine, ps: list[list[int]]) -> dict:
     logits = step_logits(eng, ps, LOGIT_STEPS)
-    replays = eng.runner.graphs.replays if eng.runner.graphs is not None else 0
+    g = eng.runner.graphs
+    replays, prompt_replays = (g.replays, g.prompt_replays) if g is not None else (0, 0)
     return {"logits": [x.cpu() for x in logits], "score": eng.runner.score(ps[:2]),
-            "tokens": [r.token_ids for r in eng.generate(ps, GREEDY)], "replays": replays}
+            "tokens": [r.token_ids for r in eng.generate(ps, GREEDY)], "replays": replays,
+            "prompt_replays": prompt_replays}
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,7 @@ def test_tp2_logits_equal_tp1_on_two_gpus(results):
     print("max |TP=2 - TP=1| per step:", " ".join(f"{d:.2e}" for d in diffs))
     assert max(diffs) < LOGIT_TOL, diffs
     assert two["replays"] > 0  # the decode steps replayed graphs, their all-reduces inside
+    assert two["prompt_replays"] > 0  # the prompts' step too: every rank staged the prompt rows rank 0 sent
 
 
 def test_tp2_greedy_tokens_equal_tp1_over_64_steps_on_two_gpus(results):
