@@ -129,6 +129,7 @@ class TenantConfig:
     max_class: PriorityClassName = "interactive"  # the most urgent class it may ask for (a request above: capped)
     weight: float = 1.0  # fair-share weight in the engines
     max_running: int = 0  # its running sequences per worker (0: no cap)
+    max_inflight: int = 0  # its requests in flight at a gateway, HTTP and gRPC (0: gateway.tenant_max_inflight)
     share_prefix_cache: bool = False  # opt in to sharing prefix-cache blocks with other tenants
     price_input_per_mtok: float = 0.0
     price_output_per_mtok: float = 0.0
@@ -140,7 +141,7 @@ class TenantConfig:
                 raise ValueError(f"keys_sha256 holds {k[:70]!r}, which is not a SHA-256 in hex (64 characters "
                                  "0-9a-f); hash a key with `tokenmill keys hash KEY`")
         object.__setattr__(self, "keys_sha256", keys)
-        for name in ("rpm", "rpm_burst", "tpm", "tpm_burst", "max_running"):
+        for name in ("rpm", "rpm_burst", "tpm", "tpm_burst", "max_running", "max_inflight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no limit), got {getattr(self, name)}")
         for name in ("price_input_per_mtok", "price_output_per_mtok"):

@@ -6,7 +6,8 @@ resolution at the gateway:
 
 - ``interactive``: default and maximum class interactive, no quota;
 - ``flood``: class batch, ``--flood-rpm`` requests per minute (its excess gets 429 / RESOURCE_EXHAUSTED), a
-  per-worker cap on its running sequences (``--flood-max-running``);
+  per-worker cap on its running sequences (``--flood-max-running``), and optionally a cap on its requests in
+  flight at the gateway (``--flood-max-inflight``; over it, 429 too);
 - ``probe``: class standard, no quota, only for the calibration.
 
 Then, over gRPC ``Generate``:
@@ -80,6 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flood-rpm-burst", type=int, default=8, help="its request bucket (default 8)")
     p.add_argument("--flood-max-running", type=int, default=4,
                    help="the flood tenant's running sequences per worker (default 4; 0: no cap)")
+    p.add_argument("--flood-max-inflight", type=int, default=0,
+                   help="the flood tenant's requests in flight at the gateway (tenants.flood.max_inflight; default "
+                        "0: no cap)")
     p.add_argument("--batch-prefill-tokens", type=int, default=16,
                    help="engine.batch_prefill_tokens_beside_urgent: the flood's prompt tokens in a step that runs "
                         "the interactive tenant's (default 16; 0: no limit)")
@@ -107,7 +111,7 @@ def tenants_config(a: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any
                         "max_class": "interactive", "weight": 1.0},
         "flood": {"keys_sha256": sha(keys["flood"]), "default_class": "batch", "max_class": "batch", "weight": 1.0,
                   "rpm": a.flood_rpm, "rpm_burst": a.flood_rpm_burst if a.flood_rpm else 0,
-                  "max_running": a.flood_max_running},
+                  "max_running": a.flood_max_running, "max_inflight": a.flood_max_inflight},
         "probe": {"keys_sha256": sha(keys["probe"]), "default_class": "standard", "max_class": "standard"},
     }}
 

@@ -301,18 +301,20 @@ class GatewayService:
             raise
 
     def admit_in_flight(self, tenant: Tenant, request_id: str, model: str) -> None:
-        """The gateway's and the tenant's in-flight caps (``gateway.max_inflight_requests``,
-        ``gateway.tenant_max_inflight``), one count for both front doors. Raises QuotaExceeded (HTTP 429, gRPC
+        """The gateway's and the tenant's in-flight caps (``gateway.max_inflight_requests``; the tenant's
+        ``max_inflight``, else ``gateway.tenant_max_inflight``), one count for both front doors. Raises QuotaExceeded (HTTP 429, gRPC
         RESOURCE_EXHAUSTED, Retry-After); the refusal is counted and audited. Checked before the request's quota
         takes anything."""
         g = self.cfg.cluster.gateway
-        cap = g.tenant_max_inflight
+        cap, key = g.tenant_max_inflight, "gateway.tenant_max_inflight"
+        if tenant.cfg.max_inflight:
+            cap, key = tenant.cfg.max_inflight, f"tenants.{tenant.name}.max_inflight"
         if self.inflight >= g.max_inflight_requests:
             msg, code = (f"the gateway queue is full ({self.inflight} requests in flight); retry after the "
                          "Retry-After seconds", "queue_full")
         elif cap is not None and self.tenant_inflight[tenant.name] >= cap:
             msg, code = (f"tenant {tenant.name or '(default)'} is over its quota of {cap} requests in flight "
-                         "(gateway.tenant_max_inflight); retry after the Retry-After seconds", "quota_exceeded")
+                         f"({key}); retry after the Retry-After seconds", "quota_exceeded")
         else:
             return
         self.accounting.refused(tenant, "in_flight", AuditRecord(

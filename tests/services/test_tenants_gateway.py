@@ -119,47 +119,63 @@ def test_only_its_tenant_may_resume_a_stream(tok):
 def test_in_flight_caps_hold_on_both_front_doors(tok):
     """``gateway.tenant_max_inflight`` counts a tenant's requests through gRPC and HTTP together: over it, a gRPC
     call gets RESOURCE_EXHAUSTED with Retry-After and an HTTP one 429, naming the cap; another tenant is not held
-    back; the slot comes back when the stream ends. ``gateway.max_inflight_requests`` caps everyone's."""
+    back; the slot comes back when the stream ends. A tenant's own ``max_inflight`` wins over that default;
+    ``gateway.max_inflight_requests`` caps everyone's."""
+    acme, beta = [("authorization", "Bearer sk-acme")], [("authorization", "Bearer sk-beta")]
+
+    def call(stub, who):
+        return stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"), metadata=who)
+
+    async def refused(stub, who) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            [r async for r in call(stub, who)]
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(e.value.trailing_metadata())["retry-after"] == "1"
+        return e.value
+
     async def body():
-        d = FakeDecode("slow")
-        async with stack(tok, {"decode-a": d}, **TENANTS, **{"gateway.tenant_max_inflight": 1}) as st:
-            async with grpc.aio.insecure_channel(st.gateway) as ch:
-                stub = frontend_pb2_grpc.FrontendStub(ch)
-                acme, beta = [("authorization", "Bearer sk-acme")], [("authorization", "Bearer sk-beta")]
-                held = stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"), metadata=acme)
-                await held.read()  # acme's one slot is taken
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    [r async for r in stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"), metadata=acme)]
-                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "tenant acme is over its quota of 1 requests in flight" in e.value.details()
-                assert dict(e.value.trailing_metadata())["retry-after"] == "1"
-                with pytest.raises(openai.RateLimitError) as h:  # the HTTP door counts the same requests
-                    await client(st, "sk-acme").completions.create(model="smollm2", prompt="Hi", max_tokens=2)
-                assert h.value.body["code"] == "quota_exceeded" and h.value.response.headers["Retry-After"] == "1"
-                other = stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"), metadata=beta)
-                await other.read()  # beta has a slot of its own
-                assert st.gw.inflight == 2 and st.gw.tenant_inflight == {"acme": 1, "beta": 1}
-                held.cancel()
-                other.cancel()
-                for _ in range(100):
-                    if st.gw.inflight == 0:
-                        break
-                    await asyncio.sleep(0.05)
-                assert st.gw.inflight == 0 and not st.gw.tenant_inflight
-                again = stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"), metadata=acme)
-                await again.read()  # acme's slot came back
-                again.cancel()
-        async with stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS,
-                         **{"gateway.max_inflight_requests": 1}) as st:
-            async with grpc.aio.insecure_channel(st.gateway) as ch:
-                stub = frontend_pb2_grpc.FrontendStub(ch)
-                held = stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"),
-                                     metadata=[("authorization", "Bearer sk-acme")])
-                await held.read()
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    [r async for r in stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"),
-                                                    metadata=[("authorization", "Bearer sk-beta")])]
-                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in e.value.details()
-                held.cancel()
+        limits = {"gateway.tenant_max_inflight": 1}
+        async with (stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS, **limits) as st,
+                    grpc.aio.insecure_channel(st.gateway) as ch):
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            held = call(stub, acme)
+            await held.read()  # acme's one slot is taken
+            e = await refused(stub, acme)
+            assert "tenant acme is over its quota of 1 requests in flight (gateway.tenant_max_inflight)" in e.details()
+            with pytest.raises(openai.RateLimitError) as h:  # the HTTP door counts the same requests
+                await client(st, "sk-acme").completions.create(model="smollm2", prompt="Hi", max_tokens=2)
+            assert h.value.body["code"] == "quota_exceeded" and h.value.response.headers["Retry-After"] == "1"
+            other = call(stub, beta)
+            await other.read()  # beta has a slot of its own
+            assert st.gw.inflight == 2 and st.gw.tenant_inflight == {"acme": 1, "beta": 1}
+            held.cancel()
+            other.cancel()
+            for _ in range(100):
+                if st.gw.inflight == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert st.gw.inflight == 0 and not st.gw.tenant_inflight
+            again = call(stub, acme)
+            await again.read()  # acme's slot came back
+            again.cancel()
+        limits = {"tenants.beta.max_inflight": 2, "gateway.tenant_max_inflight": 1}
+        async with (stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS, **limits) as st,
+                    grpc.aio.insecure_channel(st.gateway) as ch):
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            calls = [call(stub, beta) for _ in range(2)]
+            for c in calls:
+                await c.read()
+            e = await refused(stub, beta)
+            assert "quota of 2 requests in flight (tenants.beta.max_inflight)" in e.details()
+            for c in calls:
+                c.cancel()
+        async with (stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS,
+                          **{"gateway.max_inflight_requests": 1}) as st,
+                    grpc.aio.insecure_channel(st.gateway) as ch):
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            held = call(stub, acme)
+            await held.read()
+            assert "queue is full" in (await refused(stub, beta)).details()
+            held.cancel()
 
     asyncio.run(body())
