@@ -148,6 +148,8 @@ def test_in_flight_caps_hold_on_both_front_doors(tok):
             other = call(stub, beta)
             await other.read()  # beta has a slot of its own
             assert st.gw.inflight == 2 and st.gw.tenant_inflight == {"acme": 1, "beta": 1}
+            # the gateway samples its own event loop's lag (tokenmill:gateway_loop_lag_seconds)
+            assert st.gw.registry.get_sample_value("tokenmill:gateway_loop_lag_seconds_count") > 0
             held.cancel()
             other.cancel()
             for _ in range(100):
