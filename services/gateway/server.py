@@ -236,8 +236,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         tenant = self.app.tenancy.identify(_metadata(context, "authorization"), _metadata(context, "x-tenant-id"))
         if streams is None:
             raise StreamGone("resume is off on this gateway (gateway.resume_window_s is 0)")
-        async for resp in streams.follow(streams.get(request.request_id, tenant.name), request.after_seq):
-            yield resp
+        with self.app.in_flight(tenant):  # counted as HTTP's resumes are; admitted when it was first sent
+            async for resp in streams.follow(streams.get(request.request_id, tenant.name), request.after_seq):
+                yield resp
 
 
 class GatewayService:

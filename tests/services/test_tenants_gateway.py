@@ -109,8 +109,11 @@ def test_only_its_tenant_may_resume_a_stream(tok):
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await stub.Resume(frontend_pb2.ResumeRequest(request_id="mine", after_seq=1), metadata=md).read()
                 assert e.value.code() == code
-            rest = [r async for r in stub.Resume(frontend_pb2.ResumeRequest(request_id="mine", after_seq=1),
-                                                 metadata=acme)]
+            resumed = stub.Resume(frontend_pb2.ResumeRequest(request_id="mine", after_seq=1), metadata=acme)
+            rest = [await resumed.read()]
+            assert st.gw.tenant_inflight["acme"] == 1  # a resumed stream counts in flight, as on HTTP
+            while (r := await resumed.read()) is not grpc.aio.EOF:
+                rest.append(r)
             assert [r.seq for r in rest] == [2, 3, 4]
 
     asyncio.run(body())
