@@ -311,9 +311,9 @@ class GatewayService:
 
     def admit_in_flight(self, tenant: Tenant, request_id: str, model: str) -> None:
         """The gateway's and the tenant's in-flight caps (``gateway.max_inflight_requests``; the tenant's
-        ``max_inflight``, else ``gateway.tenant_max_inflight``), one count for both front doors. Raises QuotaExceeded (HTTP 429, gRPC
-        RESOURCE_EXHAUSTED, Retry-After); the refusal is counted and audited. Checked before the request's quota
-        takes anything."""
+        ``max_inflight``, else ``gateway.tenant_max_inflight``), one count for both front doors. Raises
+        QuotaExceeded (HTTP 429, gRPC RESOURCE_EXHAUSTED, Retry-After); the refusal is counted and audited.
+        Checked before the request's quota takes anything."""
         g = self.cfg.cluster.gateway
         cap, key = g.tenant_max_inflight, "gateway.tenant_max_inflight"
         if tenant.cfg.max_inflight:
