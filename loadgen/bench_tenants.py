@@ -53,7 +53,7 @@ from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.bench_serve import _finite
 from loadgen.bench_serving_peer import _serving
 from loadgen.clients import GrpcTarget, SendOptions
-from loadgen.metrics import RequestRecord, summarize
+from loadgen.metrics import RequestRecord, stats, summarize
 from loadgen.runner import LoadConfig, run_load, run_warmups
 from loadgen.workloads import PromptBuilder, Tenant, WorkloadConfig, iter_requests
 
@@ -178,13 +178,6 @@ def _refused(recs: list[RequestRecord]) -> int:
     return sum(1 for r in recs if r.error_kind == "RESOURCE_EXHAUSTED")
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
 def _p(s: dict[str, Any], key: str, q: str) -> float:
     v = s[key][q]
     return math.nan if v is None else float(v)
@@ -265,8 +258,7 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
         "interactive": {"alone": sa, "beside_flood": sb, "output_throughput_beside": inter_tok_s},
         "refused_429": refused,
         # how late the load generator's own event loop ran (10 ms timer): it inflates the TTFT and ITL it measures
-        "client_loop_lag_ms": {k: {"p99": 1e3 * _quantile(v, 0.99), "max": 1e3 * max(v, default=0.0)}
-                               for k, v in lags.items()},
+        "client_loop_lag_ms": {k: stats(v, 1e3) for k, v in lags.items()},
         "ratio": {"ttft_p50": _p(sb, "ttft_ms", "p50") / _p(sa, "ttft_ms", "p50"),
                   "ttft_p99": _p(sb, "ttft_ms", "p99") / _p(sa, "ttft_ms", "p99"),
                   "tpot_p50": _p(sb, "tpot_ms", "p50") / _p(sa, "tpot_ms", "p50"),
@@ -302,7 +294,8 @@ def format_result(r: dict[str, Any]) -> str:
         f"left by the interactive tenant's {r['interactive']['output_throughput_beside']:.0f})",
         "429s by tenant: " + ", ".join(f"{k} {v}" for k, v in r["refused_429"].items()),
         "the load generator's own event-loop lag (it times every request), p99 / max: " + ", ".join(
-            f"{k} {v['p99']:.1f} / {v['max']:.1f} ms" for k, v in r.get("client_loop_lag_ms", {}).items()),
+            f"{k} " + ("-" if v["p99"] is None else f"{v['p99']:.1f} / {v['max']:.1f} ms")
+            for k, v in r.get("client_loop_lag_ms", {}).items()),
         f"targets: TTFT p99 moved {100 * (q['ttft_p99'] - 1):+.0f}% (< +20%: {'met' if ok_ttft else 'MISSED'}), "
         f"TPOT p99 moved {100 * (q['tpot_p99'] - 1):+.0f}% (< +10%: {'met' if ok_tpot else 'MISSED'})",
     ]

@@ -54,7 +54,10 @@ _HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-_RETRY_AFTER_S = "1"
+# Retry-After of a refusal that names no time of its own (a full gateway or an in-flight cap, a cluster not ready),
+# in seconds: both front doors send it
+RETRY_AFTER_S = 1
+_RETRY_AFTER_S = str(RETRY_AFTER_S)
 _TENANT = web.RequestKey("tenant", Tenant)  # the request's tenant, for its x-ratelimit-* headers
 _READY_TTL_S = 0.5
 # Hugging Face repository names of the embedded models, served as aliases (benchmark tools ask for these)

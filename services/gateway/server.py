@@ -60,7 +60,7 @@ from common.loop_lag import LoopLag
 from common.output_filter import PolicySet
 from common.wire import sampling_params_from_proto
 from services.gateway.accounting import Accounting, AuditRecord
-from services.gateway.http import HttpFrontend
+from services.gateway.http import RETRY_AFTER_S, HttpFrontend
 from services.gateway.pools import ChannelPool
 from services.gateway.response_cache import CacheMetrics, ResponseCache, cacheable
 from services.gateway.resume import ResumableStreams, StreamGone
@@ -177,10 +177,6 @@ class _Attempts:
             return False
         self.exclude.append(failed_worker)
         return True
-
-
-# Retry-After of an in-flight cap's refusal, in seconds: a request in flight ends in about that long
-IN_FLIGHT_RETRY_S = 1
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
@@ -328,7 +324,7 @@ class GatewayService:
             return
         self.accounting.refused(tenant, "in_flight", AuditRecord(
             tenant.name, request_id, model or self.cfg.cluster.model, "RESOURCE_EXHAUSTED"))
-        raise QuotaExceeded(msg, "in_flight", IN_FLIGHT_RETRY_S, {"Retry-After": str(IN_FLIGHT_RETRY_S)},
+        raise QuotaExceeded(msg, "in_flight", RETRY_AFTER_S, {"Retry-After": str(RETRY_AFTER_S)},
                             openai_code=code)
 
     @contextlib.contextmanager
