@@ -153,10 +153,10 @@ class EngineConfig:
     # CUDA: decode steps replay CUDA graphs (common/cuda_graphs.py); False: eager
     cuda_graphs: bool = True
     # CUDA graphs: a step whose prompt chunks total at most this many tokens replays a graph too, each prompt token
-    # run as a decode row (short prompts joining a running batch, a batch tenant's chunk beside urgent work), as
-    # long as those rows read little context (common/cuda_graphs.py, PROMPT_CONTEXT_BUDGET); other prompt steps run
+    # a row, their attention the paged prompt kernel (common/cuda_graphs.py); graphs are captured up to
+    # max_num_batched_tokens rows, so the default graphs every step of the default budget. Larger prompt steps run
     # eagerly, with flash attention. 0: graphs for decode-only steps
-    cuda_graph_prefill_tokens: int = 512
+    cuda_graph_prefill_tokens: int = 2048
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
     # the engine runs its next step; False: inline, on the engine thread
     grammar_process: bool = True

@@ -1,16 +1,17 @@
-"""CUDA graphs for decode steps, and for steps that carry short prompt chunks beside them.
+"""CUDA graphs for decode steps, and for steps that carry prompt chunks beside them.
 
 A step of B rows runs as the replay of a graph captured for the smallest captured size ≥ B; the rows past B are
 padding (context length 0, KV slot −1: the kernels skip them). A row is one token: each decode, and each token of a
-prompt chunk when the step's chunks are short (``engine.cuda_graph_prefill_tokens``). A prompt token at position p
-is a decode row attending over positions 0..p: its own K/V and those of the chunk's earlier tokens are written to
-the pool before attention in the same layer, so the paged decode kernel computes causal attention for it, and a
-step with a short prompt costs what a decode step of as many rows does instead of an eager forward's launches.
+prompt chunk when the step's chunks total at most ``engine.cuda_graph_prefill_tokens`` (by default the whole step
+budget, so every step the scheduler forms replays a graph). The decodes' attention is the paged decode kernel; the
+prompt tokens' is the paged prompt kernel, over tiles of up to :func:`prompt_tile_rows` consecutive positions of
+one sequence (their K/V are written to the pool before attention in the same layer, so the tiles attend causally
+over the pool). Decode-only steps replay graphs without the prompt kernel.
 
-Inputs go through persistent buffers: the step's token ids, positions, KV slots, context lengths and block tables
-are written into one pinned host buffer (:class:`DecodeStaging`, plain CPU code, tested on CPU) and copied to the
-device buffer the graphs read with one asynchronous copy; the step's only host synchronization is the sampler
-reading the tokens.
+Inputs go through persistent buffers: the step's token ids, positions, KV slots, context lengths, block tables and
+prompt tiles are written into one pinned host buffer (:class:`DecodeStaging`, plain CPU code, tested on CPU) and
+copied to the device buffer the graphs read with one asynchronous copy; the step's only host synchronization is
+the sampler reading the tokens.
 
 The graphs replay ``LlamaModel.forward`` on its CUDA fast path (``common/triton_ops.py``) plus the logits matmul.
 In a tensor-parallel group every rank captures the same sizes (their NCCL all-reduces inside the graphs); rank 0
@@ -32,8 +33,21 @@ from common.scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
-_IDS, _POS, _SLOT, _CTX, _TAB, _SEL = range(6)
-_FIELDS = 6
+_IDS, _POS, _SLOT, _CTX, _TAB, _SEL, _TILE0, _TILEN = range(8)
+_FIELDS = 8
+
+# Rows of the prompt kernel's dot per (tile, KV head): a tile's tokens × the query heads of one KV head
+PROMPT_TILE_M = 64
+
+
+def prompt_tile_rows(group: int) -> int:
+    """Prompt tokens per tile of the paged prompt kernel, for ``group`` query heads per KV head."""
+    return max(1, PROMPT_TILE_M // group)
+
+
+def prompt_tile_bound(rows: int, tile_rows: int, max_chunks: int) -> int:
+    """The most tiles a step of ``rows`` rows can have: a chunk of n tokens takes ⌈n / tile_rows⌉ tiles."""
+    return min(rows, -(-rows // tile_rows) + max_chunks)
 
 
 def decode_num_splits(batch: int, kv_heads: int, sms: int, max_splits: int = 16) -> int:
@@ -45,30 +59,19 @@ def decode_num_splits(batch: int, kv_heads: int, sms: int, max_splits: int = 16)
     return max(1, min(max_splits, -(-2 * sms // programs)))
 
 
-def graph_batch_sizes(max_num_seqs: int, prompt_rows: int = 0) -> list[int]:
+def graph_batch_sizes(max_num_seqs: int, prompt_rows: int = 0, max_rows: int | None = None) -> list[int]:
     """Captured row counts: 1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (always included); with
-    ``prompt_rows``, every 32 beyond it up to ``max_num_seqs + prompt_rows`` (always included)."""
+    ``prompt_rows``, beyond it every 32 up to 512 rows, every 64 up to 1,024, then every 128, up to
+    ``max_num_seqs + prompt_rows`` capped at ``max_rows`` (a step's token budget; the top is always included)."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 8)) + [max_num_seqs]
     top = max_num_seqs + prompt_rows
-    sizes += [*range(max_num_seqs + 32, top, 32), top]
+    if max_rows is not None:
+        top = max(max_num_seqs, min(top, max_rows))
+    b = max_num_seqs
+    while b < top:
+        b = (b // (step := 32 if b < 512 else 64 if b < 1024 else 128) + 1) * step
+        sizes.append(min(b, top))
     return sorted(set(sizes))
-
-
-# Prompt rows' attention reads in a graphed step, in context tokens: those of a batch-64 decode at 1,024 tokens. A
-# prompt row reads its whole context (the decode kernel has no causal tiling over a chunk), so a chunk deep into a
-# long prompt reads far more than flash attention over the same chunk would; such a step runs eagerly.
-PROMPT_CONTEXT_BUDGET = 64 * 1024
-
-
-def prompt_rows_fit(prefills: Sequence[ScheduledSeq], max_tokens: int) -> bool:
-    """Whether these prompt chunks may run as decode rows of a graph: at most ``max_tokens`` tokens, whose contexts
-    total at most :data:`PROMPT_CONTEXT_BUDGET` tokens."""
-    tokens = reads = 0
-    for item in prefills:
-        n, c = item.num_tokens, item.seq.num_computed_tokens
-        tokens += n
-        reads += n * c + n * (n + 1) // 2
-    return tokens <= max_tokens and reads <= PROMPT_CONTEXT_BUDGET
 
 
 def sample_rows(decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq]) -> list[int]:
@@ -91,14 +94,16 @@ def padded_size(sizes: Sequence[int], batch: int) -> int | None:
 
 
 class DecodeStaging:
-    """Host side of the persistent step inputs: one int32 buffer ``[6 · max_batch + max_tables · width]``: per row
-    its token id, position, layer-0 K row of the new token, context length and block-table index, and the rows
-    whose logits the step samples (in the engine's order); then the block-table rows, one per sequence (a prompt
-    chunk's rows share their sequence's table)."""
+    """Host side of the persistent step inputs: one int32 buffer ``[8 · max_batch + max_tables · width]``: per row
+    its token id, position, layer-0 K row of the new token, decode context length (0 for prompt rows and padding)
+    and block-table index; the rows whose logits the step samples (in the engine's order); the prompt tiles (first
+    row, row count: up to ``tile_rows`` consecutive rows of one chunk); then the block-table rows, one per sequence
+    (a prompt chunk's rows share their sequence's table)."""
 
     def __init__(self, max_batch: int, width: int, block_size: int, num_layers: int, pin: bool,
-                 max_tables: int | None = None) -> None:
+                 max_tables: int | None = None, tile_rows: int = 16) -> None:
         self.max_batch, self.width, self.block_size = max_batch, width, block_size
+        self.tile_rows = tile_rows
         self.max_tables = max_tables or max_batch
         self.per_block = num_layers * 2 * block_size
         self.head_len = _FIELDS * max_batch
@@ -110,6 +115,7 @@ class DecodeStaging:
         self._row_lens = [0] * self.max_tables
         self.num_tables = 0  # tables the last step used
         self.num_sampled = 0  # rows whose logits the last step samples
+        self.num_tiles = 0  # prompt tiles of the last step
 
     def fits(self, decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq] = ()) -> bool:
         rows = len(decodes) + sum(p.num_tokens for p in prefills)
@@ -149,17 +155,23 @@ class DecodeStaging:
             tab[i] = i
             table(i, bl)
         i = t = len(decodes)
+        tq = self.tile_rows
+        tile0, tilen = [0] * padded, [0] * padded
+        nt = 0
         for item in prefills:
             s = item.seq
             c = s.num_computed_tokens
             bl = s.block_ids
             table(t, bl)
+            for a in range(0, item.num_tokens, tq):
+                tile0[nt] = i + a
+                tilen[nt] = min(tq, item.num_tokens - a)
+                nt += 1
             for p, tok in enumerate(s.tokens_range(c, c + item.num_tokens), start=c):
                 ids[i] = tok
                 pos[i] = p
                 slot[i] = bl[p // bs] * per_block + p % bs
-                ctx[i] = p + 1
-                tab[i] = t
+                tab[i] = t  # ctx stays 0: the decode kernel skips prompt rows, the prompt kernel reads the tiles
                 i += 1
             t += 1
         head = self.head
@@ -168,9 +180,11 @@ class DecodeStaging:
         head[_SLOT, :padded] = slot
         head[_CTX, :padded] = ctx
         head[_TAB, :padded] = tab
+        head[_TILE0, :padded] = tile0
+        head[_TILEN, :padded] = tilen
         sel = sample_rows(decodes, prefills)
         head[_SEL, :padded] = sel + [0] * (padded - len(sel))
-        self.num_tables, self.num_sampled = t, len(sel)
+        self.num_tables, self.num_sampled, self.num_tiles = t, len(sel), nt
         return self.head_len + t * self.width
 
     def rows(self, padded: int) -> np.ndarray:
@@ -186,50 +200,57 @@ class DecodeStaging:
         padded, t, w = (int(x) for x in rows[:3])
         self.head[:, :padded] = rows[3 : 3 + _FIELDS * padded].reshape(_FIELDS, padded)
         self.tables[:t, :w] = rows[3 + _FIELDS * padded :].reshape(t, w)
+        self.num_tiles = int(np.count_nonzero(self.head[_TILEN, :padded]))
         return padded, self.head_len + t * self.width
 
 
 class CudaGraphDecoder:
     """Captures and replays decode steps (with up to ``prefill_tokens`` prompt tokens beside ``max_batch``
-    decodes); owns the persistent device inputs and the logits outputs (without ``logits``, the graphs end at the
-    hidden states: a tensor-parallel rank other than 0)."""
+    decodes, and at most ``max_rows`` rows); owns the persistent device inputs and the logits outputs (without
+    ``logits``, the graphs end at the hidden states: a tensor-parallel rank other than 0). Two graphs per size up to
+    ``max_batch`` (decode-only, and with the prompt kernel), one per larger size (with it)."""
 
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, max_batch: int,
-                 max_model_len: int, logits: bool = True, prefill_tokens: int = 0) -> None:
+                 max_model_len: int, logits: bool = True, prefill_tokens: int = 0,
+                 max_rows: int | None = None) -> None:
         self.model = model
         self.prefill_tokens = prefill_tokens
         self.with_logits = logits
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         width = -(-max_model_len // block_size)
-        self.sizes = graph_batch_sizes(max_batch, prefill_tokens)
+        self.max_batch = max_batch
+        self.sizes = graph_batch_sizes(max_batch, prefill_tokens, max_rows)
         # one block table per sequence: a step runs at most max_batch of them (the scheduler's max_num_seqs)
         self.staging = DecodeStaging(self.sizes[-1], width, block_size, model.cfg.num_layers, pin=True,
-                                     max_tables=max_batch)
+                                     max_tables=max_batch,
+                                     tile_rows=prompt_tile_rows(model.num_heads // model.num_kv_heads))
         self.dev = torch.zeros(self.staging.host.numel(), dtype=torch.int32, device=self.device)
         self._copied = torch.cuda.Event()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (rows, with prompt tiles)
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         self.replays = 0
         self.prompt_replays = 0  # replays of steps that carried prompt tokens
         self.capture_seconds = 0.0
 
-    def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _inputs(self, b: int, prompts: bool) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         st = self.staging
         head = self.dev[: st.head_len].view(_FIELDS, st.max_batch)
         tables = self.dev[st.head_len :].view(st.max_tables, st.width)
         bs = st.block_size
+        tiles = head[_TILE0 : _TILEN + 1, : prompt_tile_bound(b, st.tile_rows, st.max_tables)] if prompts else None
         meta = AttentionMetadata(
             slot_rows=head[_SLOT, :b], prefill_query_lens=[], prefill_context_lens=[], prefill_rows=[],
             num_decode_tokens=b, decode_rows=None, decode_mask=None, layer_stride=2 * bs, kv_stride=bs,
             decode_block_tables=tables, decode_context_lens=head[_CTX, :b], decode_table_rows=head[_TAB, :b],
+            prompt_tiles=tiles, positions=head[_POS, :b],
         )
         return head[_IDS, :b], head[_POS, :b], meta
 
-    def _run(self, b: int) -> torch.Tensor:
+    def _run(self, b: int, prompts: bool) -> torch.Tensor:
         """The forward of ``b`` rows; with logits, those of the staged sampled rows only (at most one a sequence:
         ``max_tables``), so prompt rows cost no LM head."""
-        ids, pos, meta = self._inputs(b)
+        ids, pos, meta = self._inputs(b, prompts)
         hidden = self.model(ids, pos, meta, self.kv_cache)
         if not self.with_logits:
             return hidden
@@ -237,33 +258,40 @@ class CudaGraphDecoder:
         sel = self.dev[_SEL * st.max_batch : _SEL * st.max_batch + min(b, st.max_tables)]
         return self.model.compute_logits(hidden.index_select(0, sel))
 
+    def keys(self) -> list[tuple[int, bool]]:
+        """The graphs to capture, largest first: (rows, with prompt tiles)."""
+        out = [(b, True) for b in self.sizes] if self.prefill_tokens else []
+        out += [(b, False) for b in self.sizes if b <= self.max_batch]
+        return sorted(out, reverse=True)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size (largest first, sharing one memory pool). Inputs are all padding."""
+        """Capture every graph of :meth:`keys` (largest first, sharing one memory pool). Inputs are all padding."""
         t0 = time.perf_counter()
         self.staging.fill([], self.staging.max_batch)
         self.dev.copy_(self.staging.host)
         pool = None
         side = torch.cuda.Stream(self.device)
-        for b in sorted(self.sizes, reverse=True):
+        keys = self.keys()
+        for key in keys:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # compile the kernels, create the cuBLAS handles
-                    self._run(b)
+                    self._run(*key)
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
-                self.logits[b] = self._run(b)
+                self.logits[key] = self._run(*key)
             pool = g.pool()
-            self.graphs[b] = g
+            self.graphs[key] = g
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
-        log.info("captured %d graphs (rows %s) in %.1f s", len(self.sizes), self.sizes, self.capture_seconds)
+        log.info("captured %d graphs (rows %s) in %.1f s", len(keys), self.sizes, self.capture_seconds)
 
     def can_run(self, decodes: Sequence[ScheduledSeq], prefills: Sequence[ScheduledSeq] = ()) -> bool:
-        """Whether a graph holds this step: its prompt chunks fit :func:`prompt_rows_fit`, and its rows and block
-        lists fit the captured sizes."""
-        if prefills and not prompt_rows_fit(prefills, self.prefill_tokens):
+        """Whether a graph holds this step: its prompt chunks total at most ``prefill_tokens`` tokens, and its rows
+        and block lists fit the captured sizes."""
+        if prefills and sum(p.num_tokens for p in prefills) > self.prefill_tokens:
             return False
         return (len(decodes) > 0 or len(prefills) > 0) and self.staging.fits(decodes, prefills)
 
@@ -292,8 +320,9 @@ class CudaGraphDecoder:
         self._replay(padded, n)
 
     def _replay(self, padded: int, n: int) -> torch.Tensor:
+        key = (padded, self.staging.num_tiles > 0)
         self.dev[:n].copy_(self.staging.host[:n], non_blocking=True)
         self._copied.record()
-        self.graphs[padded].replay()
+        self.graphs[key].replay()
         self.replays += 1
-        return self.logits[padded]
+        return self.logits[key]

@@ -49,6 +49,10 @@ class AttentionMetadata:
     # CUDA fast path: [B] int32, the block table of each decode row (None: row b reads table b); a CUDA graph's
     # prompt rows share their sequence's table
     decode_table_rows: torch.Tensor | None = None
+    # CUDA fast path, in a CUDA graph: the prompt tokens staged as rows (decode context 0) attend in tiles of
+    # consecutive positions of one sequence: [2, N] int32 (first row, row count; 0: unused), and every row's position
+    prompt_tiles: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
 
     @property
     def num_prefill_tokens(self) -> int:

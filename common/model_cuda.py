@@ -58,7 +58,8 @@ def attention(
     """Attention of the CUDA fast path; K/V of this step are already in the pool and Q/K rotated in ``qkv``.
 
     Prefill sequences: SDPA (flash) over the chunk's own K/V, or over the gathered context when a prefix is cached;
-    decodes: the Triton paged kernel. Returns [T, heads, d]."""
+    decodes: the Triton paged kernel; in a CUDA graph, prompt tokens staged as rows: the paged prompt kernel over
+    their tiles (after the decode kernel, which writes zeros for them). Returns [T, heads, d]."""
     t = qkv.shape[0]
     q_sz, kv_sz = nh * d, nkv * d
     q = qkv[:, :q_sz].view(t, nh, d)
@@ -90,6 +91,11 @@ def attention(
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
         tk.paged_decode_attention(q[start:], kv_cache, layer, meta.decode_block_tables, meta.decode_context_lens,
                                   d**-0.5, out[start:], meta.decode_num_splits, table_rows=meta.decode_table_rows)
+    if meta.prompt_tiles is not None:
+        assert meta.decode_block_tables is not None and meta.decode_table_rows is not None
+        assert meta.positions is not None and start == 0
+        tk.paged_prompt_attention(q, kv_cache, layer, meta.decode_block_tables, meta.decode_table_rows,
+                                  meta.positions, meta.prompt_tiles, d**-0.5, out)
     return out
 
 

@@ -188,7 +188,8 @@ class ModelRunner:
             # the other ranks' graphs stop at the hidden states: only rank 0 needs logits (the head is replicated)
             self.graphs = CudaGraphDecoder(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
                                            cfg.max_model_len or m.max_position_embeddings, logits=shard.rank == 0,
-                                           prefill_tokens=cfg.cuda_graph_prefill_tokens)
+                                           prefill_tokens=cfg.cuda_graph_prefill_tokens,
+                                           max_rows=cfg.max_num_batched_tokens)
             self.graphs.capture()
 
     @property
@@ -209,6 +210,8 @@ class ModelRunner:
         # CUDA: this worker's share of its GPU less its own weights and activation peak; other processes on the
         # card (a worker sharing it on purpose) budget their own shares
         peak = self._profile_activation_peak()
+        if self.fast_cuda and self.cfg.cuda_graphs and self.cfg.cuda_graph_prefill_tokens:
+            peak *= 2  # the graphs' private pool holds a forward of up to the step budget's rows as well
         free, total = torch.cuda.mem_get_info(self.device)
         budget = kv_cache_budget(total, free, self.cfg.gpu_memory_utilization,
                                  torch.cuda.memory_allocated(self.device), peak, self.bytes_per_block)

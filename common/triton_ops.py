@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.cuda_graphs import decode_num_splits
+from common.cuda_graphs import decode_num_splits, prompt_tile_rows
 
 _NUM_SMS: dict[int, int] = {}
 
@@ -156,6 +156,92 @@ def paged_decode_attention(
     _merge_splits_kernel[(bsz, heads)](
         part, lse, out, out.stride(0), heads, num_splits, D=d, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=4,
+    )
+    return out
+
+
+# ---- paged prompt attention (prompt tiles of a CUDA graph) ------------------------------------------------------
+@triton.jit(do_not_specialize=["q_stride_b", "table_stride", "tile_stride", "out_stride_b"])
+def _paged_prompt_kernel(
+    q_ptr, q_stride_b,
+    cache_ptr, blk_stride, v_off,
+    table_ptr, table_stride, trow_ptr, pos_ptr, tile_ptr, tile_stride,
+    out_ptr, out_stride_b, scale,
+    KVH: tl.constexpr, G: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr, D: tl.constexpr,
+    BS: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kh = tl.program_id(1)
+    r0 = tl.load(tile_ptr + t)  # the tile's first row
+    n = tl.load(tile_ptr + tile_stride + t)  # its rows (consecutive positions of one sequence); 0: an unused tile
+    trow = tl.load(trow_ptr + r0).to(tl.int64)
+    pos0 = tl.load(pos_ptr + r0)
+    offs_m = tl.arange(0, BLOCK_M)
+    qi = offs_m // G  # M packs (query token, head of this KV head's group)
+    heads = kh * G + offs_m % G
+    mmask = (qi < n) & (qi < TQ)
+    rows = (r0 + qi).to(tl.int64)
+    qpos = pos0 + qi
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = tl.load(q_ptr + rows[:, None] * q_stride_b + heads[:, None] * D + offs_d[None, :], mask=mmask[:, None],
+                other=0.0)
+    hi = tl.where(n > 0, pos0 + n, 0)  # keys 0 .. the tile's last position
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for start in range(0, hi, BLOCK_N):
+        tok = start + offs_n
+        nmask = tok < hi
+        blk = tl.load(table_ptr + trow * table_stride + tok // BS, mask=nmask, other=0).to(tl.int64)
+        base = blk * blk_stride + ((tok % BS) * KVH + kh) * D
+        k = tl.load(cache_ptr + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        # causal: key 0 is visible to every row, so each row's maximum is finite from the first block on
+        sc = tl.where(nmask[None, :] & (tok[None, :] <= qpos[:, None]), sc * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(cache_ptr + v_off + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * out_stride_b + heads[:, None] * D + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+def paged_prompt_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, block_tables: torch.Tensor, table_rows: torch.Tensor,
+    positions: torch.Tensor, tiles: torch.Tensor, scale: float, out: torch.Tensor, block_n: int = 64,
+    num_warps: int = 4, num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of prompt tokens against their paged context (their own K/V already written to the pool),
+    in tiles: ``tiles`` ([2, N] int32, rows contiguous) holds each tile's first row and its row count (0: unused), a tile being up
+    to :func:`common.cuda_graphs.prompt_tile_rows` rows of consecutive positions of one sequence. Row ``r`` is at
+    ``positions[r]`` and reads table ``table_rows[r]``. Writes only the tiles' rows of ``out`` ([T, H, D], heads
+    contiguous). One program per (tile, KV head), the query heads of a KV head packed with the tile's tokens into
+    one ``dot``; the launch depends only on N, so a CUDA graph can hold it."""
+    _, heads, d = q.shape
+    _, _, _, bs, kvh, _ = kv_cache.shape
+    g = heads // kvh
+    tq = prompt_tile_rows(g)
+    assert q.stride(2) == 1 and q.stride(1) == d and out.stride(2) == 1 and out.stride(1) == d
+    assert tiles.dim() == 2 and tiles.shape[0] == 2 and tiles.stride(1) == 1
+    n_tiles = tiles.shape[1]
+    cache_l = kv_cache.select(1, layer)
+    _paged_prompt_kernel[(n_tiles, kvh)](
+        q, q.stride(0), cache_l, kv_cache.stride(0), kv_cache.stride(2), block_tables, block_tables.stride(0),
+        table_rows, positions, tiles, tiles.stride(0), out, out.stride(0), scale,
+        KVH=kvh, G=g, TQ=tq, BLOCK_M=max(16, triton.next_power_of_2(tq * g)), D=d, BS=bs, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

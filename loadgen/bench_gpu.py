@@ -9,7 +9,9 @@ portable references, CUDA-graph decode against eager, SmolLM2 greedy against tra
 3. A dummy Llama-3.1-8B (random bfloat16 weights): engine decode steps at batch 1 (128-token context) and 64
    (1,024-token contexts) against the physical limit: (every weight matrix a step multiplies by, not the embedding
    table, + the KV it reads) ÷ the measured copy bandwidth; each with CUDA graphs, eager fast path, and the
-   portable path, same engine. And one 4,096-token prefill against its FLOPs ÷ the measured matmul rate.
+   portable path, same engine. A step that carries a whole 1,024-token prompt beside 63 decodes (section
+   ``mixed``), CUDA graph against eager, against its FLOPs ÷ the matmul rate. And one 4,096-token prefill against its
+   FLOPs ÷ the measured matmul rate.
 4. W1 (256 prompts, lengths uniform in [100, 1024], seed 0, 256 output tokens, EOS ignored) on the 8B dummy:
    output tokens/s against transformers' ``generate_batch`` on the same card (section ``w1``; ``w1-ours`` skips
    the peer, which takes ~4 minutes).
@@ -285,7 +287,7 @@ def decode_speed(bandwidth: float, batch: int, ctx: int, steps: int = 32,
             row["graph_replays_in_window"] = graphs.replays - replays0
             from common.cuda_graphs import padded_size
 
-            gph = graphs.graphs[padded_size(graphs.sizes, batch)]
+            gph = graphs.graphs[(padded_size(graphs.sizes, batch), False)]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(10):
@@ -336,6 +338,59 @@ def prefill_speed(rate: float, n: int = 4096, reps: int = 3) -> list[dict]:
         print(f"  prefill {rows[-1]['mode']:8s} {t * 1e3:.1f} ms, limit {limit_s * 1e3:.1f} ms, {t / limit_s:.2f}x",
               flush=True)
     _set_mode(eng, "graphs", graphs)
+    return rows
+
+
+def mixed_speed(rate: float, bandwidth: float, prompt: int = 1024, batch: int = 63, ctx: int = 1024,
+                reps: int = 5) -> list[dict]:
+    """A step that carries a whole ``prompt``-token prompt beside ``batch`` decodes at ``ctx`` tokens (what a served
+    closed loop runs when a finished request is replaced): a CUDA graph replay (prompt tokens as rows, the prompt
+    kernel) against the eager fast path, same engine and sequences. Limit: the step's matmul FLOPs ÷ the measured
+    rate, or its weight + KV bytes ÷ the copy bandwidth, whichever is larger."""
+    from common.sampling import SamplingParams
+
+    eng = engine_8b()
+    graphs = eng.runner.graphs
+    m = eng.model_cfg
+    g = torch.Generator().manual_seed(prompt + batch)
+    p = SamplingParams(max_tokens=4 * (reps + 2) + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"mx-{i}", torch.randint(0, m.vocab_size, (ctx,), generator=g).tolist(), p)
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+    lm_rows = m.vocab_size * m.hidden_size
+    matmul_params = m.num_params() - lm_rows * (1 if m.tie_word_embeddings else 2)
+    tokens = prompt + batch
+    flops = (2 * tokens * matmul_params + 2 * (batch + 1) * lm_rows
+             + 2 * prompt * (prompt + 1) * m.head_dim * m.num_heads * m.num_layers
+             + 4 * batch * ctx * m.head_dim * m.num_heads * m.num_layers)
+    kv_bytes = batch * ctx * 2 * m.num_layers * m.kv_size * 2
+    limit_s = max(flops / rate, (matmul_params * 2 + kv_bytes) / bandwidth)
+    rows = []
+    for mode in ("graphs", "eager"):
+        _set_mode(eng, mode, graphs)
+        times = []
+        for i in range(reps + 1):
+            eng.add_request(f"mx-{mode}-{i}", torch.randint(0, m.vocab_size, (prompt,), generator=g).tolist(),
+                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            pr0 = graphs.prompt_replays if graphs else 0
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            replayed = graphs is not None and graphs.prompt_replays > pr0
+            assert replayed == (mode == "graphs"), f"{mode}: graph replayed {replayed}"
+        t = sorted(times[1:])[reps // 2]
+        rows.append({"mode": mode, "prompt": prompt, "decodes": batch, "context": ctx, "step_ms": t * 1e3,
+                     "limit_ms": limit_s * 1e3, "ratio": t / limit_s, "flops": flops})
+        print(f"  mixed step ({prompt}-token prompt + {batch} decodes) {mode:6s} {t * 1e3:.2f} ms, limit "
+              f"{limit_s * 1e3:.2f} ms, {t / limit_s:.2f}x", flush=True)
+    _set_mode(eng, "graphs", graphs)
+    for r in list(eng.scheduler.running):
+        eng.abort(r.request_id)
+    while eng.has_unfinished():
+        eng.step()
     return rows
 
 
@@ -463,7 +518,7 @@ def profile_mixed_steps(n_prompts: int = 96) -> None:
     print(ka.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
 
 
-SECTIONS = ("kernels", "tune", "decode", "prefill", "profile", "w1", "w1-ours")
+SECTIONS = ("kernels", "tune", "decode", "mixed", "prefill", "profile", "w1", "w1-ours")
 _MOVED = {"small": "tests/gpu/test_engine_fast_path.py"}  # correctness sections now in the GPU test suite
 
 
@@ -510,6 +565,10 @@ def main() -> int:
             sk = res.get("tune", {}).get("splitk_best_m64")
             res["decode"] += decode_speed(bw, batch, ctx, splitk_config=ast.literal_eval(sk["config"]) if sk else None)
             save()
+    if "mixed" in sections:
+        print("dummy Llama-3.1-8B bf16, a 1,024-token prompt beside 63 decodes ...", flush=True)
+        res["mixed"] = mixed_speed(rate, bw)
+        save()
     if "prefill" in sections:
         print("dummy Llama-3.1-8B bf16 prefill, 4096 tokens ...", flush=True)
         res["prefill"] = prefill_speed(rate)
@@ -527,6 +586,9 @@ def main() -> int:
     for r in res.get("decode", []):
         print(f"| {dev} | {r['mode']} | {r['batch']} | {r['context']} | {r['step_ms']:.2f} | {r['limit_ms']:.2f} | "
               f"{r['ratio']:.2f}x | {r['tok_s']:.0f} |")
+    for r in res.get("mixed", []):
+        print(f"| {dev} | mixed {r['mode']} | {r['decodes']} + prompt {r['prompt']} | {r['context']} | "
+              f"{r['step_ms']:.2f} | {r['limit_ms']:.2f} | {r['ratio']:.2f}x | |")
     for r in res.get("prefill", []):
         print(f"| {dev} | prefill {r['mode']} | 1 | {r['tokens']} | {r['ms']:.1f} | {r['limit_ms']:.1f} | "
               f"{r['ratio']:.2f}x | {r['tok_s']:.0f} |")

@@ -8,6 +8,7 @@ dependency).
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ from common.cuda_graphs import (
     decode_num_splits,
     graph_batch_sizes,
     padded_size,
-    prompt_rows_fit,
+    prompt_tile_bound,
+    prompt_tile_rows,
     sample_rows,
 )
 from common.model_runner import use_fast_path
@@ -49,8 +51,14 @@ def test_graph_batch_sizes_and_padding():
     assert [padded_size(sizes, b) for b in (1, 3, 8, 9, 17, 20)] == [1, 4, 8, 16, 20, 20]
     assert padded_size(sizes, 21) is None
     assert graph_batch_sizes(64, 512)[10:] == [64, 96, 128, 160, 192, 224, 256, 288, 320, 352, 384, 416, 448, 480,
-                                                512, 544, 576]
-    assert graph_batch_sizes(8, 40) == [1, 2, 4, 8, 40, 48]
+                                                512, 576]
+    assert graph_batch_sizes(8, 40) == [1, 2, 4, 8, 32, 48]
+    # the default: every step of a 2,048-token budget, coarser with size (from 256 rows on, padding ≤ 1/8 of a step)
+    sizes = graph_batch_sizes(64, 2048, max_rows=2048)
+    assert sizes[-1] == 2048 and len(sizes) == 41
+    assert [b for b in sizes if b > 1024] == [1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
+    assert all((b - a) * 8 <= a for a, b in itertools.pairwise(sizes) if a >= 256)
+    assert graph_batch_sizes(64, 0, max_rows=2048)[-1] == 64 and graph_batch_sizes(64, 100, max_rows=32)[-1] == 64
 
 
 def test_decode_num_splits_fills_the_chip():
@@ -71,8 +79,9 @@ def test_decode_staging_rows_and_padding():
     st = DecodeStaging(max_batch=4, width=5, block_size=bs, num_layers=layers, pin=False)
     decodes = [_decode(0, list(range(100, 110)), 9, [7, 3, 9]), _decode(1, [5, 6], 1, [2])]
     n = st.fill(decodes, padded=4)
-    assert n == 6 * 4 + 2 * 5  # the head, then the two tables in use (padding rows read none)
-    ids, pos, slot, ctx, tab, sel = (st.head[i].tolist() for i in range(6))
+    assert n == 8 * 4 + 2 * 5  # the head, then the two tables in use (padding rows read none)
+    ids, pos, slot, ctx, tab, sel, _tile0, tilen = (st.head[i].tolist() for i in range(8))
+    assert tilen == [0] * 4 and st.num_tiles == 0
     assert ids == [109, 6, 0, 0] and pos == [9, 1, 0, 0] and ctx == [10, 2, 0, 0] and tab == [0, 1, 0, 0]
     assert sel[:2] == [0, 1] and st.num_sampled == 2
     per_block = layers * 2 * bs
@@ -80,7 +89,7 @@ def test_decode_staging_rows_and_padding():
     assert slot[2:] == [-1, -1]  # padding rows write nothing
     assert st.tables[0, :3].tolist() == [7, 3, 9] and st.tables[1, :1].tolist() == [2]
     flat = st.host[:n]
-    assert flat[:24].view(6, 4)[3].tolist() == [10, 2, 0, 0] and flat[24:27].tolist() == [7, 3, 9]
+    assert flat[:32].view(8, 4)[3].tolist() == [10, 2, 0, 0] and flat[32:35].tolist() == [7, 3, 9]
     # a smaller step afterwards re-pads the rows it no longer uses
     st.fill(decodes[1:], padded=2)
     assert st.head[3].tolist()[:2] == [2, 0] and st.head[2].tolist()[:2] == [2 * per_block + 1, -1]
@@ -93,13 +102,14 @@ def _chunk(tokens: list[int], computed: int, n: int, blocks: list[int]) -> Sched
     return ScheduledSeq(seq, n)  # type: ignore[arg-type]
 
 
-def test_prompt_chunks_stage_as_decode_rows_after_the_decodes():
-    """Each prompt token is a row at its own position, attending over the context up to itself (its chunk's
-    earlier tokens are written to the pool in the same layer first); the logits rows come back in the engine's
+def test_prompt_chunks_stage_as_rows_in_tiles_after_the_decodes():
+    """Each prompt token is a row at its own position, with decode context 0 (the decode kernel skips it); the prompt
+    kernel reads its chunk's tiles (up to ``tile_rows`` consecutive rows); the logits rows come back in the engine's
     order: the chunks that end their prompt, then the decodes."""
     bs, layers = 4, 1
     per_block = layers * 2 * bs
-    st = DecodeStaging(max_batch=8, width=4, block_size=bs, num_layers=layers, pin=False, max_tables=3)
+    st = DecodeStaging(max_batch=8, width=4, block_size=bs, num_layers=layers, pin=False, max_tables=3,
+                       tile_rows=2)
     dec = _decode(0, list(range(100, 110)), 9, [7, 3, 9])
     mid = _chunk(list(range(200, 210)), 2, 3, [5, 6])  # tokens 2..4 of 10: the prompt goes on next step
     end = _chunk(list(range(300, 306)), 4, 2, [1, 2])  # tokens 4..5 of 6, a cached prefix before: samples
@@ -108,30 +118,36 @@ def test_prompt_chunks_stage_as_decode_rows_after_the_decodes():
     assert not st.fits([dec], [mid, end, _chunk(list(range(9)), 0, 3, [1])])  # 9 rows
     assert not st.fits([dec], [mid, end, _chunk(list(range(9)), 0, 1, [1])])  # 4 tables
     n = st.fill([dec], 8, [mid, end])
-    assert n == 6 * 8 + 3 * 4
-    ids, pos, slot, ctx, tab, sel = (st.head[i].tolist() for i in range(6))
+    assert n == 8 * 8 + 3 * 4
+    ids, pos, slot, ctx, tab, sel, tile0, tilen = (st.head[i].tolist() for i in range(8))
     assert sel[:2] == [5, 0] and st.num_sampled == 2  # the graph computes logits of these rows only
     assert ids[:6] == [109, 202, 203, 204, 304, 305] and pos[:6] == [9, 2, 3, 4, 4, 5]
-    assert ctx == [10, 3, 4, 5, 5, 6, 0, 0]
+    assert ctx == [10, 0, 0, 0, 0, 0, 0, 0]
     assert slot[1:6] == [5 * per_block + 2, 5 * per_block + 3, 6 * per_block + 0, 2 * per_block + 0,
                          2 * per_block + 1] and slot[6:] == [-1, -1]
     assert tab[:6] == [0, 1, 1, 1, 2, 2]  # a chunk's rows share its sequence's table
+    # tiles of at most 2 rows, never across chunks: rows 1-2, 3, 4-5; the rest unused
+    assert tile0[:3] == [1, 3, 4] and tilen == [2, 1, 2, 0, 0, 0, 0, 0] and st.num_tiles == 3
     assert st.tables[1, :2].tolist() == [5, 6] and st.tables[2, :2].tolist() == [1, 2]
     assert sample_rows([dec], [mid, end]) == [5, 0]
     assert sample_rows([], [mid]) == [] and sample_rows([dec, dec], []) == [0, 1]
-    # the next decode-only step keeps the decode row's table
+    # another rank stages the same rows, tiles included
+    other = DecodeStaging(max_batch=8, width=4, block_size=bs, num_layers=layers, pin=False, max_tables=3,
+                          tile_rows=2)
+    assert other.load(st.rows(8)) == (8, n) and other.num_tiles == 3
+    assert (other.head == st.head).all()
+    # the next decode-only step keeps the decode row's table and clears the tiles
     st.fill([dec], 1)
     assert st.head[3].tolist()[:1] == [10] and st._row_lists[0] is dec.seq.block_ids
+    assert st.num_tiles == 0 and st.head[7, 0] == 0
 
 
-def test_prompt_rows_fit_by_tokens_and_by_the_context_they_read():
-    short = _chunk(list(range(40)), 0, 40, [1, 2, 3])
-    assert prompt_rows_fit([short], 64) and not prompt_rows_fit([short], 39)
-    assert prompt_rows_fit([short, _chunk(list(range(30)), 6, 24, [4, 5])], 64)  # 64 tokens
-    # 30 new tokens after a cached 2,000-token prefix: 30 · 2,000 + 465 context reads fit; 40 after 2,000 do not
-    after = list(range(2040))
-    assert prompt_rows_fit([_chunk(after, 2000, 30, [])], 64)
-    assert not prompt_rows_fit([_chunk(after, 2000, 40, [])], 64)
+def test_prompt_tiles_per_kv_group_and_their_bound():
+    assert prompt_tile_rows(4) == 16 and prompt_tile_rows(3) == 21 and prompt_tile_rows(1) == 64
+    assert prompt_tile_rows(128) == 1
+    # a chunk of n tokens takes ceil(n / 16) tiles: 64 rows in 64 one-token chunks, or 2 + 1 for 17 + 1 ...
+    assert prompt_tile_bound(64, 16, 64) == 64 and prompt_tile_bound(2048, 16, 64) == 128 + 64
+    assert prompt_tile_bound(8, 16, 64) == 8
 
 
 def test_decode_staging_rewrites_only_changed_table_rows():
@@ -151,8 +167,9 @@ def test_decode_staging_rewrites_only_changed_table_rows():
 
 def test_fast_forward_matches_portable_in_triton_interpreter():
     """Greedy tokens of the fast forward (eager, and through the graph decoder's staging without graphs: decode
-    steps, and steps whose short prompt chunks run as decode rows) equal the portable path's, with Triton's CPU
-    interpreter; chunked prompts (a 32-token step budget) and cached prefixes included."""
+    steps, and steps whose prompt chunks run as rows in tiles of the prompt kernel) equal the portable path's, with
+    Triton's CPU interpreter; chunked prompts (a 32-token step budget) and cached prefixes included. The prompt
+    kernel alone against float64 attention too (float32: the interpreter's bfloat16 is wrong in Triton 3.9)."""
     code = r"""
 import os, torch
 from types import SimpleNamespace
@@ -163,12 +180,13 @@ from common.engine import LLMEngine
 from common.sampling import SamplingParams
 
 class NoGraphs(cuda_graphs.CudaGraphDecoder):
-    def __init__(self, model, kv, bs, mb, mlen, logits=True, prefill_tokens=0):
+    def __init__(self, model, kv, bs, mb, mlen, logits=True, prefill_tokens=0, max_rows=None):
         self.model, self.kv_cache, self.device, self.with_logits = model, kv, kv.device, logits
-        self.prefill_tokens = prefill_tokens
-        self.sizes = cuda_graphs.graph_batch_sizes(mb, prefill_tokens)
-        self.staging = cuda_graphs.DecodeStaging(self.sizes[-1], -(-mlen // bs), bs, model.cfg.num_layers, pin=False,
-                                                 max_tables=mb)
+        self.prefill_tokens, self.max_batch = prefill_tokens, mb
+        self.sizes = cuda_graphs.graph_batch_sizes(mb, prefill_tokens, max_rows)
+        self.staging = cuda_graphs.DecodeStaging(
+            self.sizes[-1], -(-mlen // bs), bs, model.cfg.num_layers, pin=False, max_tables=mb,
+            tile_rows=cuda_graphs.prompt_tile_rows(model.num_heads // model.num_kv_heads))
         self.dev = torch.zeros_like(self.staging.host)
         self._copied = SimpleNamespace(synchronize=lambda: None)
         self.replays = self.prompt_replays = 0
@@ -176,7 +194,10 @@ class NoGraphs(cuda_graphs.CudaGraphDecoder):
         pass
     def _replay(self, padded, n):
         self.dev[:n].copy_(self.staging.host[:n]); self.replays += 1
-        return self._run(padded)
+        return self._run(padded, self.staging.num_tiles > 0)
+
+from tests.gpu.test_kernels import check_prompt_attention
+check_prompt_attention("cpu", "fp32-smollm2", nb=200)
 
 g = torch.Generator().manual_seed(0)
 ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 37, 20)]

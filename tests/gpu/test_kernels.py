@@ -1,6 +1,7 @@
 """The Triton kernels of the CUDA fast path (common/triton_ops.py) against float64 / portable references on fresh
 random inputs, outputs poisoned with NaN first where the kernel writes into a given buffer: paged decode attention
-(batches 1/7/64, contexts to 2,000, flash-decoding splits, a padding row), RoPE + KV write, residual add + RMSNorm,
+(batches 1/7/64, contexts to 2,000, flash-decoding splits, a padding row), paged prompt attention over tiles
+(causal, after a cached prefix, rows outside the tiles untouched), RoPE + KV write, residual add + RMSNorm,
 SiLU·mul, the batch-1 GEMV (and the down projection with SiLU·mul fused into it), split-K GEMM and its partials
 summed by the norm kernel.
 
@@ -91,6 +92,46 @@ def check_decode_attention(device: str, config: str, batch: int, max_ctx: int, s
     tk.paged_decode_attention(q, cache, 2, tables, ctx, d**-0.5, out, num_splits=splits, table_rows=rows)
     assert_close(out, ref_decode(q, cache, 2, per_row if row_map else tables, ctx), tol,
                  f"paged decode attention {config} batch {batch} context ≤{max_ctx} splits {splits} map {row_map}")
+
+
+def check_prompt_attention(device: str, config: str, nb: int = 3000) -> None:
+    """The paged prompt kernel over tiles of three chunks (one from position 0, one after a cached prefix, one of a
+    single token) beside rows it must not touch (decode rows, padding), against causal float64 attention."""
+    from common import triton_ops as tk
+    from common.cuda_graphs import prompt_tile_rows
+
+    dtype, h, kvh, d, tol = CONFIGS[config]
+    g = _gen(device, 7)
+    cache = _randn(nb, LAYERS, 2, BS, kvh, d, g=g, dtype=dtype, device=device)
+    tq = prompt_tile_rows(h // kvh)
+    chunks = [(0, 70), (500, 37), (129, 1)]  # (first position, tokens)
+    w = -(-600 // BS)
+    tables = torch.stack([torch.randperm(nb, device=device, generator=g)[:w] for _ in range(4)]).int()
+    skip = 3  # rows 0..2: decode rows the kernel leaves alone
+    rows = skip + sum(n for _, n in chunks) + 2  # two padding rows at the end
+    pos = torch.zeros(rows, dtype=torch.int32, device=device)
+    trow = torch.zeros(rows, dtype=torch.int32, device=device)
+    tile0, tilen = [], []
+    r = skip
+    for ci, (p0, n) in enumerate(chunks):
+        pos[r : r + n] = torch.arange(p0, p0 + n, dtype=torch.int32, device=device)
+        trow[r : r + n] = ci + 1
+        for a in range(0, n, tq):
+            tile0.append(r + a)
+            tilen.append(min(tq, n - a))
+        r += n
+    tiles = torch.zeros(2, len(tile0) + 3, dtype=torch.int32, device=device)  # 3 unused tiles: count 0
+    tiles[0, : len(tile0)] = torch.tensor(tile0, dtype=torch.int32)
+    tiles[1, : len(tile0)] = torch.tensor(tilen, dtype=torch.int32)
+    qkv = _randn(rows, (h + 2 * kvh) * d, g=g, dtype=dtype, device=device)
+    q = qkv[:, : h * d].view(rows, h, d)
+    out = torch.full((rows, h, d), float("nan"), dtype=dtype, device=device)
+    tk.paged_prompt_attention(q, cache, 2, tables, trow, pos, tiles, d**-0.5, out)
+    # each prompt row is a decode row over its context up to itself
+    ref = ref_decode(q[skip : r], cache, 2, tables[trow[skip:r].long()], pos[skip:r] + 1)
+    assert_close(out[skip:r], ref, tol, f"paged prompt attention ({config}, tiles of {tq})")
+    assert torch.isnan(out[:skip]).all() and torch.isnan(out[r:]).all(), \
+        f"the prompt kernel wrote rows outside its tiles ({config})"
 
 
 def check_rope_kv_write(device: str, config: str, nb: int = 3000) -> None:
@@ -200,6 +241,11 @@ def test_paged_decode_attention(config, case):
 @pytest.mark.parametrize("config", CONFIGS)
 def test_paged_decode_attention_rows_sharing_tables(config, splits):
     check_decode_attention("cuda", config, 24, 700, splits, row_map=True)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_paged_prompt_attention(config):
+    check_prompt_attention("cuda", config)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
