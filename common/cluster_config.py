@@ -88,6 +88,9 @@ class GatewayConfig:
     # how long a request waits for the cluster to be ready (no router reachable, no decode worker registered: a
     # router restarting, workers registering) before it is refused with 503 / UNAVAILABLE; 0: refused at once
     ready_wait_s: float = 10.0
+    # requests to a decode worker share one DecodeStream call per worker: one message per engine step carries every
+    # request's tokens (services/gateway/decode_stream.py); false: one Decode call per request
+    decode_stream: bool = True
     # API keys in plain text, for both front doors: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to;
     # a tenant the tenants: section names gets its settings). Hashed at start-up, as tenants.NAME.keys_sha256 are
     # stored; no key here nor there: no auth. From the environment: TOKENMILL_GATEWAY__API_KEYS=team-a:sk-1,sk-2

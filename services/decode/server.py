@@ -6,6 +6,12 @@ config's ``output_filter``; a stream it blocks is aborted in the engine, its blo
 carries ``FINISH_REASON_CONTENT_FILTER`` and ``filter_reason``). The detokenizer takes typed messages from one queue
 (``_Add`` … ``_Stop``), drains everything queued at once and wakes the asyncio loop once per drain.
 
+Two ways in: ``Decode``, one call per request (its deltas go through an asyncio queue to the call's handler), and
+``DecodeStream``, many requests on one call (a gateway keeps one per worker): a request's deltas go straight into
+the stream's outbox, and each message out carries every delta produced since the last one, so a step of 64
+sequences costs one gRPC message instead of 64. Both share the request's set-up and clean-up
+(``DecodeWorker._prepare`` / ``_begin`` / ``_end``).
+
 A request with a KV handle (its prompt computed by a prefill worker) first claims its lease, streams its first
 token, then pulls the prompt's blocks while the running batch goes on: ``KvPulls`` (services/decode/kv_pull.py) does
 the handshakes, claims and releases on the asyncio loop and the pulls on the engine thread, and says when the lease
@@ -15,10 +21,12 @@ changes hands (``Lease``). Fault injection for its tests: ``KV_PULL_FAULT`` (see
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import queue
 import threading
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +43,8 @@ from common.sequence import Tenancy
 from common.wire import sampling_params_from_proto, tenancy_from_meta
 from common.worker import FINISH_TO_PROTO, WorkerBase, logprob_proto
 from services.decode.kv_pull import KvPulls, Lease
+
+log = logging.getLogger(__name__)
 
 
 # -- what the detokenizer thread takes from ``_detok_q`` (from the asyncio loop and the engine thread) ----------
@@ -96,12 +106,83 @@ class _Item:
     cached_tokens: int
 
 
+@dataclass(slots=True)
+class _Req:
+    """One request on this worker, from ``_prepare`` to ``_end``."""
+
+    rid: str
+    request: decode_pb2.DecodeRequest
+    params: SamplingParams
+    prompt: list[int]
+    prior: list[int]
+    tenancy: Tenancy
+    lease: Lease | None
+    admission: _Admission
+    span: Any = None
+    finished: bool = False
+
+
+class _Outbox:
+    """What a ``DecodeStream`` sends next: the deltas of its requests since its last message, by request."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[_Item]] = {}
+        self.errors: list[decode_pb2.TokenDelta] = []
+        self.event = asyncio.Event()
+
+    def add(self, rid: str, item: _Item) -> None:
+        got = self.pending.get(rid)
+        if got is None:
+            self.pending[rid] = [item]
+        else:
+            got.append(item)
+        self.event.set()
+
+    def fail(self, rid: str, exc: BaseException) -> None:
+        code, message = rpc.status_for(exc)
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("unexpected error serving %s on a DecodeStream", rid, exc_info=exc)
+        self.errors.append(decode_pb2.TokenDelta(request_id=rid, error=decode_pb2.RequestError(
+            code=code.value[0], message=rpc.clip_message(message))))
+        self.event.set()
+
+    def take(self) -> decode_pb2.TokenDeltaBatch:
+        deltas = [_merge(items, rid) for rid, items in self.pending.items()]
+        deltas += self.errors  # after the request's last deltas
+        self.pending, self.errors = {}, []
+        return decode_pb2.TokenDeltaBatch(deltas=deltas)
+
+
+class _StreamSink:
+    """A ``DecodeStream`` request's place in ``DecodeWorker.streams``: its items go to the stream's outbox; ``done``
+    holds its last item (or the error that ended it)."""
+
+    __slots__ = ("done", "out", "rid")
+
+    def __init__(self, out: _Outbox, rid: str) -> None:
+        self.out, self.rid = out, rid
+        self.done: asyncio.Future[_Item] = asyncio.get_running_loop().create_future()
+
+    def put_nowait(self, item: _Item | BaseException) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, BaseException):
+            self.done.set_exception(item)
+            return
+        self.out.add(self.rid, item)
+        if item.delta.finished:
+            self.done.set_result(item)
+
+
+_Sink = asyncio.Queue[_Item | BaseException] | _StreamSink
+
+
 class DecodeWorker(WorkerBase):
     role_proto = router_pb2.WORKER_ROLE_DECODE
 
     def __init__(self, cfg: ServiceConfig) -> None:
         super().__init__(cfg)
-        self.streams: dict[str, asyncio.Queue[_Item | BaseException]] = {}
+        self.streams: dict[str, _Sink] = {}
         self._detok_q: queue.SimpleQueue[_DetokMsg] = queue.SimpleQueue()
         self._detok_thread: threading.Thread | None = None
         self.pulls = KvPulls(cfg.name, self.metrics, self.call_in_aio, lambda out: self._detok_q.put(_Out(out)),
@@ -163,6 +244,55 @@ class DecodeWorker(WorkerBase):
         if not self.pulls.abort(rid):  # a pull in flight aborts the request when its READ is over
             engine.abort(rid)
 
+    # -- a request's set-up and clean-up (asyncio loop), shared by Decode and DecodeStream --------------------
+    def _prepare(self, request: decode_pb2.DecodeRequest) -> _Req:
+        """Check the request (raises before anything is held)."""
+        if self.draining:
+            raise rpc.Unavailable(f"{self.cfg.name} is draining; send the request to another decode worker")
+        assert self.engine is not None and self.loop is not None
+        rid = request.meta.request_id or uuid.uuid4().hex
+        if rid in self.streams:
+            raise ValueError(f"request id {rid!r} is already streaming on {self.cfg.name}")
+        params = sampling_params_from_proto(request.params)
+        prompt = list(request.prompt_token_ids)
+        prior = list(request.prior_output_ids)
+        if prior and request.HasField("kv"):
+            raise ValueError("prior_output_ids and kv cannot come together: a moved stream recomputes its context")
+        self.engine.validate(prompt, params)  # reads only config: safe off the engine thread
+        lease = Lease(request.kv) if request.HasField("kv") else None
+        return _Req(rid, request, params, prompt, prior, tenancy_from_meta(request.meta), lease, _Admission())
+
+    async def _begin(self, r: _Req, sink: _Sink, parent: Any = None) -> None:
+        """Register the request's sink, claim its lease, and hand it to the detokenizer and the engine."""
+        assert self.loop is not None
+        self.streams[r.rid] = sink
+        self.metrics.prompt_tokens.inc(len(r.prompt))
+        r.span = telemetry.start_span("decode", parent=parent,
+                                      attributes={"request_id": r.rid, "prompt_tokens": len(r.prompt)})
+        trace_ctx = telemetry.context_with(r.span)
+        if r.lease is not None:
+            await self.pulls.claim(r.lease)  # before the first token; no claim: the prompt is recomputed here
+        self._detok_q.put(_Add(r.rid, r.prompt, r.params, r.prior, self.policies.for_request(r.request.meta.tenant_id)))
+        await asyncio.wrap_future(self.loop.submit(
+            lambda e: self._admit(e, r.rid, r.request, r.params, r.tenancy, r.lease, r.admission, trace_ctx)))
+
+    def _finished(self, r: _Req, last: _Item) -> None:
+        r.finished = True
+        reason = last.delta.finish_reason.value if last.delta.finish_reason else "abort"
+        telemetry.finish(r.span, attributes={"output_tokens": last.output_tokens, "finish_reason": reason})
+
+    def _end(self, r: _Req, error: BaseException | None) -> None:
+        """The request's stream is over; unfinished (cancelled, failed), its blocks and lease are freed within a
+        step."""
+        assert self.loop is not None
+        if not r.finished and r.span is not None:
+            telemetry.finish(r.span, attributes={"finish_reason": "abort"}, error=error)
+        self.streams.pop(r.rid, None)
+        if not r.finished:
+            rid, lease, admission = r.rid, r.lease, r.admission
+            self.loop.submit(lambda e: self._end_stream(e, rid, lease, admission))
+            self._detok_q.put(_Discard(rid))
+
     # -- detokenizer thread ------------------------------------------------------------------------------
     def _detok_run(self, proc: OutputProcessor) -> None:
         """Drain everything queued, turn it into text, and wake the asyncio loop once per drain."""
@@ -210,10 +340,11 @@ class DecodeWorker(WorkerBase):
             q.put_nowait(item)
 
 
-def _merge(items: list[_Item]) -> decode_pb2.TokenDelta:
+def _merge(items: list[_Item], request_id: str = "") -> decode_pb2.TokenDelta:
     """Several deltas of one stream in one message (a stream that fell behind catches up in one send)."""
     last = items[-1]
     msg = decode_pb2.TokenDelta(
+        request_id=request_id,
         text="".join(i.delta.text for i in items),
         token_ids=[t for i in items for t in i.delta.token_ids],
         logprobs=[logprob_proto(lp) for i in items for lp in (i.logprobs or [])],
@@ -237,34 +368,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @rpc.translate_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         w = self.w
-        if w.draining:
-            raise rpc.Unavailable(f"{w.cfg.name} is draining; send the request to another decode worker")
-        assert w.engine is not None and w.loop is not None
-        rid = request.meta.request_id or uuid.uuid4().hex
-        if rid in w.streams:
-            raise ValueError(f"request id {rid!r} is already streaming on {w.cfg.name}")
-        params = sampling_params_from_proto(request.params)
-        prompt = list(request.prompt_token_ids)
-        prior = list(request.prior_output_ids)
-        if prior and request.HasField("kv"):
-            raise ValueError("prior_output_ids and kv cannot come together: a moved stream recomputes its context")
-        w.engine.validate(prompt, params)  # reads only config: safe off the engine thread
-        tenancy = tenancy_from_meta(request.meta)
-        lease = Lease(request.kv) if request.HasField("kv") else None
-        admission = _Admission()
+        r = w._prepare(request)
         q: asyncio.Queue[_Item | BaseException] = asyncio.Queue()
-        w.streams[rid] = q
-        w.metrics.prompt_tokens.inc(len(prompt))
-        finished = False
-        span = telemetry.start_span("decode", attributes={"request_id": rid, "prompt_tokens": len(prompt)})
-        trace_ctx = telemetry.context_with(span)
+        error: BaseException | None = None
         try:
-            if lease is not None:
-                await w.pulls.claim(lease)  # before the first token; no claim: the prompt is recomputed here
-            w._detok_q.put(_Add(rid, prompt, params, prior, w.policies.for_request(request.meta.tenant_id)))
-            await asyncio.wrap_future(w.loop.submit(lambda e: w._admit(e, rid, request, params, tenancy, lease,
-                                                                        admission, trace_ctx)))
-            while not finished:
+            await w._begin(r, q)
+            while not r.finished:
                 got = [await q.get()]
                 while not q.empty():
                     got.append(q.get_nowait())
@@ -273,21 +382,80 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     if isinstance(it, BaseException):
                         raise it
                     items.append(it)
-                finished = items[-1].delta.finished
-                if finished:
-                    last = items[-1]
-                    reason = last.delta.finish_reason.value if last.delta.finish_reason else "abort"
-                    telemetry.finish(span, attributes={"output_tokens": last.output_tokens, "finish_reason": reason})
+                if items[-1].delta.finished:
+                    w._finished(r, items[-1])
                 yield _merge(items)
         except BaseException as e:
-            if not finished:  # cancelled, or failed
-                telemetry.finish(span, attributes={"finish_reason": "abort"}, error=e)
+            error = e
             raise
         finally:
-            w.streams.pop(rid, None)
-            if not finished:  # the client went away (or an error): free the blocks (and lease) within a step
-                w.loop.submit(lambda e: w._end_stream(e, rid, lease, admission))
-                w._detok_q.put(_Discard(rid))
+            w._end(r, error)  # the client went away, or an error: the blocks (and lease) are freed within a step
+
+    @rpc.translate_errors
+    async def DecodeStream(self, requests: AsyncIterator[decode_pb2.DecodeStreamRequest],
+                           context: grpc.aio.ServicerContext):
+        """Many requests on one call: each runs as a task that sets it up, waits for its last item and cleans up;
+        the deltas go to one outbox, sent as one message whenever there is something in it."""
+        w = self.w
+        out = _Outbox()
+        tasks: dict[str, asyncio.Task[None]] = {}
+        loop = asyncio.get_running_loop()
+
+        async def one(m: decode_pb2.DecodeStreamRequest, rid: str) -> None:
+            try:
+                r = w._prepare(m.request)
+                sink = _StreamSink(out, rid)
+                error: BaseException | None = None
+                try:
+                    await w._begin(r, sink, telemetry.incoming_context(list(m.trace.items())))
+                    w._finished(r, await sink.done)
+                except BaseException as e:
+                    error = e
+                    raise
+                finally:
+                    w._end(r, error)
+            except asyncio.CancelledError:  # cancelled by the client, or the stream ended: nothing to send
+                pass
+            except Exception as e:
+                out.fail(rid, e)
+            finally:
+                if tasks.get(rid) is asyncio.current_task():
+                    del tasks[rid]
+                out.event.set()
+
+        async def read() -> None:
+            try:
+                async for m in requests:
+                    kind = m.WhichOneof("kind")
+                    if kind == "request":
+                        rid = m.request.meta.request_id
+                        if not rid or rid in tasks:
+                            out.fail(rid, ValueError(f"a request on a DecodeStream needs a request id unique on the "
+                                                     f"stream; got {rid!r}"))
+                            continue
+                        tasks[rid] = loop.create_task(one(m, rid))
+                    elif kind == "cancel_request_id":
+                        t = tasks.get(m.cancel_request_id)
+                        if t is not None:
+                            t.cancel()
+            finally:
+                out.event.set()
+
+        reader = loop.create_task(read())
+        try:
+            while True:
+                out.event.clear()
+                if out.pending or out.errors:
+                    yield out.take()
+                    continue
+                if reader.done() and not tasks:
+                    reader.result()  # the client's side failed: end the call with its error
+                    return
+                await out.event.wait()
+        finally:
+            reader.cancel()
+            for t in list(tasks.values()):
+                t.cancel()  # each frees its request's blocks
 
 
 def serve(cfg: ServiceConfig) -> int:

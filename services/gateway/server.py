@@ -60,6 +60,7 @@ from common.loop_lag import LoopLag
 from common.output_filter import PolicySet
 from common.wire import sampling_params_from_proto
 from services.gateway.accounting import Accounting, AuditRecord
+from services.gateway.decode_stream import DecodeStreams
 from services.gateway.http import RETRY_AFTER_S, HttpFrontend
 from services.gateway.pools import ChannelPool
 from services.gateway.response_cache import CacheMetrics, ResponseCache, cacheable
@@ -251,6 +252,7 @@ class GatewayService:
         self.tokenizers = ChannelPool(c.addresses("tokenizer"), tokenizer_pb2_grpc.TokenizerStub, limit)
         self.routers = ChannelPool(c.addresses("router"), router_pb2_grpc.RouterStub, limit)
         self.workers = rpc.StubCache()
+        self.decode_streams = DecodeStreams(self.workers) if c.gateway.decode_stream else None
         self._background = rpc.Background()
         window = c.gateway.resume_window_s
         self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
@@ -289,6 +291,8 @@ class GatewayService:
         if self.streams is not None:
             await self.streams.close()
         await self._background.drain(timeout=2)
+        if self.decode_streams is not None:
+            await self.decode_streams.close()
         await self.tokenizers.close()
         await self.routers.close()
         await self.workers.close()
@@ -566,8 +570,12 @@ class GatewayService:
             if st.pre.HasField("first_logprob"):
                 dreq.first_logprob.CopyFrom(st.pre.first_logprob)
             dreq.kv.CopyFrom(st.pre.kv)
-        call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(
-            dreq, timeout=_left(deadline), metadata=telemetry.outgoing_metadata())
+        call: Any
+        if self.decode_streams is not None:  # on the gateway's one stream to this worker
+            call = self.decode_streams.decode(ref.address, dreq, _left(deadline))
+        else:
+            call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(
+                dreq, timeout=_left(deadline), metadata=telemetry.outgoing_metadata())
         if st.lease == "ours":
             st.lease = "decode"  # the decode worker pulls the KV and gives the lease back
         try:
@@ -606,7 +614,9 @@ class GatewayService:
                         e.details())
             return
         finally:
-            if not st.done:
+            if self.decode_streams is not None:
+                await call.aclose()  # unfinished: a cancel on the stream, and the decode worker frees the blocks
+            elif not st.done:
                 call.cancel()  # the client went away (or we failed): the decode worker frees the blocks
         raise rpc.Unavailable(f"decode worker {ref.worker_id} ended the stream without a finish reason")
 

@@ -69,6 +69,73 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             await asyncio.sleep({"slow": 0.02, "pause": 0.3}.get(self.mode, 0))
 
 
+    async def DecodeStream(self, requests, context):
+        """The gateway's one stream to this worker (gateway.decode_stream, the default): each request runs through
+        ``Decode`` with a context of its own; its deltas go out tagged with its id, an abort as its error."""
+        out: asyncio.Queue[decode_pb2.TokenDelta] = asyncio.Queue()
+        tasks: dict[str, asyncio.Task] = {}
+
+        async def one(m):
+            req = m.request
+            ctx, rid = _RequestContext(tuple(m.trace.items())), req.meta.request_id
+            try:
+                async for d in self.Decode(req, ctx):
+                    d.request_id = rid
+                    out.put_nowait(d)
+            except _Aborted as a:
+                out.put_nowait(decode_pb2.TokenDelta(request_id=rid, error=decode_pb2.RequestError(
+                    code=a.code.value[0], message=a.details)))
+            finally:
+                ctx.end()
+                tasks.pop(rid, None)
+
+        async def read():
+            async for m in requests:
+                if m.WhichOneof("kind") == "request":
+                    tasks[m.request.meta.request_id] = asyncio.get_running_loop().create_task(one(m))
+                elif (t := tasks.get(m.cancel_request_id)) is not None:
+                    t.cancel()
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                yield decode_pb2.TokenDeltaBatch(deltas=[await out.get()])
+        finally:
+            reader.cancel()
+            for t in list(tasks.values()):
+                t.cancel()
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+
+
+class _RequestContext:
+    """What ``FakeDecode.Decode`` uses of a call's context, for one request on a DecodeStream (no deadline: the
+    gateway enforces it and cancels the request; the request's trace context as its metadata)."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._callbacks: list = []
+        self._metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def add_done_callback(self, cb) -> None:
+        self._callbacks.append(cb)
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        raise _Aborted(code, details)
+
+    def end(self) -> None:
+        for cb in self._callbacks:
+            cb(self)
+
+
 class FakePrefill(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, address: str, finish: int = 0) -> None:
         self.address, self.finish = address, finish
@@ -163,7 +230,9 @@ def _sample(metric, suffix: str, **labels) -> float:
 
 @pytest.mark.parametrize("overrides", [{}, {"gateway.resume_window_s": 1.0}], ids=["plain", "resumable"])
 def test_the_callers_deadline_bounds_the_worker_calls(tok, overrides):
-    """A gRPC caller's deadline reaches the decode worker (a resumable stream keeps it too); HTTP sets none."""
+    """With a Decode call per request, a gRPC caller's deadline reaches the decode worker (a resumable stream keeps
+    it too); HTTP sets none. (On the gateway's DecodeStream the gateway enforces it: the next test.)"""
+    overrides = {**overrides, "gateway.decode_stream": False}
     async def body():
         d = FakeDecode(tokens=2)
         async with stack(tok, {"decode-a": d}, **overrides) as st:
@@ -174,6 +243,27 @@ def test_the_callers_deadline_bounds_the_worker_calls(tok, overrides):
             grpc_left, http_left = d.time_left
             assert grpc_left is not None and 15 < grpc_left < 21  # gRPC rounds deadlines up a little
             assert http_left is None or http_left > 10**6  # no deadline
+
+    asyncio.run(body())
+
+
+def test_on_the_decode_stream_the_callers_deadline_cancels_the_request_on_the_worker(tok):
+    """The gateway's DecodeStream carries no per-call deadline: at the caller's deadline the gateway ends the
+    request (DEADLINE_EXCEEDED) and cancels it on the worker; the stream stays open for the next request."""
+    async def body():
+        d = FakeDecode(mode="slow")
+        async with stack(tok, {"decode-a": d}) as st:
+            async with grpc.aio.insecure_channel(st.gateway) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in frontend_pb2_grpc.FrontendStub(ch).Generate(
+                            frontend_pb2.GenerateRequest(prompt="hi"), timeout=0.6):
+                        pass
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await asyncio.wait_for(d.cancelled.wait(), 5)
+            d.mode, d.tokens = "ok", 3
+            out = await generate(st.gateway, prompt="hi")
+            assert [r.text for r in out] == ["<0>", "<1>", "<2>"]
+            assert st.gw.decode_streams is not None and list(st.gw.decode_streams.open_streams().values()) == [0]
 
     asyncio.run(body())
 

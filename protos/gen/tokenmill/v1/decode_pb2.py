@@ -25,17 +25,27 @@ _sym_db = _symbol_database.Default()
 from tokenmill.v1 import common_pb2 as tokenmill_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmill/v1/decode.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"\xc4\x02\n\rDecodeRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x36\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1a.tokenmill.v1.TokenLogprobH\x01\x88\x01\x01\x12\'\n\x02kv\x18\x06 \x01(\x0b\x32\x16.tokenmill.v1.KvHandleH\x02\x88\x01\x01\x12\x18\n\x10prior_output_ids\x18\x07 \x03(\x05\x42\x11\n\x0f_first_token_idB\x10\n\x0e_first_logprobB\x05\n\x03_kv\"\xc9\x01\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.tokenmill.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12\x15\n\rfilter_reason\x18\x06 \x01(\t2K\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x1b.tokenmill.v1.DecodeRequest\x1a\x18.tokenmill.v1.TokenDelta0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmill/v1/decode.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"\xc4\x02\n\rDecodeRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x06params\x18\x03 \x01(\x0b\x32\x1c.tokenmill.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x36\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1a.tokenmill.v1.TokenLogprobH\x01\x88\x01\x01\x12\'\n\x02kv\x18\x06 \x01(\x0b\x32\x16.tokenmill.v1.KvHandleH\x02\x88\x01\x01\x12\x18\n\x10prior_output_ids\x18\x07 \x03(\x05\x42\x11\n\x0f_first_token_idB\x10\n\x0e_first_logprobB\x05\n\x03_kv\"\xd5\x01\n\x13\x44\x65\x63odeStreamRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.tokenmill.v1.DecodeRequestH\x00\x12\x1b\n\x11\x63\x61ncel_request_id\x18\x02 \x01(\tH\x00\x12;\n\x05trace\x18\x03 \x03(\x0b\x32,.tokenmill.v1.DecodeStreamRequest.TraceEntry\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x06\n\x04kind\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\";\n\x0fTokenDeltaBatch\x12(\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x18.tokenmill.v1.TokenDelta\"\x88\x02\n\nTokenDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.tokenmill.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.tokenmill.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.tokenmill.v1.Usage\x12\x15\n\rfilter_reason\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12)\n\x05\x65rror\x18\x08 \x01(\x0b\x32\x1a.tokenmill.v1.RequestError2\xa1\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x1b.tokenmill.v1.DecodeRequest\x1a\x18.tokenmill.v1.TokenDelta0\x01\x12T\n\x0c\x44\x65\x63odeStream\x12!.tokenmill.v1.DecodeStreamRequest\x1a\x1d.tokenmill.v1.TokenDeltaBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmill.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_DECODESTREAMREQUEST_TRACEENTRY']._loaded_options = None
+  _globals['_DECODESTREAMREQUEST_TRACEENTRY']._serialized_options = b'8\001'
   _globals['_DECODEREQUEST']._serialized_start=71
   _globals['_DECODEREQUEST']._serialized_end=395
-  _globals['_TOKENDELTA']._serialized_start=398
-  _globals['_TOKENDELTA']._serialized_end=599
-  _globals['_DECODE']._serialized_start=601
-  _globals['_DECODE']._serialized_end=676
+  _globals['_DECODESTREAMREQUEST']._serialized_start=398
+  _globals['_DECODESTREAMREQUEST']._serialized_end=611
+  _globals['_DECODESTREAMREQUEST_TRACEENTRY']._serialized_start=559
+  _globals['_DECODESTREAMREQUEST_TRACEENTRY']._serialized_end=603
+  _globals['_REQUESTERROR']._serialized_start=613
+  _globals['_REQUESTERROR']._serialized_end=658
+  _globals['_TOKENDELTABATCH']._serialized_start=660
+  _globals['_TOKENDELTABATCH']._serialized_end=719
+  _globals['_TOKENDELTA']._serialized_start=722
+  _globals['_TOKENDELTA']._serialized_end=986
+  _globals['_DECODE']._serialized_start=989
+  _globals['_DECODE']._serialized_end=1150
 # @@protoc_insertion_point(module_scope)

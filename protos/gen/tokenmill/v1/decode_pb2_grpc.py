@@ -40,6 +40,11 @@ class DecodeStub:
                 request_serializer=tokenmill_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=tokenmill_dot_v1_dot_decode__pb2.TokenDelta.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/tokenmill.v1.Decode/DecodeStream',
+                request_serializer=tokenmill_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=tokenmill_dot_v1_dot_decode__pb2.TokenDeltaBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -54,6 +59,16 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Many requests on one stream (a gateway keeps one per decode worker): requests and cancels go in; each message
+        out carries the deltas of every request on the stream that the worker produced since the last message, so a
+        step of 64 sequences is one message, not 64. A request's deltas end with a finish reason or an error.
+        Closing the stream cancels every request still on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +76,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=tokenmill_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=tokenmill_dot_v1_dot_decode__pb2.TokenDelta.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=tokenmill_dot_v1_dot_decode__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=tokenmill_dot_v1_dot_decode__pb2.TokenDeltaBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -91,6 +111,33 @@ class Decode:
             '/tokenmill.v1.Decode/Decode',
             tokenmill_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             tokenmill_dot_v1_dot_decode__pb2.TokenDelta.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokenmill.v1.Decode/DecodeStream',
+            tokenmill_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
+            tokenmill_dot_v1_dot_decode__pb2.TokenDeltaBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,143 @@
+"""One ``DecodeStream`` per decode worker: every request this gateway sends to a worker shares one gRPC call.
+
+A decode worker produces a token for each of its sequences every engine step. With a call per request, that is a
+gRPC message per sequence and step, on the worker and here; on one stream per worker, the worker sends one message
+per step (``TokenDeltaBatch``: every delta since its last message, each tagged with its request id), and this
+module hands each delta to its request's queue. vLLM and SGLang batch a step's outputs between their engine and
+their API server the same way.
+
+What a request sees is what its own ``Decode`` call would give (``DecodeStreams.decode``): its deltas in order,
+then the end of its iterator at the finish reason, or a ``grpc.aio.AioRpcError`` with the status its call would have
+ended with, so the gateway's re-placement and migration work unchanged. When the stream itself breaks (the worker
+went away), every request on it gets that error; the next request opens a new stream. A request whose consumer
+leaves early (the client went away) is cancelled on the worker with a ``cancel_request_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc.aio import AioRpcError, Metadata
+from tokenmill.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+from common import rpc, telemetry
+
+log = logging.getLogger(__name__)
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _error(code: grpc.StatusCode, details: str) -> AioRpcError:
+    return AioRpcError(code, Metadata(), Metadata(), details=details)
+
+
+class _Stream:
+    """One open ``DecodeStream`` call: a writer task sends requests and cancels in order, a reader task hands each
+    delta to its request's queue."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str) -> None:
+        self.address = address
+        self.call = stub.DecodeStream()
+        self.queues: dict[str, asyncio.Queue[decode_pb2.TokenDelta | BaseException]] = {}
+        self.outgoing: asyncio.Queue[decode_pb2.DecodeStreamRequest] = asyncio.Queue()
+        self.error: AioRpcError | None = None
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write())
+        self._reader = loop.create_task(self._read())
+
+    async def _write(self) -> None:
+        with contextlib.suppress(AioRpcError, asyncio.InvalidStateError):  # the reader sees why the call ended
+            while True:
+                await self.call.write(await self.outgoing.get())
+
+    async def _read(self) -> None:
+        err = _error(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address} ended its DecodeStream")
+        try:
+            async for batch in self.call:
+                for d in batch.deltas:
+                    q = self.queues.get(d.request_id)
+                    if q is not None:
+                        q.put_nowait(d)
+        except AioRpcError as e:
+            err = e
+        except asyncio.CancelledError:
+            err = _error(grpc.StatusCode.UNAVAILABLE, "the gateway closed its DecodeStream")
+            raise
+        finally:
+            self.error = err
+            for q in self.queues.values():
+                q.put_nowait(err)
+            self._writer.cancel()
+
+    async def decode(self, req: decode_pb2.DecodeRequest, timeout: float | None
+                     ) -> AsyncIterator[decode_pb2.TokenDelta]:
+        if self.error is not None:
+            raise self.error
+        rid = req.meta.request_id
+        if rid in self.queues:  # as the worker refuses a request id already streaming there
+            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request id {rid!r} is already streaming on decode worker {self.address}")
+        q: asyncio.Queue[decode_pb2.TokenDelta | BaseException] = asyncio.Queue()
+        self.queues[rid] = q
+        trace = dict(telemetry.outgoing_metadata() or ())
+        self.outgoing.put_nowait(decode_pb2.DecodeStreamRequest(request=req, trace=trace))
+        timer = None
+        if timeout is not None:
+            timer = asyncio.get_running_loop().call_later(
+                timeout, q.put_nowait, _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        done = False
+        try:
+            while True:
+                d = await q.get()
+                if isinstance(d, BaseException):
+                    raise d
+                if d.HasField("error"):
+                    done = True  # the worker ended it
+                    raise _error(_CODES.get(d.error.code, grpc.StatusCode.UNKNOWN), d.error.message)
+                yield d
+                if d.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    done = True
+                    return
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if self.queues.get(rid) is q:
+                del self.queues[rid]
+            if not done and self.error is None:  # the consumer left early: free the request on the worker
+                self.outgoing.put_nowait(decode_pb2.DecodeStreamRequest(cancel_request_id=rid))
+
+    async def close(self) -> None:
+        self.call.cancel()
+        for t in (self._reader, self._writer):
+            t.cancel()
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+
+
+class DecodeStreams:
+    """The gateway's streams, one per decode worker address, opened on first use and again after one breaks."""
+
+    def __init__(self, stubs: rpc.StubCache) -> None:
+        self._stubs = stubs
+        self._streams: dict[str, _Stream] = {}
+
+    def decode(self, address: str, req: decode_pb2.DecodeRequest, timeout: float | None
+               ) -> AsyncIterator[decode_pb2.TokenDelta]:
+        """The request's deltas from the worker at ``address``, as its own ``Decode`` call would stream them.
+        ``req.meta.request_id`` must be set (unique on the worker)."""
+        s = self._streams.get(address)
+        if s is None or s.error is not None:
+            s = self._streams[address] = _Stream(self._stubs.get(address, decode_pb2_grpc.DecodeStub), address)
+        return s.decode(req, timeout)
+
+    async def close(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
+
+    def open_streams(self) -> dict[str, Any]:
+        """Address → requests in flight on its stream (for tests and status)."""
+        return {a: len(s.queues) for a, s in self._streams.items() if s.error is None}
