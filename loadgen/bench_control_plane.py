@@ -75,6 +75,8 @@ def run(a: argparse.Namespace) -> int:
            "--http-port", str(base + 451), "--tokenizers", "1", "--prefills", "1", "--decodes", "1",
            "--state-file", str(tmp / "state.json"), "--set", "engine.noop_model=true",
            "--set", f"engine.max_num_seqs={max(a.streams_list)}", "--grace", "2"]
+    for item in a.set_items or ():
+        cmd += ["--set", item]
     print(f"starting a no-op cluster (base port {base}) ...", flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -113,4 +115,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="concurrent streams per run (default 64 256)")
     p.add_argument("--tokens", type=int, default=200, help="output tokens per stream (default 200)")
     p.add_argument("--output", help="write the results as JSON here")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_items",
+                   help="a config key for the cluster, e.g. gateway.decode_stream=false (repeatable)")
     p.set_defaults(func=run)
