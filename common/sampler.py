@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,14 +104,45 @@ def _needs_counts(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
+class _Uploads:
+    """The sampler's small per-step host → device copies, through pinned buffers on CUDA: a copy from pageable
+    memory waits for everything queued on the stream first (the step's forward), so the sampler's host work could
+    not overlap the forward; from pinned memory it is queued like a kernel. A buffer is reused once the copy out of
+    it has been done (an event per buffer; the step's token read has waited for it already)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._bufs: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}
+
+    def tensor(self, name: str, data: Any, dtype: torch.dtype) -> torch.Tensor:
+        """``torch.tensor(data, dtype=dtype)`` on the device."""
+        t = torch.tensor(data, dtype=dtype)
+        if not self.pinned:
+            return t.to(self.device)
+        n = t.numel()
+        got = self._bufs.get(name)
+        if got is None or got[0].numel() < n or got[0].dtype != dtype:
+            size = max(n, 2 * got[0].numel() if got is not None else 256)
+            got = self._bufs[name] = (torch.empty(size, dtype=dtype, pin_memory=True), torch.cuda.Event())
+        else:
+            got[1].synchronize()  # the last copy out of this buffer is done
+        buf, done = got
+        stage = buf[:n].view(t.shape)
+        stage.copy_(t)
+        out = stage.to(self.device, non_blocking=True)
+        done.record()
+        return out
+
+
 class _Slots:
     """Per-request penalty state on the device, sparse: a slot's row of ``ids`` holds the distinct tokens the
     request has seen (prompt ∪ outputs), one column each, and ``counts`` how often each came out. A step gathers
     and scatters only those columns, never a pass over the vocabulary. Slot 0 stays empty: rows without penalties
     use it. The host keeps each slot's token → column map and folds in new outputs with one batched write a step."""
 
-    def __init__(self, vocab: int, device: torch.device, capacity: int, width: int = 1024) -> None:
-        self.vocab, self.device = vocab, device
+    def __init__(self, vocab: int, device: torch.device, capacity: int, uploads: _Uploads, width: int = 1024) -> None:
+        self.vocab, self.device, self.uploads = vocab, device, uploads
         self.ids = torch.zeros(capacity + 1, width, dtype=torch.long, device=device)
         self.counts = torch.zeros(capacity + 1, width, dtype=torch.float32, device=device)
         self.free = list(range(capacity, 0, -1))
@@ -195,10 +227,10 @@ class _Slots:
             return
         self._grow(0, max(len(c) for c in self.cols.values()))
         if self._fills:
-            f = torch.tensor(self._fills, dtype=torch.long).to(self.device, non_blocking=True)
+            f = self.uploads.tensor("fills", self._fills, torch.long)
             self._fills.clear()
             self.ids[f[:, 0]] = f[:, 1:2].expand(-1, self.ids.shape[1])
-        w = torch.tensor(self._writes, dtype=torch.long).to(self.device, non_blocking=True)
+        w = self.uploads.tensor("writes", self._writes, torch.long)
         self._writes.clear()
         self.ids.index_put_((w[:, 0], w[:, 1]), w[:, 2])
         self.counts.index_put_((w[:, 0], w[:, 1]), w[:, 3].float(), accumulate=True)
@@ -231,7 +263,8 @@ class Sampler:
     penalties between steps: call :meth:`release` when a request ends (a forgotten one is only evicted later)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str, max_rows: int = 64) -> None:
-        self._slots = _Slots(vocab_size, torch.device(device), max_rows)
+        self._uploads = _Uploads(torch.device(device))
+        self._slots = _Slots(vocab_size, torch.device(device), max_rows, self._uploads)
         self._ws = _Workspace(torch.device(device))
         self._static: dict[str, _RowStatic] = {}  # by request id
         self.vocab_size = vocab_size
@@ -292,7 +325,7 @@ class Sampler:
         ws = self._ws
         x = ws.get("x", n, vocab).copy_(logits)
         spec = _StepSpec(rows, self._slots, vocab, self._static)
-        prm = torch.tensor(spec.table, dtype=torch.float32).to(dev, non_blocking=True)
+        prm = self._uploads.tensor("params", spec.table, torch.float32)
         spec.raw_lp = torch.log_softmax(x[spec.lp_index(dev)], dim=-1) if spec.lp_rows else None
         if spec.count_rows:
             slot_t = prm[:, _SLOT].long()
