@@ -17,7 +17,9 @@ Then, over gRPC ``Generate``:
 1. (a) the interactive tenant alone at ``--interactive-rate`` (Poisson) for ``--duration`` seconds;
 2. (b) the same requests at the same times, beside the flood tenant sending at ``--flood-factor`` × its fair share
    (half the capacity: both weigh 1), Poisson. When the interactive tenant's last request ends the flood is
-   cancelled.
+   cancelled. The flood is sent from a process of its own (``_FloodProcess``), as another client would send it:
+   hundreds of its requests a second, most refused, would otherwise share the event loop that times the interactive
+   tenant's (its lag is printed: ``LoopLag``).
 
 (a) and (b) alternate ``--rounds`` times and the figures pool the rounds, so a change in the machine's load
 (a shared machine) falls on both alike.
@@ -37,6 +39,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing as mp
 import secrets
 import sys
 import tempfile
@@ -141,27 +144,97 @@ def _workload(inp: int, out: int, seed: int) -> WorkloadConfig:
 
 
 async def _phase(target: GrpcTarget, builder: PromptBuilder, loads: list[tuple[Tenant, WorkloadConfig, LoadConfig]],
-                 background: tuple[Tenant, WorkloadConfig, LoadConfig] | None = None
+                 background: tuple[_FloodProcess, float, LoadConfig] | None = None
                  ) -> tuple[list[list[RequestRecord]], list[RequestRecord], float]:
-    """Run ``loads`` to the end, and ``background`` beside them until they end (then it is cancelled).
+    """Run ``loads`` to the end, and ``background`` (the flood's process, its rate and load) beside them until they
+    end (then it is cancelled).
 
-    Returns each load's records, the background's, and the phase's start (perf_counter)."""
+    Returns each load's records, the background's (their ``start`` moved to this phase's clock), and the phase's
+    start (perf_counter)."""
     target.opts = dataclasses.replace(target.opts, cache_salt=uuid.uuid4().hex)
     t0 = time.perf_counter()
-    bg_recs: list[RequestRecord] = []
-    bg = None
     if background is not None:
-        tenant, w, load = background
-        bg = asyncio.create_task(run_load(target, iter_requests(w, builder, [tenant]), load, into=bg_recs))
+        flood, rate, load = background
+        assert load.duration_s is not None
+        flood.go(rate, load.duration_s, load.seed, target.opts.cache_salt or "")
+    bg_recs: list[RequestRecord] = []
     try:
         out = await asyncio.gather(*(run_load(target, iter_requests(w, builder, [t]), load)
                                      for t, w, load in loads))
     finally:
-        if bg is not None:
-            bg.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await bg
+        if background is not None:
+            bt0, bg_recs = await background[0].stop()
+            for r in bg_recs:
+                r.start += bt0 - t0
     return list(out), bg_recs, t0
+
+
+class _FloodProcess:
+    """The flood tenant's client in a process of its own (spawned once, reused by every run (b)): ``go`` starts an
+    open-loop load, ``stop`` cancels it and returns its start (``time.perf_counter``, the same clock in every
+    process of the machine) and its records."""
+
+    def __init__(self, address: str, key: str, a: argparse.Namespace) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_flood_main, name="tenants-flood", daemon=True,
+                                args=(child, address, key, a.flood_input_len, a.flood_output_len, a.seed + 2))
+        self.proc.start()
+        if not self.conn.poll(300) or self.conn.recv() != "ready":
+            raise RuntimeError("the flood's client process did not start")
+
+    def go(self, rate: float, duration: float, seed: int, salt: str) -> None:
+        self.conn.send(("go", rate, duration, seed, salt))
+
+    async def stop(self) -> tuple[float, list[RequestRecord]]:
+        self.conn.send("stop")
+        loop = asyncio.get_running_loop()
+        t0, recs = await loop.run_in_executor(None, self.conn.recv)
+        return t0, recs
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send("exit")
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _flood_main(conn: Any, address: str, key: str, inp: int, out: int, seed: int) -> None:
+    asyncio.run(_flood_loop(conn, address, key, inp, out, seed))
+
+
+async def _flood_loop(conn: Any, address: str, key: str, inp: int, out: int, seed: int) -> None:
+    from common.loader import load_tokenizer
+
+    builder = PromptBuilder(load_tokenizer(None))
+    target = GrpcTarget(address, None, SendOptions(ignore_eos=True, temperature=0.0, timeout=120.0))
+    await target.open()
+    loop = asyncio.get_running_loop()
+    conn.send("ready")
+    try:
+        while True:
+            msg = await loop.run_in_executor(None, conn.recv)
+            if msg == "exit":
+                return
+            _, rate, duration, lseed, salt = msg
+            target.opts = dataclasses.replace(target.opts, cache_salt=salt)
+            recs: list[RequestRecord] = []
+            load = LoadConfig(request_rate=rate, num_requests=None, duration_s=duration, seed=lseed)
+            t0 = time.perf_counter()
+            task = asyncio.create_task(run_load(target, iter_requests(_workload(inp, out, seed), builder,
+                                                                      [Tenant("flood", rate, api_key=key)]),
+                                                load, into=recs))
+            stop = loop.run_in_executor(None, conn.recv)
+            await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            if not stop.done():
+                await stop
+            conn.send((t0, recs))
+    finally:
+        await target.close()
 
 
 def _tokens_in_window(recs: list[RequestRecord], lo: float, hi: float) -> int:
@@ -196,6 +269,7 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
     lag = LoopLag(keep=True)  # this process's own event-loop lag: it sends and times every request
     lag.start()
     lags: dict[str, list[float]] = {"alone": [], "beside_flood": []}
+    flood_proc: _FloodProcess | None = None
     try:
         await run_warmups(target, iter_requests(_workload(a.flood_input_len, 8, a.seed + 9), builder, [probe]),
                           LoadConfig(num_warmups=4, max_concurrency=4))
@@ -214,6 +288,7 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
                                 warmup_s=a.warmup_seconds, seed=a.seed + 4)
         flood_load = LoadConfig(request_rate=flood.rate, num_requests=None, duration_s=a.duration + 60,
                                 seed=a.seed + 5)
+        flood_proc = _FloodProcess(address, keys["flood"], a)
         alone: list[RequestRecord] = []
         beside: list[RequestRecord] = []
         flood_recs: list[RequestRecord] = []
@@ -225,7 +300,8 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
             [ra], _, _ = await _phase(target, builder, [(inter, inter_w, inter_load)])
             lags["alone"] += lag.take()
             _say(f"round {k + 1}/{a.rounds}, run (b): the same beside the flood")
-            [rb], rf, _ = await _phase(target, builder, [(inter, inter_w, inter_load)], (flood, flood_w, flood_load))
+            [rb], rf, _ = await _phase(target, builder, [(inter, inter_w, inter_load)],
+                                       (flood_proc, flood.rate, flood_load))
             lags["beside_flood"] += lag.take()
             alone += ra
             beside += rb
@@ -238,6 +314,8 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
     finally:
         await lag.stop()
         await target.close()
+        if flood_proc is not None:
+            flood_proc.close()
 
     sa, sb = summarize(alone), summarize(beside)
     flood_tok_s, inter_tok_s = flood_tokens / window, inter_tokens / window
