@@ -148,6 +148,9 @@ def test_a_failed_request_marks_its_span(tok, exporter):
             gen, _ = await _spans_of(exporter, "trace-bad")
             assert gen.status.status_code is trace.StatusCode.ERROR
             assert "9000 tokens" in gen.status.description
+            [ev] = [e for e in gen.events if e.name == "exception"]  # type and message, no stack trace
+            assert ev.attributes["exception.type"] == "AioRpcError" and "9000 tokens" in ev.attributes[
+                "exception.message"] and "exception.stacktrace" not in ev.attributes
 
     asyncio.run(body())
 
