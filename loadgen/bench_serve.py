@@ -148,6 +148,11 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
         target.opts = dataclasses.replace(target.opts, cache_salt=uuid.uuid4().hex)
 
     reqs = iter_requests(_workload(a, load.seed), builder, tenants)
+    if load.num_requests is not None:
+        # built before the clock: a prompt's text takes milliseconds to build (decode, and a re-encode that checks
+        # it), time the event loop that sends and times the requests would otherwise lose at every dispatch
+        print(f"building {load.num_requests} prompts ...", file=sys.stderr, flush=True)
+        reqs = iter([next(reqs) for _ in range(load.num_requests)])
     warm = iter_requests(_workload(a, load.seed + WARMUP_SEED_OFFSET), builder, tenants)
     warm_recs = await run_warmups(target, warm, load) if load.num_warmups else []
     bar = tqdm(total=load.num_requests, disable=a.disable_tqdm, desc=load.label, unit="req", file=sys.stderr,
