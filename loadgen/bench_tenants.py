@@ -288,7 +288,8 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
                                 warmup_s=a.warmup_seconds, seed=a.seed + 4)
         flood_load = LoadConfig(request_rate=flood.rate, num_requests=None, duration_s=a.duration + 60,
                                 seed=a.seed + 5)
-        flood_proc = _FloodProcess(address, keys["flood"], a)
+        # started off the event loop: the child loads a tokenizer for seconds, and this loop's lag is measured
+        flood_proc = await asyncio.get_running_loop().run_in_executor(None, _FloodProcess, address, keys["flood"], a)
         alone: list[RequestRecord] = []
         beside: list[RequestRecord] = []
         flood_recs: list[RequestRecord] = []
