@@ -31,6 +31,29 @@ def num_sms(device: torch.device) -> int:
     return _NUM_SMS[idx]
 
 
+# ---- paged attention ----------------------------------------------------------------------------------------
+@triton.jit
+def _attend_block(q, cache_ptr, base, v_off, offs_d, nmask, visible, scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One block of keys of the online softmax: K at ``base`` (rows masked by ``nmask``), scores where ``visible``,
+    then V; returns the running max, sum and accumulator."""
+    k = tl.load(cache_ptr + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    if IEEE:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        sc = tl.dot(q, tl.trans(k))
+    sc = tl.where(visible, sc * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(cache_ptr + v_off + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
 # ---- paged decode attention ---------------------------------------------------------------------------------
 # Arguments that change from step to step are not specialized on (Triton would otherwise compile a variant for
 # each value class: == 1, divisible by 16, other), so a serving run compiles each kernel once or twice, not per shape.
@@ -70,23 +93,8 @@ def _paged_decode_kernel(
         nmask = tok < hi
         blk = tl.load(table_ptr + trow * table_stride + tok // BS, mask=nmask, other=0).to(tl.int64)
         base = blk * blk_stride + ((tok % BS) * KVH + kh) * D
-        k = tl.load(cache_ptr + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = tl.where(nmask[None, :], sc * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_off + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, cache_ptr, base, v_off, offs_d, nmask, nmask[None, :], scale, m_i, l_i,
+                                      acc, IEEE)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]
     if DIRECT:
@@ -195,24 +203,9 @@ def _paged_prompt_kernel(
         nmask = tok < hi
         blk = tl.load(table_ptr + trow * table_stride + tok // BS, mask=nmask, other=0).to(tl.int64)
         base = blk * blk_stride + ((tok % BS) * KVH + kh) * D
-        k = tl.load(cache_ptr + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
         # causal: key 0 is visible to every row, so each row's maximum is finite from the first block on
-        sc = tl.where(nmask[None, :] & (tok[None, :] <= qpos[:, None]), sc * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(cache_ptr + v_off + base[:, None] + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(q, cache_ptr, base, v_off, offs_d, nmask,
+                                      nmask[None, :] & (tok[None, :] <= qpos[:, None]), scale, m_i, l_i, acc, IEEE)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * out_stride_b + heads[:, None] * D + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mmask[:, None])

@@ -306,15 +306,32 @@ def decode_speed(bandwidth: float, batch: int, ctx: int, steps: int = 32,
     return rows
 
 
+def _matmul_params(m) -> tuple[int, int]:
+    """(the LM head's weights, every matmul weight of the layers): the FLOP counts' terms (norms: negligible)."""
+    lm_rows = m.vocab_size * m.hidden_size
+    return lm_rows, m.num_params() - lm_rows * (1 if m.tie_word_embeddings else 2)
+
+
+def _timed_prompt_step(eng, rid: str, n: int, g: torch.Generator) -> float:
+    """Add a random ``n``-token prompt (one output token) and time the engine step that runs it, in seconds."""
+    from common.sampling import SamplingParams
+
+    eng.add_request(rid, torch.randint(0, eng.model_cfg.vocab_size, (n,), generator=g).tolist(),
+                    SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    eng.step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def prefill_speed(rate: float, n: int = 4096, reps: int = 3) -> list[dict]:
     """One n-token prompt, one engine step (prefill + first token), against FLOPs ÷ the measured matmul rate."""
-    from common.sampling import SamplingParams
 
     eng = engine_8b()
     graphs = eng.runner.graphs
     m = eng.model_cfg
-    lm_rows = m.vocab_size * m.hidden_size
-    matmul_params = m.num_params() - lm_rows * (1 if m.tie_word_embeddings else 2)  # norms: negligible
+    lm_rows, matmul_params = _matmul_params(m)
     flops = 2 * n * matmul_params + 2 * lm_rows + 2 * n * (n + 1) * m.head_dim * m.num_heads * m.num_layers
     limit_s = flops / rate
     g = torch.Generator().manual_seed(n)
@@ -323,13 +340,7 @@ def prefill_speed(rate: float, n: int = 4096, reps: int = 3) -> list[dict]:
         _set_mode(eng, mode, graphs)
         times = []
         for i in range(reps + 1):
-            eng.add_request(f"pf-{mode}-{i}", torch.randint(0, m.vocab_size, (n,), generator=g).tolist(),
-                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            eng.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            times.append(_timed_prompt_step(eng, f"pf-{mode}-{i}", n, g))
             while eng.has_unfinished():
                 eng.step()
         t = sorted(times[1:])[reps // 2]
@@ -358,8 +369,7 @@ def mixed_speed(rate: float, bandwidth: float, prompt: int = 1024, batch: int = 
         eng.add_request(f"mx-{i}", torch.randint(0, m.vocab_size, (ctx,), generator=g).tolist(), p)
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
-    lm_rows = m.vocab_size * m.hidden_size
-    matmul_params = m.num_params() - lm_rows * (1 if m.tie_word_embeddings else 2)
+    lm_rows, matmul_params = _matmul_params(m)
     tokens = prompt + batch
     flops = (2 * tokens * matmul_params + 2 * (batch + 1) * lm_rows
              + 2 * prompt * (prompt + 1) * m.head_dim * m.num_heads * m.num_layers
@@ -371,14 +381,8 @@ def mixed_speed(rate: float, bandwidth: float, prompt: int = 1024, batch: int = 
         _set_mode(eng, mode, graphs)
         times = []
         for i in range(reps + 1):
-            eng.add_request(f"mx-{mode}-{i}", torch.randint(0, m.vocab_size, (prompt,), generator=g).tolist(),
-                            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             pr0 = graphs.prompt_replays if graphs else 0
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            eng.step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            times.append(_timed_prompt_step(eng, f"mx-{mode}-{i}", prompt, g))
             replayed = graphs is not None and graphs.prompt_replays > pr0
             assert replayed == (mode == "graphs"), f"{mode}: graph replayed {replayed}"
         t = sorted(times[1:])[reps // 2]
