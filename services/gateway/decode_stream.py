@@ -16,7 +16,6 @@ leaves early (the client went away) is cancelled on the worker with a ``cancel_r
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -51,9 +50,15 @@ class _Stream:
         self._reader = loop.create_task(self._read())
 
     async def _write(self) -> None:
-        with contextlib.suppress(AioRpcError, asyncio.InvalidStateError):  # the reader sees why the call ended
+        try:
             while True:
                 await self.call.write(await self.outgoing.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the call ended or broke: ended here too, the reader fails every request on it
+            if not self.call.done():
+                log.warning("DecodeStream to %s: a write failed; closing the stream", self.address, exc_info=True)
+            self.call.cancel()
 
     async def _read(self) -> None:
         err = _error(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address} ended its DecodeStream")
