@@ -144,5 +144,5 @@ class DecodeStreams:
         await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)
 
     def open_streams(self) -> dict[str, Any]:
-        """Address → requests in flight on its stream (for tests and status)."""
+        """Address → requests in flight on its open stream."""
         return {a: len(s.queues) for a, s in self._streams.items() if s.error is None}
