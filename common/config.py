@@ -141,6 +141,10 @@ class EngineConfig:
     # Ranks of Megatron-style tensor parallelism (common/tensor_parallel.py): one process each, rank r on cuda:r on
     # CUDA. 1: one process, no torch.distributed. The KV pool's size (kv_cache_memory, the GPU share) is per rank.
     tensor_parallel_size: int = 1
+    # How the ranks sum each layer's row-parallel output on CUDA. "auto": a one-shot all-reduce over peer-to-peer
+    # memory (common/p2p_all_reduce.py) where every pair of the ranks' GPUs can map each other's memory, NCCL for
+    # inputs larger than its buffer and elsewhere; "nccl": NCCL always. The CPU's ranks use gloo.
+    tp_all_reduce: str = "auto"
     # Benchmark-only: no model at all; every step samples from constant logits. Measures the control plane
     # (scheduler, detokenizer, gRPC) without the model's cost.
     noop_model: bool = False
@@ -179,6 +183,8 @@ class EngineConfig:
             raise ValueError("float16 is not supported on cpu; use float32 or bfloat16")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tp_all_reduce not in ("auto", "nccl"):
+            raise ValueError(f"tp_all_reduce must be 'auto' or 'nccl', got {self.tp_all_reduce!r}")
         if self.noop_model and self.tensor_parallel_size > 1:
             raise ValueError(f"noop_model runs no model: tensor_parallel_size must be 1, got "
                              f"{self.tensor_parallel_size}")

@@ -8,8 +8,11 @@ each holding 1/N of every layer.
 - Execution: rank 0 is the engine (scheduler, block manager, sampler); ranks 1..N-1 are daemon processes it spawns
   (``TensorParallelWorkers``) that run ``_rank_main``. Each step rank 0 broadcasts the model inputs as integers
   (``send_step``: one broadcast, a second only when they overflow its buffer) over a gloo group in host memory, and
-  every rank runs the same forward on its shard, so the all-reduces line up. Those run on NCCL on CUDA (rank r on
-  ``cuda:r``; inside the captured decode graphs too) and on gloo on the CPU.
+  every rank runs the same forward on its shard, so the all-reduces line up. On CUDA (rank r on ``cuda:r``) they run
+  as the one-shot peer-to-peer kernel of common/p2p_all_reduce.py where the GPUs can map each other's memory and the
+  input fits its buffer, else on NCCL; inside the captured graphs too. On the CPU they run on gloo.
+- With the peer-to-peer all-reduce, a rank that dies leaves the others' kernels waiting on the GPU: rank 0 ends its
+  process when another rank exits unasked (the worker's supervisor restarts it).
 - The group is torch.distributed's default group, so a process holds one tensor-parallel engine at a time; closing
   the engine stops the other ranks and destroys the group.
 """
@@ -55,11 +58,17 @@ class Shard:
     size: int = 1
     group: Any = None  # the forward's all-reduces: NCCL on CUDA, gloo on the CPU
     meta_group: Any = None  # rank 0's step messages and start-up agreements: gloo, host memory
+    p2p: Any = None  # CUDA: the one-shot peer-to-peer all-reduce (common/p2p_all_reduce.py), where it could be built
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the group in place and return it; with one rank, ``x`` as it is."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        """The sum of ``x`` over the group: ``x`` summed in place and returned, except that float32 split-K parts
+        ``[S, T, N]`` (common/triton_ops.py) may come back summed over their parts too, as ``[T, N]``; with one
+        rank, ``x`` as it is."""
+        if self.size == 1:
+            return x
+        if self.p2p is not None and self.p2p.fits(x):
+            return self.p2p(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def part(self, w: torch.Tensor, dim: int) -> torch.Tensor:
@@ -155,8 +164,9 @@ def _master_store(size: int) -> tuple[Any, int]:
     raise RuntimeError(f"no free loopback port for the tensor-parallel rendezvous: {last}")
 
 
-def _join(rank: int, size: int, store: Any, device: str) -> Shard:
-    """Join the default process group and make the gloo group of the step messages; returns this rank's Shard."""
+def _join(rank: int, size: int, store: Any, device: str, all_reduce: str = "nccl") -> Shard:
+    """Join the default process group, make the gloo group of the step messages and, on CUDA with ``all_reduce``
+    "auto", the peer-to-peer all-reduce; returns this rank's Shard."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: it holds one "
                            "tensor-parallel engine at a time (close the other first)")
@@ -167,7 +177,18 @@ def _join(rank: int, size: int, store: Any, device: str) -> Shard:
     else:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
     meta = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-    return Shard(rank, size, dist.group.WORLD, meta)
+    p2p = None
+    if device == "cuda" and all_reduce == "auto":
+        from common.p2p_all_reduce import PeerAllReduce, peers_reachable
+
+        if peers_reachable(size):  # the same answer on every rank, so all of them build it or none
+            try:
+                p2p = PeerAllReduce(rank, size, torch.device("cuda", rank), meta)
+            except RuntimeError as e:
+                log.warning("tensor-parallel all-reduces stay on NCCL: %s", e)
+        elif rank == 0:
+            log.warning("tensor-parallel all-reduces stay on NCCL: the GPUs cannot map each other's memory")
+    return Shard(rank, size, dist.group.WORLD, meta, p2p)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,12 +233,14 @@ class TensorParallelWorkers:
         for p in self.procs:
             p.start()
         try:
-            self.shard = _join(0, size, store, cfg.device)
+            self.shard = _join(0, size, store, cfg.device, cfg.tp_all_reduce)
         except BaseException:
             self._end_processes(0.0)
             raise
         self._store = store  # the other ranks' rendezvous lives as long as the group
         self._closed = False
+        if self.shard.p2p is not None:
+            threading.Thread(target=self._exit_if_a_rank_dies, name="tp-rank-watch", daemon=True).start()
 
     @property
     def pids(self) -> list[int]:
@@ -241,6 +264,20 @@ class TensorParallelWorkers:
         if not _bounded(dist.destroy_process_group if healthy else _abort_group, timeout):
             log.warning("tensor-parallel group teardown did not finish in %.0f s; left to the process's exit", timeout)
         self._end_processes(timeout)
+        if self.shard.p2p is not None:
+            self.shard.p2p.close()
+
+    def _exit_if_a_rank_dies(self) -> None:
+        """With the peer-to-peer all-reduce, rank 0's kernels would wait on the GPU forever for a rank that died:
+        end this process instead (its supervisor restarts the worker)."""
+        while not self._closed:
+            for p in self.procs:
+                if not p.is_alive() and not self._closed:
+                    log.critical("tensor-parallel rank process %s exited (code %s); the GPU all-reduces would wait "
+                                 "for it forever: ending this process", p.name, p.exitcode)
+                    logging.shutdown()
+                    os._exit(1)
+            time.sleep(0.5)
 
     def _end_processes(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -291,7 +328,7 @@ def _rank_main(a: _RankArgs) -> None:
     _exit_with_parent(a.parent_pid)
     torch.set_num_threads(a.threads)
     store = dist.TCPStore("127.0.0.1", a.port, a.size, is_master=False, timeout=_JOIN_TIMEOUT)
-    shard = _join(a.rank, a.size, store, a.cfg.device)
+    shard = _join(a.rank, a.size, store, a.cfg.device, a.cfg.tp_all_reduce)
     try:
         if a.random_weights:
             source = ModelSource(a.spec, a.model_cfg.name, a.model_cfg, None, None)

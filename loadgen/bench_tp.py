@@ -1,12 +1,16 @@
-"""Tensor-parallel decode on GPUs: one engine decode step (schedule + CUDA-graph replay + sample) of a dummy
-Llama-3.1-8B in bfloat16, at batch 1 and batch 64, at TP=1 and TP=2, against the byte limit of a card.
+"""Tensor-parallel decode on GPUs: the all-reduce alone, then engine decode steps of a dummy Llama in bfloat16, at
+batch 1 and batch 64, at TP=1 and at TP=2 with each all-reduce, against the byte limit of a card.
 
-The limit is the bytes of weights one card reads a step (its share of every layer matrix, plus the replicated LM
-head and norms; not the embedding table, of which a step reads a few rows) over the card's copy bandwidth (a
-device-to-device copy, bytes read + written). A step's time is the median of ``--steps`` steps, timed with CUDA
-events around ``LLMEngine.step`` on rank 0 (which waits on the other rank through the all-reduces).
+- ``allreduce``: two ranks in two processes; a CUDA graph of 64 sums of one size, replayed; µs per sum, NCCL against
+  the one-shot peer-to-peer kernel (common/p2p_all_reduce.py), at the sizes a decode step sums.
+- ``steps``: one engine decode step (schedule + CUDA-graph replay + sample), the median of ``--steps`` steps, timed
+  with CUDA events around ``LLMEngine.step`` on rank 0 (which waits on the other rank through the all-reduces). The
+  limit is the bytes of weights one card reads a step (its share of every layer matrix, plus the replicated LM head
+  and norms; not the embedding table, of which a step reads a few rows) over the card's copy bandwidth (a
+  device-to-device copy, bytes read + written).
 
-Run on a machine with two GPUs: ``python -m loadgen.bench_tp [--steps 200] [--json OUT]``.
+Run on a machine with two GPUs: ``python -m loadgen.bench_tp [--steps 200] [--model dummy:llama-3.1-70b --tp 2]
+[--json OUT]``.
 """
 
 from __future__ import annotations
@@ -14,13 +18,21 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
-SPEC = "dummy:llama-3.1-8b"
+# (label, rows, hidden, dtype, split-K parts): what a decode step of the 8B (hidden 4,096) and the 70B (8,192) sums
+ALLREDUCE_SIZES = [("8B batch 1", 1, 4096, torch.bfloat16, 0), ("8B batch 1, 8 split-K parts", 1, 4096,
+                   torch.float32, 8), ("8B batch 64", 64, 4096, torch.bfloat16, 0),
+                   ("70B batch 1", 1, 8192, torch.bfloat16, 0), ("70B batch 64", 64, 8192, torch.bfloat16, 0),
+                   ("8B 512 prompt rows", 512, 4096, torch.bfloat16, 0)]
+GRAPH_CALLS = 64
+REPLAYS = 50
 
 
 def weight_bytes_per_card(eng) -> int:
@@ -56,40 +68,101 @@ def decode_step_ms(eng, batch: int, context: int, steps: int, warmup: int = 10) 
     return statistics.median(times)
 
 
-def main() -> int:
+# ---- the all-reduce alone -----------------------------------------------------------------------------------
+def _graph_us(fn: Any, x: torch.Tensor) -> float:
+    """µs per call of ``fn(x)``: a graph of GRAPH_CALLS calls, replayed REPLAYS times after a warm-up."""
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn(x)
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (REPLAYS * GRAPH_CALLS)
+
+
+def _allreduce_rank(rank: int, port: int, results: Any) -> None:
+    import torch.distributed as dist
+
+    from common.tensor_parallel import _join
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+    shard = _join(rank, 2, store, "cuda", "auto")
+    dev = torch.device("cuda", rank)
+    rows = []
+    for label, t, hidden, dtype, parts in ALLREDUCE_SIZES:
+        x = torch.randn(((parts,) if parts else ()) + (t, hidden), device=dev).to(dtype)
+        nccl = _graph_us(lambda v: dist.all_reduce(v), x)
+        p2p = _graph_us(shard.p2p, x) if shard.p2p is not None and shard.p2p.fits(x) else float("nan")
+        rows.append({"size": label, "bytes": x.numel() * x.element_size(), "nccl_us": nccl, "p2p_us": p2p})
+    dist.barrier(group=shard.meta_group)
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def allreduce_section() -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from common.tensor_parallel import _master_store
+
+    store, port = _master_store(3)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = results.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    del store
+    print(f"\nall-reduce across cuda:0 and cuda:1, µs per sum ({GRAPH_CALLS} sums a graph, {REPLAYS} replays)")
+    print(f"{'size':30s} {'bytes':>9s} {'NCCL':>8s} {'p2p':>8s} {'p2p/NCCL':>9s}")
+    for r in rows:
+        print(f"{r['size']:30s} {r['bytes']:9d} {r['nccl_us']:8.1f} {r['p2p_us']:8.1f} "
+              f"{r['p2p_us'] / r['nccl_us']:9.2f}", flush=True)
+    return rows
+
+
+# ---- engine steps -------------------------------------------------------------------------------------------
+def steps_section(a: argparse.Namespace) -> list[dict]:
     from common.config import EngineConfig
     from common.engine import LLMEngine
+    from common.loader import load_model_source
     from loadgen.bench_gpu import copy_bandwidth
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes (default 1,2)")
-    ap.add_argument("--batches", default="1,64", help="decode batch sizes (default 1,64)")
-    ap.add_argument("--context", type=int, default=128, help="prompt tokens of each sequence (default 128)")
-    ap.add_argument("--steps", type=int, default=200, help="timed steps per point (default 200)")
-    ap.add_argument("--json", default=None, help="write the rows here")
-    a = ap.parse_args()
-    sizes = [int(x) for x in a.tp.split(",")]
-    if torch.cuda.device_count() < max(sizes):
-        print(f"needs {max(sizes)} CUDA devices, torch sees {torch.cuda.device_count()}", file=sys.stderr)
-        return 2
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (cuda:0, read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
+    runs = [(tp, ar) for tp in (int(x) for x in a.tp.split(","))
+            for ar in (["auto"] if tp == 1 else a.all_reduce.split(","))]
     rows = []
-    for tp in sizes:
+    for tp, all_reduce in runs:
         t0 = time.perf_counter()
         cfg = EngineConfig(device="cuda", dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=64,
-                           max_model_len=2048, max_num_batched_tokens=4096, kv_cache_memory=8 << 30)
-        eng = LLMEngine.from_spec(SPEC, cfg)
+                           max_model_len=2048, max_num_batched_tokens=4096, kv_cache_memory=int(a.kv_gib * 2**30),
+                           tp_all_reduce=all_reduce)
+        eng = LLMEngine(load_model_source(a.model), cfg)
         wb = weight_bytes_per_card(eng)
-        print(f"TP={tp}: engine ready in {time.perf_counter() - t0:.1f} s, {wb / 1e9:.2f} GB of weights per card",
-              flush=True)
+        label = f"TP={tp}" + ("" if tp == 1 else f" {all_reduce}")
+        print(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s, {wb / 1e9:.2f} GB of weights per card "
+              f"(peer-to-peer all-reduce: {'yes' if eng.runner.shard.p2p is not None else 'no'})", flush=True)
         try:
             for b in (int(x) for x in a.batches.split(",")):
                 ms = decode_step_ms(eng, b, a.context, a.steps)
                 limit = wb / bandwidth * 1e3
-                rows.append({"tp": tp, "batch": b, "context": a.context, "step_ms": ms, "limit_ms": limit,
-                             "weight_bytes_per_card": wb, "copy_bandwidth": bandwidth})
-                print(f"TP={tp} batch {b:3d}: step {ms:.2f} ms, byte limit {limit:.2f} ms ({ms / limit:.2f}x)",
+                rows.append({"model": a.model, "tp": tp, "all_reduce": all_reduce if tp > 1 else "-", "batch": b,
+                             "context": a.context, "step_ms": ms, "limit_ms": limit, "weight_bytes_per_card": wb,
+                             "copy_bandwidth": bandwidth, "p2p": eng.runner.shard.p2p is not None})
+                print(f"{label} batch {b:3d}: step {ms:.2f} ms, byte limit {limit:.2f} ms ({ms / limit:.2f}x)",
                       flush=True)
         finally:
             eng.close()
@@ -97,13 +170,39 @@ def main() -> int:
             gc.collect()
             torch.cuda.empty_cache()
     base = {r["batch"]: r["step_ms"] for r in rows if r["tp"] == 1}
-    print("\n tp  batch  step ms  limit ms  vs TP=1")
+    print(f"\n{a.model}\n tp  all-reduce  batch  step ms  limit ms  ÷ limit  vs TP=1")
     for r in rows:
         rel = f"{r['step_ms'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
-        print(f"{r['tp']:3d}  {r['batch']:5d}  {r['step_ms']:7.2f}  {r['limit_ms']:8.2f}  {rel:>7s}")
+        print(f"{r['tp']:3d}  {r['all_reduce']:10s}  {r['batch']:5d}  {r['step_ms']:7.2f}  {r['limit_ms']:8.2f}  "
+              f"{r['step_ms'] / r['limit_ms']:7.2f}  {rel:>7s}")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sections", default="allreduce,steps", help="allreduce, steps (default both)")
+    ap.add_argument("--model", default="dummy:llama-3.1-8b", help="model spec (default dummy:llama-3.1-8b)")
+    ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes (default 1,2)")
+    ap.add_argument("--all-reduce", default="nccl,auto", help="all-reduces to run TP>1 with (default nccl,auto)")
+    ap.add_argument("--batches", default="1,64", help="decode batch sizes (default 1,64)")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens of each sequence (default 128)")
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per point (default 200)")
+    ap.add_argument("--kv-gib", type=float, default=8.0, help="KV pool per rank, GiB (default 8)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args()
+    sections = a.sections.split(",")
+    need = 2 if "allreduce" in sections else max(int(x) for x in a.tp.split(","))
+    if torch.cuda.device_count() < need:
+        print(f"needs {need} CUDA devices, torch sees {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    out: dict[str, list[dict]] = {}
+    if "allreduce" in sections:
+        out["allreduce"] = allreduce_section()
+    if "steps" in sections:
+        out["steps"] = steps_section(a)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(out, f, indent=2)
     return 0
 
 

@@ -247,6 +247,7 @@ def test_sharded_checkpoint_loads_only_indexed_shards(name: str, families: Calla
 # ---- the shipped configs -------------------------------------------------------------------------------
 EXPECTED_PARAMS = {
     "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-70b": 70_553_706_496,
     "llama-2-7b": 6_738_415_616,
     "mistral-7b": 7_248_023_552,
     "qwen2-7b": 7_615_616_512,

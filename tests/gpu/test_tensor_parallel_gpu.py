@@ -1,18 +1,26 @@
-"""Tensor parallelism on two GPUs: a dummy Llama-3.1-8B (seeded random weights) in float32, TP=2 (NCCL, all-reduces
-inside the captured graphs, the prompts' step among them) against TP=1 on one GPU.
+"""Tensor parallelism on two GPUs.
 
-The TP=1 run comes first and is freed before the TP=2 engine starts (32 GB of float32 weights on cuda:0)."""
+- The one-shot peer-to-peer all-reduce (common/p2p_all_reduce.py) in two processes: eager and replayed from a CUDA
+  graph, bit-equal to NCCL's sum of the same tensors.
+- A dummy Llama-3.1-8B (seeded random weights) in float32, TP=2 (all-reduces inside the captured graphs, the prompts'
+  step among them) against TP=1 on one GPU, with the default all-reduce (peer-to-peer) and with NCCL.
+
+The TP=1 run comes first and each engine is freed before the next starts (32 GB of float32 weights on cuda:0)."""
 
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from common.config import EngineConfig
 from common.engine import LLMEngine
 from common.loader import load_model_source
+from common.tensor_parallel import _join, _master_store
 from tests.test_tensor_parallel import GREEDY, step_logits
 
 pytestmark = [pytest.mark.gpu2, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -27,10 +35,10 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 60, 128, 301)]
 
 
-def engine(tp: int) -> LLMEngine:
+def engine(tp: int, all_reduce: str = "auto") -> LLMEngine:
     torch.backends.cuda.matmul.allow_tf32 = False  # full float32 matmuls (the other ranks keep torch's default: off)
     cfg = EngineConfig(device="cuda", dtype="float32", tensor_parallel_size=tp, kv_cache_memory=4 << 30,
-                       max_num_seqs=8, max_model_len=2048, seed=0)
+                       max_num_seqs=8, max_model_len=2048, seed=0, tp_all_reduce=all_reduce)
     return LLMEngine(load_model_source("dummy:llama-3.1-8b"), cfg)
 
 
@@ -40,16 +48,16 @@ def run(eng: LLMEngine, ps: list[list[int]]) -> dict:
     replays, prompt_replays = (g.replays, g.prompt_replays) if g is not None else (0, 0)
     return {"logits": [x.cpu() for x in logits], "score": eng.runner.score(ps[:2]),
             "tokens": [r.token_ids for r in eng.generate(ps, GREEDY)], "replays": replays,
-            "prompt_replays": prompt_replays}
+            "prompt_replays": prompt_replays, "p2p": eng.runner.shard.p2p is not None}
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[int, dict]:
+def results() -> dict[str, dict]:
     out = {}
-    for tp in (1, 2):
-        eng = engine(tp)
+    for key, tp, all_reduce in (("1", 1, "auto"), ("2", 2, "auto"), ("2-nccl", 2, "nccl")):
+        eng = engine(tp, all_reduce)
         try:
-            out[tp] = run(eng, prompts(eng.model_cfg.vocab_size))
+            out[key] = run(eng, prompts(eng.model_cfg.vocab_size))
         finally:
             eng.close()
             del eng
@@ -58,17 +66,93 @@ def results() -> dict[int, dict]:
     return out
 
 
-def test_tp2_logits_equal_tp1_on_two_gpus(results):
-    one, two = results[1], results[2]
+@pytest.mark.parametrize("key", ["2", "2-nccl"])
+def test_tp2_logits_equal_tp1_on_two_gpus(results, key):
+    one, two = results["1"], results[key]
+    assert two["p2p"] == (key == "2")  # the default maps the peer's memory over NVLink; "nccl" keeps NCCL
     assert len(one["logits"]) == len(two["logits"]) == LOGIT_STEPS
     diffs = [float((a - b).abs().max()) for a, b in zip(one["logits"], two["logits"])]
     diffs += [float((a - b).abs().max()) for a, b in zip(one["score"], two["score"])]
-    print("max |TP=2 - TP=1| per step:", " ".join(f"{d:.2e}" for d in diffs))
+    print(f"max |TP=2 ({key}) - TP=1| per step:", " ".join(f"{d:.2e}" for d in diffs))
     assert max(diffs) < LOGIT_TOL, diffs
     assert two["replays"] > 0  # the decode steps replayed graphs, their all-reduces inside
     assert two["prompt_replays"] > 0  # the prompts' step too: every rank staged the prompt rows rank 0 sent
 
 
-def test_tp2_greedy_tokens_equal_tp1_over_64_steps_on_two_gpus(results):
-    assert all(len(t) == 64 for t in results[2]["tokens"])
-    assert results[2]["tokens"] == results[1]["tokens"]
+@pytest.mark.parametrize("key", ["2", "2-nccl"])
+def test_tp2_greedy_tokens_equal_tp1_over_64_steps_on_two_gpus(results, key):
+    assert all(len(t) == 64 for t in results[key]["tokens"])
+    assert results[key]["tokens"] == results["1"]["tokens"]
+
+
+# ---- the peer-to-peer all-reduce alone ---------------------------------------------------------------------------
+# (shape, dtype, split-K parts): a batch-1 row, a 64-row step, ragged float32, split-K parts, the largest input
+CASES = [((1, 4096), torch.bfloat16, 0), ((64, 4096), torch.bfloat16, 0), ((3, 1000), torch.float32, 0),
+         ((1, 4096), torch.float32, 8), ((512, 4096), torch.float32, 0)]
+
+
+def _own(x: torch.Tensor, parts: int) -> torch.Tensor:
+    if not parts:
+        return x
+    acc = torch.zeros(x.shape[1:], dtype=torch.float32, device=x.device)
+    for s in range(parts):
+        acc = acc + x[s]
+    return acc
+
+
+def _all_reduce_rank(rank: int, port: int, failures) -> None:
+    """One rank: every case eagerly (20 calls) and from a CUDA graph (three sums a replay, 30 replays), each result
+    against NCCL's sum of the same tensors (each rank's parts summed first)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        store = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+        shard = _join(rank, 2, store, "cuda", "auto")
+        assert shard.p2p is not None, "the peer-to-peer all-reduce was not built"
+        dev = torch.device("cuda", rank)
+        g = torch.Generator(device=dev).manual_seed(rank)
+        for shape, dtype, parts in CASES:
+            full = ((parts,) if parts else ()) + shape
+
+            def draw(full: tuple[int, ...] = full, dtype: torch.dtype = dtype) -> torch.Tensor:
+                return torch.randn(full, generator=g, device=dev).to(dtype)
+
+            for _ in range(20):
+                x = draw()
+                want = _own(x, parts).clone()
+                dist.all_reduce(want)
+                got = shard.all_reduce(x.clone())
+                assert torch.equal(got, want), (shape, dtype, parts, "eager", float((got - want).abs().max()))
+            static = [draw() for _ in range(3)]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = [shard.all_reduce(s.clone()) for s in static]
+            for _ in range(30):
+                for s in static:
+                    s.copy_(draw())
+                graph.replay()
+                for s, o in zip(static, outs):
+                    want = _own(s, parts).clone()
+                    dist.all_reduce(want)
+                    assert torch.equal(o, want), (shape, dtype, parts, "graph", float((o - want).abs().max()))
+        torch.cuda.synchronize(dev)
+        dist.barrier(group=shard.meta_group)
+        dist.destroy_process_group()
+    except BaseException as e:  # reported by the test in the parent
+        failures.put(f"rank {rank}: {e!r}")
+        raise
+
+
+def test_p2p_all_reduce_equals_nccl_eager_and_in_graphs():
+    assert not dist.is_initialized()
+    store, port = _master_store(3)  # this process keeps the store; the ranks join it
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, port, failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    errors = [failures.get() for _ in range(failures.qsize())] if not failures.empty() else []
+    assert not errors, errors
+    assert [p.exitcode for p in procs] == [0, 0]
+    del store
