@@ -123,7 +123,7 @@ def buffer_bytes(world: int, max_bytes: int = MAX_BYTES) -> tuple[int, int]:
 
 # ---- CUDA IPC through the driver API ----------------------------------------------------------------------------
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # bytes, NULs included (a c_char array would stop at one)
 
 
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
@@ -163,8 +163,7 @@ def _export(ptr: int) -> tuple[bytes, int]:
 
 def _open(handle: bytes) -> int:
     """Map another process's allocation into this one's current device; its base address here."""
-    h = _IpcHandle()
-    h.reserved = handle
+    h = _IpcHandle.from_buffer_copy(handle)
     ptr = ctypes.c_uint64()
     _check(_cuda().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
            "cuIpcOpenMemHandle")
