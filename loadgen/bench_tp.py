@@ -16,7 +16,6 @@ Run on a machine with two GPUs: ``python -m loadgen.bench_tp [--steps 200] [--mo
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -134,41 +133,59 @@ def allreduce_section() -> list[dict]:
 
 
 # ---- engine steps -------------------------------------------------------------------------------------------
-def steps_section(a: argparse.Namespace) -> list[dict]:
+def _engine_rows(model: str, tp: int, all_reduce: str, batches: list[int], context: int, steps: int, kv_gib: float,
+                 bandwidth: float, results: Any) -> None:
+    """One engine's rows, in a process of its own: a process holds one tensor-parallel group, and NCCL's teardown
+    did not return within 30 s on two H200s. The process leaves without one (its other ranks exit with it)."""
     from common.config import EngineConfig
     from common.engine import LLMEngine
     from common.loader import load_model_source
+
+    t0 = time.perf_counter()
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=64, max_model_len=2048,
+                       max_num_batched_tokens=4096, kv_cache_memory=int(kv_gib * 2**30), tp_all_reduce=all_reduce)
+    eng = LLMEngine(load_model_source(model), cfg)
+    wb = weight_bytes_per_card(eng)
+    p2p = eng.runner.shard.p2p is not None
+    label = f"TP={tp}" + ("" if tp == 1 else f" {all_reduce}")
+    print(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s, {wb / 1e9:.2f} GB of weights per card "
+          f"(peer-to-peer all-reduce: {'yes' if p2p else 'no'})", flush=True)
+    rows = []
+    for b in batches:
+        ms = decode_step_ms(eng, b, context, steps)
+        limit = wb / bandwidth * 1e3
+        rows.append({"model": model, "tp": tp, "all_reduce": all_reduce if tp > 1 else "-", "batch": b,
+                     "context": context, "step_ms": ms, "limit_ms": limit, "weight_bytes_per_card": wb,
+                     "copy_bandwidth": bandwidth, "p2p": p2p})
+        print(f"{label} batch {b:3d}: step {ms:.2f} ms, byte limit {limit:.2f} ms ({ms / limit:.2f}x)", flush=True)
+    results.put(rows)
+    results.close()
+    results.join_thread()  # the rows are out; the other ranks follow this process's exit
+    os._exit(0)
+
+
+def steps_section(a: argparse.Namespace) -> list[dict]:
+    import torch.multiprocessing as mp
+
     from loadgen.bench_gpu import copy_bandwidth
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (cuda:0, read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
+    torch.cuda.empty_cache()
     runs = [(tp, ar) for tp in (int(x) for x in a.tp.split(","))
             for ar in (["auto"] if tp == 1 else a.all_reduce.split(","))]
-    rows = []
+    ctx = mp.get_context("spawn")
+    rows: list[dict] = []
     for tp, all_reduce in runs:
-        t0 = time.perf_counter()
-        cfg = EngineConfig(device="cuda", dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=64,
-                           max_model_len=2048, max_num_batched_tokens=4096, kv_cache_memory=int(a.kv_gib * 2**30),
-                           tp_all_reduce=all_reduce)
-        eng = LLMEngine(load_model_source(a.model), cfg)
-        wb = weight_bytes_per_card(eng)
-        label = f"TP={tp}" + ("" if tp == 1 else f" {all_reduce}")
-        print(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s, {wb / 1e9:.2f} GB of weights per card "
-              f"(peer-to-peer all-reduce: {'yes' if eng.runner.shard.p2p is not None else 'no'})", flush=True)
-        try:
-            for b in (int(x) for x in a.batches.split(",")):
-                ms = decode_step_ms(eng, b, a.context, a.steps)
-                limit = wb / bandwidth * 1e3
-                rows.append({"model": a.model, "tp": tp, "all_reduce": all_reduce if tp > 1 else "-", "batch": b,
-                             "context": a.context, "step_ms": ms, "limit_ms": limit, "weight_bytes_per_card": wb,
-                             "copy_bandwidth": bandwidth, "p2p": eng.runner.shard.p2p is not None})
-                print(f"{label} batch {b:3d}: step {ms:.2f} ms, byte limit {limit:.2f} ms ({ms / limit:.2f}x)",
-                      flush=True)
-        finally:
-            eng.close()
-            del eng
-            gc.collect()
-            torch.cuda.empty_cache()
+        results = ctx.Queue()
+        proc = ctx.Process(target=_engine_rows, args=(a.model, tp, all_reduce, [int(x) for x in a.batches.split(",")],
+                                                      a.context, a.steps, a.kv_gib, bandwidth, results))
+        proc.start()
+        rows += results.get(timeout=900)
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
     base = {r["batch"]: r["step_ms"] for r in rows if r["tp"] == 1}
     print(f"\n{a.model}\n tp  all-reduce  batch  step ms  limit ms  ÷ limit  vs TP=1")
     for r in rows:

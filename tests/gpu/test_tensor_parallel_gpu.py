@@ -5,11 +5,10 @@
 - A dummy Llama-3.1-8B (seeded random weights) in float32, TP=2 (all-reduces inside the captured graphs, the prompts'
   step among them) against TP=1 on one GPU, with the default all-reduce (peer-to-peer) and with NCCL.
 
-The TP=1 run comes first and each engine is freed before the next starts (32 GB of float32 weights on cuda:0)."""
+Each engine runs in a process of its own, one after another (32 GB of float32 weights on cuda:0)."""
 
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
@@ -51,18 +50,27 @@ def run(eng: LLMEngine, ps: list[list[int]]) -> dict:
             "prompt_replays": prompt_replays, "p2p": eng.runner.shard.p2p is not None}
 
 
+def _engine_results(tp: int, all_reduce: str, out) -> None:
+    """One engine's results, in a process of its own (a process holds one tensor-parallel group, and NCCL's
+    teardown did not return within 30 s on two H200s): the process leaves without one, its other ranks with it."""
+    eng = engine(tp, all_reduce)
+    out.put(run(eng, prompts(eng.model_cfg.vocab_size)))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
+    ctx = mp.get_context("spawn")
     out = {}
     for key, tp, all_reduce in (("1", 1, "auto"), ("2", 2, "auto"), ("2-nccl", 2, "nccl")):
-        eng = engine(tp, all_reduce)
-        try:
-            out[key] = run(eng, prompts(eng.model_cfg.vocab_size))
-        finally:
-            eng.close()
-            del eng
-            gc.collect()
-            torch.cuda.empty_cache()
+        q = ctx.Queue()
+        proc = ctx.Process(target=_engine_results, args=(tp, all_reduce, q))
+        proc.start()
+        out[key] = q.get(timeout=600)
+        proc.join(30)
+        assert proc.exitcode == 0, (key, proc.exitcode)
     return out
 
 
