@@ -134,7 +134,7 @@ def allreduce_section() -> list[dict]:
 
 # ---- engine steps -------------------------------------------------------------------------------------------
 def _engine_rows(model: str, tp: int, all_reduce: str, batches: list[int], context: int, steps: int, kv_gib: float,
-                 bandwidth: float, results: Any) -> None:
+                 bandwidth: float, profile: str | None, results: Any) -> None:
     """One engine's rows, in a process of its own: a process holds one tensor-parallel group, and NCCL's teardown
     did not return within 30 s on two H200s. The process leaves without one (its other ranks exit with it)."""
     from common.config import EngineConfig
@@ -158,10 +158,24 @@ def _engine_rows(model: str, tp: int, all_reduce: str, batches: list[int], conte
                      "context": context, "step_ms": ms, "limit_ms": limit, "weight_bytes_per_card": wb,
                      "copy_bandwidth": bandwidth, "p2p": p2p})
         print(f"{label} batch {b:3d}: step {ms:.2f} ms, byte limit {limit:.2f} ms ({ms / limit:.2f}x)", flush=True)
+        if profile:
+            profile_steps(eng, b, context, f"{profile}-tp{tp}-{all_reduce}-b{b}.json", label)
     results.put(rows)
     results.close()
     results.join_thread()  # the rows are out; the other ranks follow this process's exit
     os._exit(0)
+
+
+def profile_steps(eng, batch: int, context: int, trace: str, label: str) -> None:
+    """Rank 0's kernels over 20 decode steps (torch.profiler, graph replays included): the table of the kernels by
+    GPU time, and a Chrome trace at ``trace``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode_step_ms(eng, batch, context, 20, warmup=5)
+    print(f"\n{label} batch {batch}: rank 0's GPU time over 25 steps and their prefill", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
+    prof.export_chrome_trace(trace)
 
 
 def steps_section(a: argparse.Namespace) -> list[dict]:
@@ -179,7 +193,7 @@ def steps_section(a: argparse.Namespace) -> list[dict]:
     for tp, all_reduce in runs:
         results = ctx.Queue()
         proc = ctx.Process(target=_engine_rows, args=(a.model, tp, all_reduce, [int(x) for x in a.batches.split(",")],
-                                                      a.context, a.steps, a.kv_gib, bandwidth, results))
+                                                      a.context, a.steps, a.kv_gib, bandwidth, a.profile, results))
         proc.start()
         rows += results.get(timeout=900)
         proc.join(30)
@@ -206,6 +220,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="timed steps per point (default 200)")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV pool per rank, GiB (default 8)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--profile", default=None, metavar="PREFIX",
+                    help="also profile rank 0 over 20 steps of each point: a kernel table, and PREFIX-*.json traces")
     a = ap.parse_args()
     sections = a.sections.split(",")
     need = 2 if "allreduce" in sections else max(int(x) for x in a.tp.split(","))

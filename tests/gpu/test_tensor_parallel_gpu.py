@@ -10,6 +10,7 @@ Each engine runs in a process of its own, one after another (32 GB of float32 we
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def _engine_results(tp: int, all_reduce: str, out) -> None:
     """One engine's results, in a process of its own (a process holds one tensor-parallel group, and NCCL's
     teardown did not return within 30 s on two H200s): the process leaves without one, its other ranks with it."""
     eng = engine(tp, all_reduce)
-    out.put(run(eng, prompts(eng.model_cfg.vocab_size)))
+    out.put(pickle.dumps(run(eng, prompts(eng.model_cfg.vocab_size))))  # the tensors' bytes, not shared memory
     out.close()
     out.join_thread()
     os._exit(0)
@@ -68,7 +69,7 @@ def results() -> dict[str, dict]:
         q = ctx.Queue()
         proc = ctx.Process(target=_engine_results, args=(tp, all_reduce, q))
         proc.start()
-        out[key] = q.get(timeout=600)
+        out[key] = pickle.loads(q.get(timeout=600))
         proc.join(30)
         assert proc.exitcode == 0, (key, proc.exitcode)
     return out
