@@ -6,9 +6,10 @@ each holding 1/N of every layer.
   embedding and the LM head replicated. A rank's KV pool holds its KV heads:
   ``[blocks, layers, 2, block_size, kv_heads / N, head_dim]``.
 - Execution: rank 0 is the engine (scheduler, block manager, sampler); ranks 1..N-1 are daemon processes it spawns
-  (``TensorParallelWorkers``) that run ``_rank_main``. Each step rank 0 broadcasts the model inputs as integers
-  (``send_step``: one broadcast, a second only when they overflow its buffer) over a gloo group in host memory, and
-  every rank runs the same forward on its shard, so the all-reduces line up. On CUDA (rank r on ``cuda:r``) they run
+  (``TensorParallelWorkers``) that run ``_rank_main``. Each step rank 0 sends the model inputs as integers
+  (``send_step``) and every rank runs the same forward on its shard, so the all-reduces line up. The messages go
+  through a ring in shared memory that the other ranks poll (``StepChannel``; a message longer than a slot sends
+  its rest over a gloo group), or, on hosts other than x86-64, as gloo broadcasts. On CUDA (rank r on ``cuda:r``) they run
   as the one-shot peer-to-peer kernel of common/p2p_all_reduce.py where the GPUs can map each other's memory and the
   input fits its buffer, else on NCCL; inside the captured graphs too. On the CPU they run on gloo.
 - With the peer-to-peer all-reduce, a rank that dies leaves the others' kernels waiting on the GPU: rank 0 ends its
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import random
 import threading
 import time
@@ -29,6 +31,7 @@ from datetime import timedelta
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -44,9 +47,17 @@ log = logging.getLogger(__name__)
 _JOIN_TIMEOUT = timedelta(minutes=5)
 # Ranks other than 0 wait in a broadcast while the engine is idle: an idle engine must not time them out.
 _IDLE_TIMEOUT = timedelta(days=365)
-# int64 words a step message carries in its first broadcast (64 KiB: a 2,048-token prefill, a batch of 64 decodes
-# of 1,000-token contexts); a longer message takes a second broadcast.
+# int64 words a step message carries in its slot or first broadcast (64 KiB: a 2,048-token prefill, a batch of 64
+# decodes of 1,000-token contexts); a longer message sends the rest in a gloo broadcast.
 _INLINE = 8192
+# The step channel: slots of one message each, after _CTRL control words (word 0: messages rank 0 has written; word
+# r: messages rank r has read). A reader polls without sleeping for _SPIN_S after its last message (a wake-up from a
+# sleep took ~0.2 ms in the GPU machines' sandbox), then every millisecond.
+_SLOTS = 4
+_CTRL = 16
+_SPIN_S = 1.0
+# The channel publishes a message by one store after the slot's: x86-64 keeps stores in order; elsewhere gloo.
+_SHARED_STEPS = platform.machine() in ("x86_64", "AMD64")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +70,7 @@ class Shard:
     group: Any = None  # the forward's all-reduces: NCCL on CUDA, gloo on the CPU
     meta_group: Any = None  # rank 0's step messages and start-up agreements: gloo, host memory
     p2p: Any = None  # CUDA: the one-shot peer-to-peer all-reduce (common/p2p_all_reduce.py), where it could be built
+    steps: StepChannel | None = None  # rank 0's step messages in shared memory (None: gloo broadcasts)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the group: ``x`` summed in place and returned, except that float32 split-K parts
@@ -123,30 +135,91 @@ class Op(IntEnum):
     STOP = 4  # leave the loop and exit
 
 
+class StepChannel:
+    """Rank 0's step messages to the other ranks of its host: a ring of ``_SLOTS`` slots in shared memory. Rank 0
+    writes a slot, then the count of messages written; a reader polls that count, copies the slot and stores how
+    many it has read. Rank 0 waits for the slowest reader only when the ring is full (``check`` raises there when a
+    reader is gone). One writer, every other rank a reader."""
+
+    def __init__(self, words: torch.Tensor, rank: int, size: int) -> None:
+        arr = words.numpy()
+        self.words = words  # keeps the shared memory mapped
+        self.ctrl = arr[:_CTRL]
+        self.slots = arr[_CTRL:].reshape(_SLOTS, 2 + _INLINE)
+        self.rank, self.size = rank, size
+        self.count = 0  # messages written (rank 0) or read (the others)
+        self.last = time.monotonic()
+        self.check: Any = None  # rank 0: raises RuntimeError when a reader has exited
+
+    @staticmethod
+    def allocate(size: int) -> torch.Tensor:
+        if size > _CTRL:
+            raise ValueError(f"the step channel serves at most {_CTRL} ranks, got {size}")
+        return torch.zeros(_CTRL + _SLOTS * (2 + _INLINE), dtype=torch.int64).share_memory_()
+
+    def _wait(self) -> None:
+        if time.monotonic() - self.last > _SPIN_S:
+            time.sleep(0.001)
+
+    def send(self, op: Op, data: np.ndarray) -> None:
+        """Rank 0: one message (its first ``_INLINE`` words; the caller sends the rest)."""
+        while self.count - int(self.ctrl[1 : self.size].min()) >= _SLOTS:
+            if self.check is not None:
+                self.check()
+            self._wait()
+        slot = self.slots[self.count % _SLOTS]
+        k = min(len(data), _INLINE)
+        slot[0], slot[1] = int(op), len(data)
+        slot[2 : 2 + k] = data[:k]
+        self.count += 1
+        self.ctrl[0] = self.count  # published after the slot's words
+        self.last = time.monotonic()
+
+    def recv(self) -> tuple[Op, int, np.ndarray]:
+        """A reader: the next message's op, its length and its first ``_INLINE`` words (a copy)."""
+        while int(self.ctrl[0]) <= self.count:
+            self._wait()
+        slot = self.slots[self.count % _SLOTS]
+        op, n = Op(int(slot[0])), int(slot[1])
+        words = slot[2 : 2 + min(n, _INLINE)].copy()
+        self.count += 1
+        self.ctrl[self.rank] = self.count
+        self.last = time.monotonic()
+        return op, n, words
+
+
 def send_step(shard: Shard, op: Op, payload: Any = ()) -> None:
-    """Rank 0: broadcast one message (integers: a list, array or tensor) to the other ranks; one collective, two when
-    it is longer than the inline buffer."""
+    """Rank 0: one message (integers: a list, array or tensor) to the other ranks: through the step channel, else a
+    gloo broadcast; a message longer than ``_INLINE`` words sends its rest in a (second) broadcast."""
     data = torch.as_tensor(payload, dtype=torch.int64).reshape(-1)
     n = data.numel()
-    buf = torch.empty(2 + _INLINE, dtype=torch.int64)
-    buf[0], buf[1] = int(op), n
-    k = min(n, _INLINE)
-    buf[2 : 2 + k] = data[:k]
-    dist.broadcast(buf, src=0, group=shard.meta_group)
+    if shard.steps is not None:
+        shard.steps.send(op, data.numpy())
+    else:
+        buf = torch.empty(2 + _INLINE, dtype=torch.int64)
+        buf[0], buf[1] = int(op), n
+        k = min(n, _INLINE)
+        buf[2 : 2 + k] = data[:k]
+        dist.broadcast(buf, src=0, group=shard.meta_group)
     if n > _INLINE:
         dist.broadcast(data[_INLINE:].contiguous(), src=0, group=shard.meta_group)
 
 
 def recv_step(shard: Shard) -> tuple[Op, torch.Tensor]:
     """A rank other than 0: wait for rank 0's next message; returns its op and its int64 payload."""
-    buf = torch.empty(2 + _INLINE, dtype=torch.int64)
-    dist.broadcast(buf, src=0, group=shard.meta_group)
-    op, n = Op(int(buf[0])), int(buf[1])
+    if shard.steps is not None:
+        op, n, words = shard.steps.recv()
+        head = torch.from_numpy(words)
+    else:
+        buf = torch.empty(2 + _INLINE, dtype=torch.int64)
+        dist.broadcast(buf, src=0, group=shard.meta_group)
+        op, n = Op(int(buf[0])), int(buf[1])
+        head = buf[2 : 2 + min(n, _INLINE)]
     if n <= _INLINE:
-        return op, buf[2 : 2 + n]
+        return op, head
     rest = torch.empty(n - _INLINE, dtype=torch.int64)
     dist.broadcast(rest, src=0, group=shard.meta_group)
-    return op, torch.cat([buf[2:], rest])
+    return op, torch.cat([head, rest])
 
 
 # ---- the group -----------------------------------------------------------------------------------------------
@@ -164,9 +237,11 @@ def _master_store(size: int) -> tuple[Any, int]:
     raise RuntimeError(f"no free loopback port for the tensor-parallel rendezvous: {last}")
 
 
-def _join(rank: int, size: int, store: Any, device: str, all_reduce: str = "nccl") -> Shard:
-    """Join the default process group, make the gloo group of the step messages and, on CUDA with ``all_reduce``
-    "auto", the peer-to-peer all-reduce; returns this rank's Shard."""
+def _join(rank: int, size: int, store: Any, device: str, all_reduce: str = "nccl",
+          steps: torch.Tensor | None = None) -> Shard:
+    """Join the default process group, make the gloo group of the step messages, the step channel on ``steps``
+    (shared memory from ``StepChannel.allocate``) and, on CUDA with ``all_reduce`` "auto", the peer-to-peer
+    all-reduce; returns this rank's Shard."""
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: it holds one "
                            "tensor-parallel engine at a time (close the other first)")
@@ -188,7 +263,8 @@ def _join(rank: int, size: int, store: Any, device: str, all_reduce: str = "nccl
                 log.warning("tensor-parallel all-reduces stay on NCCL: %s", e)
         elif rank == 0:
             log.warning("tensor-parallel all-reduces stay on NCCL: the GPUs cannot map each other's memory")
-    return Shard(rank, size, dist.group.WORLD, meta, p2p)
+    channel = StepChannel(steps, rank, size) if steps is not None else None
+    return Shard(rank, size, dist.group.WORLD, meta, p2p, channel)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +280,7 @@ class _RankArgs:
     cfg: EngineConfig
     parent_pid: int
     threads: int
+    steps: torch.Tensor | None  # the step channel's shared memory (None: gloo broadcasts)
 
 
 class TensorParallelWorkers:
@@ -223,20 +300,23 @@ class TensorParallelWorkers:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         store, port = _master_store(size)
         threads = max(1, torch.get_num_threads() // size) if cfg.device == "cpu" else torch.get_num_threads()
+        steps = StepChannel.allocate(size) if _SHARED_STEPS else None
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(target=_rank_main, name=f"tokenmill-tp-rank-{r}", daemon=True,
                         args=(_RankArgs(r, size, port, source.spec, source.config, source.weights is None, cfg,
-                                        os.getpid(), threads),))
+                                        os.getpid(), threads, steps),))
             for r in range(1, size)
         ]
         for p in self.procs:
             p.start()
         try:
-            self.shard = _join(0, size, store, cfg.device, cfg.tp_all_reduce)
+            self.shard = _join(0, size, store, cfg.device, cfg.tp_all_reduce, steps)
         except BaseException:
             self._end_processes(0.0)
             raise
+        if self.shard.steps is not None:
+            self.shard.steps.check = self._check_ranks
         self._store = store  # the other ranks' rendezvous lives as long as the group
         self._closed = False
         if self.shard.p2p is not None:
@@ -266,6 +346,11 @@ class TensorParallelWorkers:
         self._end_processes(timeout)
         if self.shard.p2p is not None:
             self.shard.p2p.close()
+
+    def _check_ranks(self) -> None:
+        dead = [p.name for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank process {', '.join(dead)} exited")
 
     def _exit_if_a_rank_dies(self) -> None:
         """With the peer-to-peer all-reduce, rank 0's kernels would wait on the GPU forever for a rank that died:
@@ -328,7 +413,7 @@ def _rank_main(a: _RankArgs) -> None:
     _exit_with_parent(a.parent_pid)
     torch.set_num_threads(a.threads)
     store = dist.TCPStore("127.0.0.1", a.port, a.size, is_master=False, timeout=_JOIN_TIMEOUT)
-    shard = _join(a.rank, a.size, store, a.cfg.device, a.cfg.tp_all_reduce)
+    shard = _join(a.rank, a.size, store, a.cfg.device, a.cfg.tp_all_reduce, a.steps)
     try:
         if a.random_weights:
             source = ModelSource(a.spec, a.model_cfg.name, a.model_cfg, None, None)

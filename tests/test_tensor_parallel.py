@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from common.loader import load_model_source
 from common.model import LlamaModel
 from common.model_runner import StepPlan
 from common.sampling import SamplingParams
-from common.tensor_parallel import Shard
+from common.tensor_parallel import _INLINE, _SLOTS, Op, Shard, StepChannel
 
 # float32 logits of TP=2 against TP=1: the same products summed in another order
 LOGIT_TOL = 1e-4
@@ -195,6 +196,42 @@ def test_step_messages_round_trip():
     assert got.load(sent.rows(4)) == (4, n)
     assert np.array_equal(got.head[:, :4], sent.head[:, :4])
     assert got.tables[0, :3].tolist() == [3, 4, 5] and got.tables[1, 0] == 9
+
+
+def test_the_step_channel_delivers_in_order_through_a_full_ring_and_refuses_a_gone_reader():
+    words = StepChannel.allocate(3)
+    writer = StepChannel(words, 0, 3)
+    readers = [StepChannel(words, r, 3) for r in (1, 2)]
+    messages = [(Op.STEP, np.arange(i, i + 5 * i, dtype=np.int64)) for i in range(3 * _SLOTS)]
+    messages.append((Op.GRAPH, np.arange(_INLINE + 7, dtype=np.int64)))  # longer than a slot: its head only
+    got: dict[int, list] = {1: [], 2: []}
+
+    def read(ch: StepChannel) -> None:
+        for _ in messages:
+            time.sleep(0.002)  # slower than the writer: the ring fills and the writer waits
+            got[ch.rank].append(ch.recv())
+
+    threads = [threading.Thread(target=read, args=(ch,)) for ch in readers]
+    for t in threads:
+        t.start()
+    for op, data in messages:
+        writer.send(op, data)
+    for t in threads:
+        t.join(10)
+    for r in (1, 2):
+        assert [(op, n) for op, n, _ in got[r]] == [(op, len(d)) for op, d in messages]
+        assert all(np.array_equal(w, d[:_INLINE]) for (_, _, w), (_, d) in zip(got[r], messages))
+
+    def gone() -> None:
+        raise RuntimeError("rank 2 exited")
+
+    writer.check = gone
+    for _ in range(_SLOTS):  # reader 2 reads nothing more: the ring fills, then the writer asks check
+        writer.send(Op.STEP, np.arange(3, dtype=np.int64))
+    with pytest.raises(RuntimeError, match="rank 2 exited"):
+        writer.send(Op.STEP, np.arange(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="at most 16 ranks"):
+        StepChannel.allocate(17)
 
 
 # -- two ranks against one -----------------------------------------------------------------------------------------
