@@ -74,6 +74,20 @@ def cpu_defaults(flags: frozenset[str] | None = None, cores: int | None = None) 
     return CpuDefaults("bfloat16" if bf16 else "float32", aggregated, budget, why_dtype, why_layout, why_budget)
 
 
+# A CUDA step's prompt tokens stay under this many FLOPs a GPU (2 × parameters ÷ GPUs a token): ~50 ms at the
+# ~700 TFLOP/s an H100 or H200 prefill reaches. The engine's 2,048 tokens stay under it up to ~8B parameters a GPU;
+# a Llama-3.1-70B at TP=2 gets 512, which served 4× the concurrency within TTFT p50 < 500 ms and ITL p50 < 50 ms
+# on two H200s (docs/benchmarks.md).
+GPU_STEP_FLOPS = 36e12
+
+
+def gpu_step_budget(params: int, gpus: int, default: int) -> int:
+    """A CUDA step's token budget for a model of ``params`` parameters over ``gpus`` GPUs: the multiple of 256
+    nearest to GPU_STEP_FLOPS's tokens, from 256 to ``default``."""
+    tokens = GPU_STEP_FLOPS * gpus / (2 * params)
+    return max(256, min(default, round(tokens / 256) * 256))
+
+
 def default_dtype(device: str) -> DType:
     """The dtype a command uses on ``device`` when none is asked for."""
     return "bfloat16" if device == "cuda" else cpu_defaults().dtype

@@ -22,7 +22,7 @@ from common.cluster_config import (
     parse_set_option,
 )
 from common.config import field_default
-from common.machine import cpu_defaults
+from common.machine import cpu_defaults, gpu_step_budget
 
 # Entry points: ``serve(cfg: ServiceConfig) -> int | None`` (a coroutine function is run with asyncio.run).
 ENTRY_POINTS = {role: f"services.{role}.server" for role in ROLES}
@@ -232,6 +232,18 @@ def machine_defaults(cluster: ClusterConfig, given: frozenset[str]) -> tuple[Clu
             why.append("bfloat16 on cuda")
         if "prefill.count" not in given and "prefill.gpus" not in given:
             why.append("aggregated replicas: the most goodput measured on two GPUs")
+        if "engine.max_num_batched_tokens" not in given:
+            from common.loader import load_model_source
+
+            try:
+                params = load_model_source(cluster.model).config.num_params()
+            except (OSError, ValueError):  # the workers report a bad model spec
+                params = 0
+            tp = engine.tensor_parallel_size
+            budget = gpu_step_budget(params, tp, engine.max_num_batched_tokens) if params else 0
+            if budget and budget < engine.max_num_batched_tokens:
+                engine = dataclasses.replace(engine, max_num_batched_tokens=budget)
+                why.append(f"{budget} tokens a step: {params / 1e9:.1f}B parameters on {tp} GPU{'s' if tp > 1 else ''}")
     if why:
         why.append("--dtype, --prefills N and --set engine.max_num_batched_tokens=N override")
     return dataclasses.replace(cluster, engine=engine, prefill=prefill), why

@@ -59,6 +59,23 @@ def test_up_takes_what_nothing_asked_for_and_keeps_what_was(monkeypatch):
     assert why[:2] == ["bfloat16 on cuda", "aggregated replicas: the most goodput measured on two GPUs"]
 
 
+def test_a_cuda_step_budget_follows_the_model_per_gpu():
+    """2,048 tokens a step up to ~8B parameters a GPU; a 70B on 2 GPUs gets 512, on 4 GPUs 1,024; an asked-for
+    budget stays."""
+    assert [machine.gpu_step_budget(p, g, 2048) for p, g in ((135e6, 1), (8e9, 1), (70.6e9, 2), (70.6e9, 4),
+                                                             (70.6e9, 8), (400e9, 1))] == [2048, 2048, 512, 1024,
+                                                                                           2048, 256]
+    c, why = cluster_cli.machine_defaults(*_given(**{"engine.device": "cuda", "model": "dummy:llama-3.1-70b",
+                                                     "engine.tensor_parallel_size": 2}))
+    assert c.engine.max_num_batched_tokens == 512 and "512 tokens a step: 70.6B parameters on 2 GPUs" in why
+    c, why = cluster_cli.machine_defaults(*_given(**{"engine.device": "cuda", "model": "dummy:llama-3.1-8b"}))
+    assert c.engine.max_num_batched_tokens == 2048 and not any("tokens a step" in w for w in why)
+    c, why = cluster_cli.machine_defaults(*_given(**{"engine.device": "cuda", "model": "dummy:llama-3.1-70b",
+                                                     "engine.tensor_parallel_size": 2,
+                                                     "engine.max_num_batched_tokens": 4096}))
+    assert c.engine.max_num_batched_tokens == 4096 and not any("tokens a step" in w for w in why)
+
+
 def test_up_prints_the_choice_in_one_line_and_flags_override(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(cluster_cli, "cpu_defaults", lambda: TWO_CORES)
     state = str(tmp_path / "state.json")
