@@ -9,9 +9,10 @@ each holding 1/N of every layer.
   (``TensorParallelWorkers``) that run ``_rank_main``. Each step rank 0 sends the model inputs as integers
   (``send_step``) and every rank runs the same forward on its shard, so the all-reduces line up. The messages go
   through a ring in shared memory that the other ranks poll (``StepChannel``; a message longer than a slot sends
-  its rest over a gloo group), or, on hosts other than x86-64, as gloo broadcasts. On CUDA (rank r on ``cuda:r``) they run
-  as the one-shot peer-to-peer kernel of common/p2p_all_reduce.py where the GPUs can map each other's memory and the
-  input fits its buffer, else on NCCL; inside the captured graphs too. On the CPU they run on gloo.
+  its rest over a gloo group), or, on hosts other than x86-64, as gloo broadcasts.
+- The all-reduces: on CUDA (rank r on ``cuda:r``), the one-shot peer-to-peer kernel of common/p2p_all_reduce.py
+  where the GPUs can map each other's memory and the input fits its buffer, else NCCL; inside the captured graphs
+  too. On the CPU, gloo.
 - With the peer-to-peer all-reduce, a rank that dies leaves the others' kernels waiting on the GPU: rank 0 ends its
   process when another rank exits unasked (the worker's supervisor restarts it).
 - The group is torch.distributed's default group, so a process holds one tensor-parallel engine at a time; closing
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 
 # How long a rank waits for the others to join; model loading comes after, so this covers process start-up only.
 _JOIN_TIMEOUT = timedelta(minutes=5)
-# Ranks other than 0 wait in a broadcast while the engine is idle: an idle engine must not time them out.
+# Without the step channel, ranks other than 0 wait in a broadcast while the engine is idle: an idle engine must
+# not time them out.
 _IDLE_TIMEOUT = timedelta(days=365)
 # int64 words a step message carries in its slot or first broadcast (64 KiB: a 2,048-token prefill, a batch of 64
 # decodes of 1,000-token contexts); a longer message sends the rest in a gloo broadcast.
