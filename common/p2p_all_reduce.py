@@ -1,8 +1,9 @@
 """A one-shot all-reduce over peer-to-peer GPU memory: tensor parallelism's per-layer sums at decode sizes.
 
 A decode step of a TP=2 Llama-3.1-8B sums 64 tensors of 8 KiB–1 MiB across the ranks (two a layer). NCCL's ring
-takes 19–27 µs for each on an NVLink pair of H200s, this kernel 4–13 µs (docs/benchmarks.md). Every rank maps the other ranks' buffers once (CUDA IPC, with peer access over NVLink),
-and each all-reduce is one Triton kernel of ``NUM_PROGRAMS`` programs. Program ``p`` owns the chunks ``p``,
+takes 19–27 µs for each on an NVLink pair of H200s, this kernel 4–13 µs (docs/benchmarks.md). Every rank maps the
+other ranks' buffers once (CUDA IPC, with peer access over NVLink), and each all-reduce is one Triton kernel of
+``NUM_PROGRAMS`` programs. Program ``p`` owns the chunks ``p``,
 ``p + NUM_PROGRAMS``, ... of the input, and:
 
 1. pushes its chunks of this rank's input into this rank's slot of every peer's buffer (stores over NVLink);
