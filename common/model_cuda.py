@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import triton_ops as tk
 from common.model import AttentionMetadata, Backend, LlamaModel
+from common.tensor_parallel import Shard
 
 # Prefill SDPA backends of the CUDA path: not cuDNN, which builds a new execution plan for every new sequence length
 # (its CPU cost per step: docs/performance-notes.md).
@@ -22,7 +23,8 @@ class CudaFast(Backend):
     """The CUDA fast path: the portable forward's function with fused Triton stages (RMSNorm + residual, RoPE + KV
     write, SiLU·mul) and decode attention read in place from the pool. Free of host syncs and of data-dependent
     shapes for a decode-only batch, so a CUDA graph can hold it (common/cuda_graphs.py); with a tensor-parallel
-    shard the graph holds the two NCCL all-reduces of each layer too."""
+    shard the graph holds each layer's two all-reduces too, each fused with the residual add and RMSNorm after it
+    where the peer-to-peer all-reduce runs."""
 
     name = "cuda"
 
@@ -35,21 +37,32 @@ class CudaFast(Backend):
         x = F.embedding(input_ids, model.embed_tokens)
         t = x.shape[0]
         layers = model.layers
-        reduce = model.shard.all_reduce
+        shard = model.shard
         h = tk.add_rms_norm(x, None, layers[0].input_norm, eps)
         for li, layer in enumerate(layers):
             qkv = tk.linear(h, layer.qkv, layer.qkv_bias)
             tk.rope_kv_write(qkv, positions, meta.slot_rows, model.rope_cos, model.rope_sin, kv_cache, li, nh, nkv, d)
             attn = attention(qkv, kv_cache, li, meta, nh, nkv, d)
             # an o_proj / down output may be split-K partials (fp32, summed by add_rms_norm): all-reduced all the same
-            h = tk.add_rms_norm(x, reduce(tk.residual_linear(attn.view(t, q_sz), layer.o_proj)), layer.post_norm, eps)
-            down = reduce(tk.down_proj(tk.linear(h, layer.gate_up), layer.down))
+            h = reduce_add_rms_norm(shard, x, tk.residual_linear(attn.view(t, q_sz), layer.o_proj), layer.post_norm,
+                                    eps)
+            down = tk.down_proj(tk.linear(h, layer.gate_up), layer.down)
             nxt = layers[li + 1].input_norm if li + 1 < len(layers) else model.norm
-            h = tk.add_rms_norm(x, down, nxt, eps)
+            h = reduce_add_rms_norm(shard, x, down, nxt, eps)
         return h
 
     def logits(self, model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
         return tk.linear(hidden, model.lm_head)
+
+
+def reduce_add_rms_norm(shard: Shard, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> torch.Tensor:
+    """``x += delta`` summed over the tensor-parallel ranks, then RMSNorm(x) · weight: one kernel with the
+    peer-to-peer all-reduce where it takes ``delta`` (common/p2p_all_reduce.py), else the group's all-reduce and
+    then :func:`triton_ops.add_rms_norm`."""
+    if shard.p2p is not None and shard.p2p.fits(delta):
+        return shard.p2p.add_rms_norm(x, delta, weight, eps)
+    return tk.add_rms_norm(x, shard.all_reduce(delta), weight, eps)
 
 
 def attention(

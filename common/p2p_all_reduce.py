@@ -18,7 +18,13 @@ alternate between two halves of the buffer by the count's parity. A rank writes 
 only after the peer's flag of the call in between, which the peer raises after it has read that half.
 
 Split-K partials (float32 ``[S, T, N]``, common/triton_ops.py) are summed on their rank first and the result is
-``[T, N]``: a rank sends one row set, not S.
+``[T, N]``: a rank sends one row set, not S. Every row-parallel output of the model feeds a residual add and an
+RMSNorm; ``add_rms_norm`` does both in the same kernel, each program a row at a time.
+
+Every kernel on the buffer launches all ``NUM_PROGRAMS`` programs and each of them counts every call, so all the
+counts, and the half a call uses, stay equal whichever kernel ran and however it split its input: a rank's programs
+write a half only after seeing the peers' flags of the call before, which the peers' next kernel can raise only
+once their kernel of the call before that (the last reader of this half) has finished (one stream).
 
 A rank that never reaches the call leaves the others' programs waiting; rank 0 of an engine ends its process when
 another rank exits (common/tensor_parallel.py).
@@ -55,24 +61,9 @@ def _rank_input(x_ptr, offs, m, n, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _one_shot_kernel(x_ptr, out_ptr, n, addrs_ptr, counts_ptr, PARTS: tl.constexpr, RANK: tl.constexpr,
-                     WORLD: tl.constexpr, SLOT: tl.constexpr, FLAGS: tl.constexpr, BLOCK: tl.constexpr,
-                     NPROG: tl.constexpr):
-    pid = tl.program_id(0)
-    epoch = tl.load(counts_ptr + pid) + 1
-    half = (epoch % 2) * (WORLD * SLOT)  # this call's half of every buffer, in bytes
-    elt = out_ptr.dtype.element_ty
-    mine = tl.load(addrs_ptr + RANK)
-    # 1. this rank's chunks into its slot of every peer's buffer
-    for start in range(pid * BLOCK, n, NPROG * BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        m = offs < n
-        v = _rank_input(x_ptr, offs, m, n, PARTS).to(elt)
-        for r in tl.static_range(WORLD):
-            if r != RANK:
-                dst = tl.multiple_of(tl.load(addrs_ptr + r) + half + RANK * SLOT, 16).to(tl.pointer_type(elt))
-                tl.store(dst + offs, v, mask=m)
-    # 2. every thread's stores, then the flags (release: the stores are seen before the flag), then the peers' flags
+def _exchange(addrs_ptr, mine, pid, epoch, RANK: tl.constexpr, WORLD: tl.constexpr, FLAGS: tl.constexpr):
+    """After this program's pushes: its flag raised in every peer's buffer (a release store at system scope, after
+    every thread's stores), then every peer's same program's flag waited for here (acquire)."""
     tl.debug_barrier()
     for r in tl.static_range(WORLD):
         if r != RANK:
@@ -85,29 +76,106 @@ def _one_shot_kernel(x_ptr, out_ptr, n, addrs_ptr, counts_ptr, PARTS: tl.constex
             while seen < epoch:
                 seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
-    # 3. the sum in rank order
-    for start in range(pid * BLOCK, n, NPROG * BLOCK):
+
+
+@triton.jit
+def _push(v, offs, m, addrs_ptr, half, RANK: tl.constexpr, WORLD: tl.constexpr, SLOT: tl.constexpr):
+    """``v`` (this rank's values at ``offs``) into this rank's slot of every peer's buffer, this call's half."""
+    for r in tl.static_range(WORLD):
+        if r != RANK:
+            dst = tl.multiple_of(tl.load(addrs_ptr + r) + half + RANK * SLOT, 16).to(tl.pointer_type(v.dtype))
+            tl.store(dst + offs, v, mask=m)
+
+
+@triton.jit
+def _rank_sum(x_ptr, offs, m, n, mine, half, elt: tl.constexpr, PARTS: tl.constexpr, RANK: tl.constexpr,
+              WORLD: tl.constexpr, SLOT: tl.constexpr):
+    """The sum at ``offs`` over the ranks in rank order (float32), this rank's own values as it pushed them."""
+    acc = tl.zeros(offs.shape, tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            acc += _rank_input(x_ptr, offs, m, n, PARTS).to(elt).to(tl.float32)
+        else:
+            src = tl.multiple_of(mine + half + r * SLOT, 16).to(tl.pointer_type(elt))
+            acc += tl.load(src + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _one_shot_kernel(x_ptr, out_ptr, n, addrs_ptr, counts_ptr, PARTS: tl.constexpr, RANK: tl.constexpr,
+                     WORLD: tl.constexpr, SLOT: tl.constexpr, FLAGS: tl.constexpr, BLOCK: tl.constexpr,
+                     NPROG: tl.constexpr):
+    pid = tl.program_id(0)
+    epoch = tl.load(counts_ptr + pid) + 1
+    half = (epoch % 2) * (WORLD * SLOT)  # this call's half of every buffer, in bytes
+    elt = out_ptr.dtype.element_ty
+    mine = tl.load(addrs_ptr + RANK)
+    for start in range(pid * BLOCK, n, NPROG * BLOCK):  # 1. this program's chunks to the peers
         offs = start + tl.arange(0, BLOCK)
         m = offs < n
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for r in tl.static_range(WORLD):
-            if r == RANK:
-                acc += _rank_input(x_ptr, offs, m, n, PARTS).to(elt).to(tl.float32)
-            else:
-                src = tl.multiple_of(mine + half + r * SLOT, 16).to(tl.pointer_type(elt))
-                acc += tl.load(src + offs, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+        _push(_rank_input(x_ptr, offs, m, n, PARTS).to(elt), offs, m, addrs_ptr, half, RANK, WORLD, SLOT)
+    _exchange(addrs_ptr, mine, pid, epoch, RANK, WORLD, FLAGS)  # 2. flags
+    for start in range(pid * BLOCK, n, NPROG * BLOCK):  # 3. the sum in rank order
+        offs = start + tl.arange(0, BLOCK)
+        m = offs < n
+        acc = _rank_sum(x_ptr, offs, m, n, mine, half, elt, PARTS, RANK, WORLD, SLOT)
         tl.store(out_ptr + offs, acc.to(elt), mask=m)
+    tl.store(counts_ptr + pid, epoch)
+
+
+@triton.jit
+def _one_shot_add_norm_kernel(d_ptr, x_ptr, w_ptr, h_ptr, t, n, eps, addrs_ptr, counts_ptr, PARTS: tl.constexpr,
+                              RANK: tl.constexpr, WORLD: tl.constexpr, SLOT: tl.constexpr, FLAGS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, NPROG: tl.constexpr):
+    """The all-reduce of ``d`` by rows, each summed row then added to the residual ``x`` (in place) and normed into
+    ``h``: ``common/triton_ops.add_rms_norm(x, all_reduce(d), w, eps)`` in one kernel, with its rounding."""
+    pid = tl.program_id(0)
+    epoch = tl.load(counts_ptr + pid) + 1
+    half = (epoch % 2) * (WORLD * SLOT)
+    elt = d_ptr.dtype.element_ty  # the sum travels, and is rounded, in the delta's dtype
+    mine = tl.load(addrs_ptr + RANK)
+    cols = tl.arange(0, BLOCK_N)
+    cm = cols < n
+    total = t * n
+    for row in range(pid, t, NPROG):
+        offs = row * n + cols
+        _push(_rank_input(d_ptr, offs, cm, total, PARTS).to(elt), offs, cm, addrs_ptr, half, RANK, WORLD, SLOT)
+    _exchange(addrs_ptr, mine, pid, epoch, RANK, WORLD, FLAGS)
+    w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+    for row in range(pid, t, NPROG):
+        offs = row * n + cols
+        d = _rank_sum(d_ptr, offs, cm, total, mine, half, elt, PARTS, RANK, WORLD, SLOT).to(elt).to(tl.float32)
+        x = tl.load(x_ptr + offs, mask=cm, other=0.0)
+        x = (x.to(tl.float32) + d).to(x.dtype)
+        tl.store(x_ptr + offs, x, mask=cm)
+        xf = x.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n + eps)
+        normed = (xf * r).to(x.dtype).to(tl.float32)
+        tl.store(h_ptr + offs, (w * normed).to(h_ptr.dtype.element_ty), mask=cm)
     tl.store(counts_ptr + pid, epoch)
 
 
 def launch(x: torch.Tensor, out: torch.Tensor, addrs: torch.Tensor, counts: torch.Tensor, rank: int, world: int,
            slot_bytes: int, parts: int) -> None:
-    """One call of the kernel on raw buffers (``addrs``: every rank's buffer address as seen from this rank, int64
-    on this rank's device; ``counts``: this rank's NUM_PROGRAMS int64 call counts). ``out`` is ``[T, N]``; ``x`` is
-    ``out`` itself (summed in place) or ``parts`` split-K parts ``[parts, T, N]``."""
+    """One call of the all-reduce on raw buffers (``addrs``: every rank's buffer address as seen from this rank,
+    int64 on this rank's device; ``counts``: this rank's NUM_PROGRAMS int64 call counts). ``out`` is ``[T, N]``;
+    ``x`` is ``out`` itself (summed in place) or ``parts`` split-K parts ``[parts, T, N]``."""
     _one_shot_kernel[(NUM_PROGRAMS,)](
         x, out, out.numel(), addrs, counts, PARTS=parts, RANK=rank, WORLD=world, SLOT=slot_bytes,
         FLAGS=2 * world * slot_bytes, BLOCK=BLOCK, NPROG=NUM_PROGRAMS, num_warps=4,
+    )
+
+
+def launch_add_norm(d: torch.Tensor, x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, eps: float,
+                    addrs: torch.Tensor, counts: torch.Tensor, rank: int, world: int, slot_bytes: int,
+                    parts: int) -> None:
+    """One call of the all-reduce fused with add + RMSNorm on raw buffers (as :func:`launch`): ``x += sum(d)``
+    in place, ``h = RMSNorm(x) * w``; ``d`` is ``[T, N]`` or ``parts`` split-K parts ``[parts, T, N]``."""
+    t, n = x.shape
+    block = triton.next_power_of_2(n)
+    _one_shot_add_norm_kernel[(NUM_PROGRAMS,)](
+        d, x, w, h, t, n, eps, addrs, counts, PARTS=parts, RANK=rank, WORLD=world, SLOT=slot_bytes,
+        FLAGS=2 * world * slot_bytes, BLOCK_N=block, NPROG=NUM_PROGRAMS, num_warps=8 if block >= 2048 else 4,
     )
 
 
@@ -231,6 +299,16 @@ class PeerAllReduce:
             return out
         launch(x, x, self.addrs, self.counts, self.rank, self.world, self.slot, 0)
         return x
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``triton_ops.add_rms_norm(x, self(delta), weight, eps)`` in one kernel: ``x`` (contiguous ``[T, N]``)
+        gets the sum over the ranks of ``delta`` (``[T, N]``, or split-K parts ``[S, T, N]``) added in place;
+        returns RMSNorm(x) · weight. Where :meth:`fits` ``delta``."""
+        h = torch.empty_like(x)
+        if x.shape[0]:
+            launch_add_norm(delta, x, weight, h, eps, self.addrs, self.counts, self.rank, self.world, self.slot,
+                            delta.shape[0] if delta.dim() == 3 else 0)
+        return h
 
     def close(self) -> None:
         lib = _cuda()

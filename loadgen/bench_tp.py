@@ -2,7 +2,8 @@
 batch 1 and batch 64, at TP=1 and at TP=2 with each all-reduce, against the byte limit of a card.
 
 - ``allreduce``: two ranks in two processes; a CUDA graph of 64 sums of one size, replayed; µs per sum, NCCL against
-  the one-shot peer-to-peer kernel (common/p2p_all_reduce.py), at the sizes a decode step sums.
+  the one-shot peer-to-peer kernel (common/p2p_all_reduce.py), at the sizes a decode step sums; then each with the
+  residual add and RMSNorm that follow it in the model (NCCL + ``add_rms_norm`` against the fused kernel).
 - ``steps``: one engine decode step (schedule + CUDA-graph replay + sample), the median of ``--steps`` steps, timed
   with CUDA events around ``LLMEngine.step`` on rank 0 (which waits on the other rank through the all-reduces). The
   limit is the bytes of weights one card reads a step (its share of every layer matrix, plus the replicated LM head
@@ -91,6 +92,7 @@ def _graph_us(fn: Any, x: torch.Tensor) -> float:
 def _allreduce_rank(rank: int, port: int, results: Any) -> None:
     import torch.distributed as dist
 
+    from common import triton_ops as tk
     from common.tensor_parallel import _join
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -100,9 +102,24 @@ def _allreduce_rank(rank: int, port: int, results: Any) -> None:
     rows = []
     for label, t, hidden, dtype, parts in ALLREDUCE_SIZES:
         x = torch.randn(((parts,) if parts else ()) + (t, hidden), device=dev).to(dtype)
+        fits = shard.p2p is not None and shard.p2p.fits(x)
         nccl = _graph_us(lambda v: dist.all_reduce(v), x)
-        p2p = _graph_us(shard.p2p, x) if shard.p2p is not None and shard.p2p.fits(x) else float("nan")
-        rows.append({"size": label, "bytes": x.numel() * x.element_size(), "nccl_us": nccl, "p2p_us": p2p})
+        p2p = _graph_us(shard.p2p, x) if fits else float("nan")
+        # with the residual add and RMSNorm that follow it in the model: NCCL then add_rms_norm, or the fused kernel
+        res = torch.zeros((t, hidden), dtype=torch.bfloat16, device=dev)
+        w = torch.ones(hidden, dtype=torch.bfloat16, device=dev)
+
+        def nccl_norm(v: torch.Tensor, res: torch.Tensor = res, w: torch.Tensor = w) -> torch.Tensor:
+            dist.all_reduce(v)
+            return tk.add_rms_norm(res, v, w, 1e-5)
+
+        def p2p_norm(v: torch.Tensor, res: torch.Tensor = res, w: torch.Tensor = w) -> torch.Tensor:
+            return shard.p2p.add_rms_norm(res, v, w, 1e-5)
+
+        nccl_n = _graph_us(nccl_norm, x)
+        p2p_n = _graph_us(p2p_norm, x) if fits else float("nan")
+        rows.append({"size": label, "bytes": x.numel() * x.element_size(), "nccl_us": nccl, "p2p_us": p2p,
+                     "nccl_add_norm_us": nccl_n, "p2p_add_norm_us": p2p_n})
     dist.barrier(group=shard.meta_group)
     if rank == 0:
         results.put(rows)
@@ -125,10 +142,12 @@ def allreduce_section() -> list[dict]:
         p.join(60)
     del store
     print(f"\nall-reduce across cuda:0 and cuda:1, µs per sum ({GRAPH_CALLS} sums a graph, {REPLAYS} replays)")
-    print(f"{'size':30s} {'bytes':>9s} {'NCCL':>8s} {'p2p':>8s} {'p2p/NCCL':>9s}")
+    print(f"{'size':30s} {'bytes':>9s} {'NCCL':>8s} {'p2p':>8s} {'p2p/NCCL':>9s}   with add + RMSNorm: "
+          f"{'NCCL':>8s} {'p2p':>8s} {'p2p/NCCL':>9s}")
     for r in rows:
         print(f"{r['size']:30s} {r['bytes']:9d} {r['nccl_us']:8.1f} {r['p2p_us']:8.1f} "
-              f"{r['p2p_us'] / r['nccl_us']:9.2f}", flush=True)
+              f"{r['p2p_us'] / r['nccl_us']:9.2f}   {'':19s}{r['nccl_add_norm_us']:8.1f} {r['p2p_add_norm_us']:8.1f} "
+              f"{r['p2p_add_norm_us'] / r['nccl_add_norm_us']:9.2f}", flush=True)
     return rows
 
 

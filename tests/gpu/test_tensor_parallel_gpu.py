@@ -1,7 +1,8 @@
 """Tensor parallelism on two GPUs.
 
 - The one-shot peer-to-peer all-reduce (common/p2p_all_reduce.py) in two processes: eager and replayed from a CUDA
-  graph, bit-equal to NCCL's sum of the same tensors.
+  graph, bit-equal to NCCL's sum of the same tensors; fused with the residual add and RMSNorm, bit-equal to
+  ``triton_ops.add_rms_norm`` of NCCL's sum.
 - A dummy Llama-3.1-8B (seeded random weights) in float32, TP=2 (all-reduces inside the captured graphs, the prompts'
   step among them) against TP=1 on one GPU, with the default all-reduce (peer-to-peer) and with NCCL.
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common import triton_ops as tk
 from common.config import EngineConfig
 from common.engine import LLMEngine
 from common.loader import load_model_source
@@ -131,18 +133,39 @@ def _all_reduce_rank(rank: int, port: int, failures) -> None:
                 dist.all_reduce(want)
                 got = shard.all_reduce(x.clone())
                 assert torch.equal(got, want), (shape, dtype, parts, "eager", float((got - want).abs().max()))
+            # fused with the residual add and RMSNorm: as triton_ops.add_rms_norm of NCCL's sum, residual included
+            w = torch.rand(shape[1], device=dev).to(torch.bfloat16) + 0.5
+            for _ in range(10):
+                d, x = draw(), torch.randn(shape, device=dev).to(torch.bfloat16)
+                dist.broadcast(x, 0)  # the residual is the same on every rank
+                want = _own(d, parts).clone()
+                dist.all_reduce(want)
+                want_x = x.clone()
+                want_h = tk.add_rms_norm(want_x, want, w, 1e-5)
+                got_h = shard.p2p.add_rms_norm(x, d, w, 1e-5)
+                assert torch.equal(x, want_x) and torch.equal(got_h, want_h), (shape, dtype, parts, "fused")
             static = [draw() for _ in range(3)]
+            res = torch.randn(shape, device=dev).to(torch.bfloat16)
+            dist.broadcast(res, 0)
+            res_start = res.clone()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 outs = [shard.all_reduce(s.clone()) for s in static]
+                fused = shard.p2p.add_rms_norm(res, static[0], w, 1e-5)
             for _ in range(30):
                 for s in static:
                     s.copy_(draw())
+                res.copy_(res_start)
                 graph.replay()
                 for s, o in zip(static, outs):
                     want = _own(s, parts).clone()
                     dist.all_reduce(want)
                     assert torch.equal(o, want), (shape, dtype, parts, "graph", float((o - want).abs().max()))
+                want = _own(static[0], parts).clone()
+                dist.all_reduce(want)
+                want_x = res_start.clone()
+                want_h = tk.add_rms_norm(want_x, want, w, 1e-5)
+                assert torch.equal(res, want_x) and torch.equal(fused, want_h), (shape, dtype, parts, "fused graph")
         torch.cuda.synchronize(dev)
         dist.barrier(group=shard.meta_group)
         dist.destroy_process_group()
