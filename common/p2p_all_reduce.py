@@ -1,10 +1,10 @@
 """A one-shot all-reduce over peer-to-peer GPU memory: tensor parallelism's per-layer sums at decode sizes.
 
-A decode step of a TP=2 Llama-3.1-8B sums 64 tensors of 8 KiB–1 MiB across the ranks (two a layer). NCCL's ring
-takes 19–27 µs for each on an NVLink pair of H200s, this kernel 4–13 µs (docs/benchmarks.md). Every rank maps the
-other ranks' buffers once (CUDA IPC, with peer access over NVLink), and each all-reduce is one Triton kernel of
-``NUM_PROGRAMS`` programs. Program ``p`` owns the chunks ``p``,
-``p + NUM_PROGRAMS``, ... of the input, and:
+A decode step of a TP=2 Llama-3.1-8B sums 64 tensors of 8 KiB–1 MiB across the ranks (two a layer), each followed
+by the residual add and RMSNorm. On an NVLink pair of H200s NCCL's sum and the norm kernel take 8–16 µs, this
+kernel with the norm fused in 5–13 µs (docs/benchmarks.md). Every rank maps the other ranks' buffers once (CUDA
+IPC, with peer access over NVLink), and each all-reduce is one Triton kernel of ``NUM_PROGRAMS`` programs. Program
+``p`` owns the chunks ``p``, ``p + NUM_PROGRAMS``, ... of the input, and:
 
 1. pushes its chunks of this rank's input into this rank's slot of every peer's buffer (stores over NVLink);
 2. raises its flag in every peer's buffer (a release store at system scope, after its threads' stores) and waits
@@ -42,9 +42,10 @@ import triton.language as tl
 
 NUM_PROGRAMS = 32
 BLOCK = 1024
-# The largest input summed here: float32 [512, 4096] (a 512-row graph step of an 8B's hidden size); larger inputs
-# (long eager prefill steps) go to NCCL. Each rank holds 2 halves × ranks × this, plus the flags.
-MAX_BYTES = 8 << 20
+# The largest input summed here: with the residual add and RMSNorm after it, the fused kernel beat NCCL + the norm
+# kernel up to 1 MiB (0.63–0.79×) and lost at 4 MiB (1.31×) on two H200s (docs/benchmarks.md), so inputs over 2 MiB
+# (bf16 [256, 4096], a prompt-carrying step's rows) go to NCCL. Each rank holds 2 halves × ranks × this, plus flags.
+MAX_BYTES = 2 << 20
 _ALIGN = 256
 
 
@@ -292,7 +293,8 @@ class PeerAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of ``x`` (in place, returned), or of split-K parts ``[S, T, N]`` (a new
-        ``[T, N]``)."""
+        ``[T, N]``). Where :meth:`fits` ``x``."""
+        self._require_fit(x)
         if x.dim() == 3:
             out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
             launch(x, out, self.addrs, self.counts, self.rank, self.world, self.slot, x.shape[0])
@@ -304,11 +306,17 @@ class PeerAllReduce:
         """``triton_ops.add_rms_norm(x, self(delta), weight, eps)`` in one kernel: ``x`` (contiguous ``[T, N]``)
         gets the sum over the ranks of ``delta`` (``[T, N]``, or split-K parts ``[S, T, N]``) added in place;
         returns RMSNorm(x) · weight. Where :meth:`fits` ``delta``."""
+        self._require_fit(delta)
         h = torch.empty_like(x)
         if x.shape[0]:
             launch_add_norm(delta, x, weight, h, eps, self.addrs, self.counts, self.rank, self.world, self.slot,
                             delta.shape[0] if delta.dim() == 3 else 0)
         return h
+
+    def _require_fit(self, x: torch.Tensor) -> None:
+        if not self.fits(x):
+            raise ValueError(f"the peer-to-peer all-reduce takes contiguous inputs of at most {self.max_bytes} bytes "
+                             f"(a part, for split-K parts); got {tuple(x.shape)} {x.dtype}")
 
     def close(self) -> None:
         lib = _cuda()
