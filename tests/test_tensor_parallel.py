@@ -234,6 +234,28 @@ def test_the_step_channel_delivers_in_order_through_a_full_ring_and_refuses_a_go
         StepChannel.allocate(17)
 
 
+def test_with_gpu_all_reduces_rank_0_ends_its_process_when_another_rank_exits():
+    """The peer-to-peer all-reduce would leave rank 0's kernels waiting for a dead rank: its watch ends the process
+    (exit code 1, one critical line); a closed group's watch just returns."""
+    code = (
+        "import multiprocessing as mp\n"
+        "from common.tensor_parallel import TensorParallelWorkers\n"
+        "p = mp.get_context('spawn').Process(target=int)\n"
+        "p.start(); p.join()\n"
+        "w = TensorParallelWorkers.__new__(TensorParallelWorkers)\n"
+        "w.procs, w._closed = [p], True\n"
+        "w._exit_if_a_rank_dies()\n"
+        "print('closed: returned')\n"
+        "w._closed = False\n"
+        "w._exit_if_a_rank_dies()\n"
+        "print('not reached')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+    assert "closed: returned" in r.stdout and "not reached" not in r.stdout
+    assert "exited (code 0); the GPU all-reduces would wait for it forever" in r.stderr
+
+
 # -- two ranks against one -----------------------------------------------------------------------------------------
 def test_tp2_logits_equal_tp1_for_a_prefill_batch_and_decode_steps(single, pair):
     one = step_logits(single, PROMPTS, steps=6)
