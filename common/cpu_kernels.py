@@ -111,6 +111,13 @@ def argmax_rows(x: Any) -> Any:
     return _load().argmax_rows(x)
 
 
+def masked_argmax_rows(x: Any, rows: Any, bitmask: Any) -> Any:
+    """Per-row argmax of ``x[rows]`` (``[N, V]`` bfloat16/float32 logits; ``rows`` int64 ``[M]``) over the entries
+    whose bit is set in ``bitmask`` (int32 ``[M, ceil(V / 32)]``, bit ``t % 32`` of word ``t / 32``): the first
+    largest allowed entry; the first allowed one where all of them are -inf; 0 where none is allowed."""
+    return _load().masked_argmax_rows(x, rows, bitmask)
+
+
 def amx_bf16() -> bool:
     """Whether torch's brgemm micro-kernel runs bfloat16 on AMX here (what ``linear_small_batch`` needs)."""
     return vectorized() and bool(_module.amx_bf16())

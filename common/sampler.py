@@ -16,8 +16,9 @@ A constrained row (structured outputs) carries its grammar matcher: the rows' al
 int32 bitmask on the host (``common/structured.py``), copied to the device once, unpacked with one gather and
 added to those rows only, after the penalties and before temperature, top-k/p and the pick, so no path (greedy or
 sampled) can pick a token the grammar disallows. On the CPU's all-greedy fast path the argmax is checked against the
-bitmask first and only rows whose argmax is disallowed are masked and picked again; on a GPU that costs a second
-sync, so a constrained batch takes the processed path. Rows without a constraint take no part in it.
+bitmask first and only rows whose argmax is disallowed are picked again, by one pass of the C++ kernel that takes
+the argmax over the allowed tokens (``cpu_kernels.masked_argmax_rows``); on a GPU that costs a second sync, so a
+constrained batch takes the processed path. Rows without a constraint take no part in it.
 
 One device→host copy per step returns the picked ids (and the asked logprobs with them).
 """
@@ -290,10 +291,8 @@ class Sampler:
                 idx, bitmask = filled
                 words = bitmask.numpy()
                 redo = [j for j, i in enumerate(idx) if not (int(words[j, toks[i] >> 5]) >> (toks[i] & 31)) & 1]
-                if redo:  # rows copied one by one: index_select of bfloat16 rows is slow on the CPU
-                    sub = torch.stack([logits[idx[j]] for j in redo]).float()
-                    sub.add_(self._bias(bitmask[redo], logits.device))
-                    for j, t in zip(redo, _argmax(sub)):
+                if redo:
+                    for j, t in zip(redo, self._masked_argmax(logits, [idx[j] for j in redo], bitmask[redo])):
                         toks[idx[j]] = t
             return SampleResult(toks, [None] * logits.shape[0])
         x, prm, spec = self._process(logits, rows)
@@ -378,6 +377,15 @@ class Sampler:
             self._bitmask_read.synchronize()  # the last copy out of it (over already when a fetch followed it)
         fill_bitmask([(g, j) for j, (g, _) in enumerate(grammars)], host[:m].numpy())
         return [i for _, i in grammars], host[:m]
+
+    def _masked_argmax(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int]:
+        """The argmax of ``logits[rows]`` over their masks' allowed tokens: one pass of the C++ kernel on the CPU
+        (building the rows' -inf bias and adding it took ~0.1 ms a 49,152-token row there), else bias + argmax."""
+        if logits.device.type == "cpu" and cpu_kernels.available():
+            return cpu_kernels.masked_argmax_rows(logits, torch.tensor(rows, dtype=torch.long), bitmask).tolist()
+        # rows copied one by one: index_select of bfloat16 rows is slow on the CPU
+        sub = torch.stack([logits[i] for i in rows]).float()
+        return _argmax(sub.add_(self._bias(bitmask, logits.device)))
 
     def _bias(self, bitmask: torch.Tensor, dev: torch.device) -> torch.Tensor:
         """Host bitmask rows [M, words] → [M, V] float32 on ``dev``, 0 where allowed and -inf elsewhere: one copy,

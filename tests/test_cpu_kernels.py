@@ -140,6 +140,47 @@ def test_argmax_rows_equals_torch_argmax_ties_included(dtype, vocab):
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [49152, 1000, 7])
+def test_masked_argmax_rows_equals_an_argmax_over_the_allowed_entries(dtype, vocab):
+    """Rows picked out of the logits, each argmax over its bitmask's allowed entries: random masks dense and sparse,
+    ties across 16-lane chunks and halves of a mask word, the maximum outside the mask, an allowed entry only in
+    the tail; every allowed entry -inf: the first allowed one; nothing allowed: 0."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, vocab, generator=g).to(dtype)
+    allowed = torch.rand(12, vocab, generator=g) < torch.tensor([0.5, 0.5, 0.02, 0.9, 0.5, 0.5, 0.5, 0.001, 0.5, 0.5,
+                                                                0.5, 0.5]).unsqueeze(1)
+    x[1] = 0.0  # all tied: the first allowed entry
+    x[3, vocab // 3] = x[3, vocab - 1] = 50.0  # a tie between two chunks
+    allowed[3, vocab // 3] = allowed[3, vocab - 1] = True
+    x[4, 0] = 99.0  # the maximum disallowed
+    allowed[4, 0] = False
+    allowed[5] = False
+    allowed[5, vocab - 1] = True  # only the last entry (the tail)
+    x[6, allowed[6]] = -float("inf")  # every allowed entry -inf
+    allowed[8] = False  # nothing allowed
+    if vocab >= 32:
+        x[9, 16] = x[9, 5] = 70.0  # a tie between the two halves of the first mask word
+        allowed[9, 16] = allowed[9, 5] = True
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 7, 0])  # any rows, in any order, repeated
+    words = (vocab + 31) // 32
+    bits = torch.zeros(len(rows), words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed[rows].long()
+    mask = (bits.view(len(rows), words, 32) << torch.arange(32)).sum(-1).to(torch.int64)
+    mask = torch.where(mask >= 2**31, mask - 2**32, mask).to(torch.int32)
+    got = cpu_kernels.masked_argmax_rows(x, rows, mask).tolist()
+    want = []
+    for r in rows.tolist():
+        ok = allowed[r]
+        if not ok.any():
+            want.append(0)
+        elif (x[r][ok].float() == -float("inf")).all():
+            want.append(int(ok.nonzero()[0]))
+        else:
+            want.append(int(x[r].float().masked_fill(~ok, -float("inf")).argmax()))
+    assert got == want
+
+
 def test_greedy_sampling_from_bfloat16_logits_equals_float32():
     from common.sampler import SampleRow, sample
     from common.sampling import SamplingParams

@@ -568,6 +568,70 @@ static at::Tensor argmax_rows(at::Tensor x) {
   return out;
 }
 
+// The argmax of argmax_rows over allowed entries only: rows[m] of [N, V] logits, entry t allowed where bit t % 32
+// of bitmask[m][t / 32] is set (a grammar's mask, common/structured.py). The first largest allowed entry; where every
+// allowed entry is -inf or NaN, the first allowed one; where none is allowed, 0 (as an argmax over all -inf). One
+// pass: a 16-token vector takes its 16 bits of the mask as the compare's write mask.
+static at::Tensor masked_argmax_rows(at::Tensor x, at::Tensor rows, at::Tensor bitmask) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "[N, V] logits");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows: [M] int64");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.size(0) == rows.size(0) &&
+              bitmask.size(1) * 32 >= x.size(1), "bitmask: [M, ceil(V / 32)] int32");
+  x = x.contiguous();
+  rows = rows.contiguous();
+  bitmask = bitmask.contiguous();
+  const int64_t N = x.size(0), V = x.size(1), M = rows.size(0), W = bitmask.size(1);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) TORCH_CHECK(rp[m] >= 0 && rp[m] < N, "row ", rp[m], " out of range");
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  auto out = at::empty({M}, rows.options());
+  int64_t* op = out.data_ptr<int64_t>();
+  auto allowed = [](const uint32_t* bits, int64_t t) { return (bits[t >> 5] >> (t & 31)) & 1u; };
+  auto row_argmax = [V, W, &allowed](auto* r, const uint32_t* bits) -> int64_t {
+    int64_t i = 0, best_i = -1;
+    float best = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+    if (V >= 16) {
+      __m512 bv = _mm512_set1_ps(best);
+      __m512i bi = _mm512_set1_epi32(0);
+      __m512i cur = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+      const __m512i step = _mm512_set1_epi32(16);
+      for (i = 0; i + 16 <= V; i += 16) {
+        const __mmask16 ok = static_cast<__mmask16>(bits[i >> 5] >> (i & 31));  // i % 32 is 0 or 16
+        const __m512 v = load16(r + i);
+        const __mmask16 gt = _mm512_mask_cmp_ps_mask(ok, v, bv, _CMP_GT_OQ);  // strictly greater: the first index
+        bv = _mm512_mask_mov_ps(bv, gt, v);
+        bi = _mm512_mask_mov_epi32(bi, gt, cur);
+        cur = _mm512_add_epi32(cur, step);
+      }
+      const float vmax = _mm512_reduce_max_ps(bv);
+      if (vmax > best) {
+        best = vmax;
+        best_i = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(bv, _mm512_set1_ps(vmax), _CMP_EQ_OQ), bi);
+      }
+    }
+#endif
+    for (; i < V; ++i) {
+      const float v = static_cast<float>(r[i]);
+      if (allowed(bits, i) && v > best) best = v, best_i = i;
+    }
+    if (best_i < 0) {  // nothing allowed above -inf: the first allowed entry, else 0
+      best_i = 0;
+      for (int64_t t = 0; t < std::min(V, W * 32); ++t)
+        if (allowed(bits, t)) { best_i = t; break; }
+    }
+    return best_i;
+  };
+  dispatch_float_or_bf16(x, "logits", [&](auto tag) {
+    using S = decltype(tag);
+    const S* xp = x.data_ptr<S>();
+    at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) op[m] = row_argmax(xp + rp[m] * V, bp + m * W);
+    });
+  });
+  return out;
+}
+
 // ---- small-batch bfloat16 matmul (decode) ---------------------------------------------------------------------
 // oneDNN's packed linear costs ~17 us of fixed overhead a call (measured: a 64x64 matmul), which at decode batch
 // sizes is a fifth of a SmolLM2 layer's matmul time. For those batches (the engine: up to 32 rows) this path calls
@@ -761,6 +825,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up of a fused [T, 2I] projection (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "argmax of each row, first index on ties (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("masked_argmax_rows", &masked_argmax_rows, "argmax of some rows over their bitmask's allowed entries (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, bf16/fp32 rows (CPU)", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
