@@ -284,6 +284,9 @@ class ClusterConfig:
     startup_timeout_s: float = 600.0  # `tokenmill up` gives up when a service is not SERVING by then
     threads_per_process: int | None = None  # OMP/RAYON threads per child; None: cores ÷ model workers, ≥ 1
     otlp_endpoint: str | None = None  # spans over OTLP/gRPC (else OTEL_EXPORTER_OTLP_ENDPOINT; none: no export)
+    # a directory every service also writes its spans to, as JSON lines (common/telemetry.py); loadgen.trace_summary
+    # breaks requests' time down from them. None: no files
+    trace_dir: str | None = None
     # Python's GIL switch interval in the model workers: how long the engine thread can wait for the GIL while the
     # gRPC and detokenizer threads hold it (docs/benchmarks.md, the served cluster on a GPU). None: Python's 5 ms
     worker_switch_interval_ms: float | None = 0.5

@@ -345,7 +345,8 @@ async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: async
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    telemetry.setup_tracing(f"tokenmill-{cfg.role}", cfg.cluster.otlp_endpoint, instance_id=cfg.name)
+    telemetry.setup_tracing(f"tokenmill-{cfg.role}", cfg.cluster.otlp_endpoint, instance_id=cfg.name,
+                            trace_dir=cfg.cluster.trace_dir)
     running = await start_server(app, cfg.host, cfg.grpc_port, cfg.metrics_port)
     try:
         starting = asyncio.ensure_future(app.start())

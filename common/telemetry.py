@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import functools
 import inspect
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -71,11 +72,13 @@ def otlp_endpoint(configured: str | None = None, env: Mapping[str, str] | None =
 
 
 def setup_tracing(service_name: str, endpoint: str | None = None, *, instance_id: str = "",
-                  install: bool = True) -> TracingSetup:
+                  install: bool = True, trace_dir: str | None = None) -> TracingSetup:
     """Build the process's tracer provider and (``install``) make it the global one.
 
     ``endpoint`` is the config field ``otlp_endpoint``; without it, the standard OTLP env variables decide.
-    A missing exporter package or a bad endpoint is logged, never fatal: tracing must not stop a service."""
+    A missing exporter package or a bad endpoint is logged, never fatal: tracing must not stop a service.
+    ``trace_dir`` (the config field): spans also go, one JSON line each, to ``trace_dir/SERVICE-PID.jsonl``
+    (``python -m loadgen.trace_summary DIR`` breaks requests' time down by stage)."""
     attrs = {"service.name": service_name}
     if instance_id:
         attrs["service.instance.id"] = instance_id
@@ -98,6 +101,14 @@ def setup_tracing(service_name: str, endpoint: str | None = None, *, instance_id
             processor = BatchSpanProcessor(exporter)
             provider.add_span_processor(processor)
             log.info("%s: exporting spans over OTLP to %s", service_name, where)
+    if trace_dir:
+        path = os.path.join(trace_dir, f"{service_name}-{os.getpid()}.jsonl")
+        try:
+            os.makedirs(trace_dir, exist_ok=True)
+            provider.add_span_processor(BatchSpanProcessor(JsonLinesSpanExporter(path)))
+            log.info("%s: writing spans to %s", service_name, path)
+        except OSError as e:
+            log.warning("%s: cannot write spans to %s (%s)", service_name, path, e)
     installed = False
     if install:
         if isinstance(trace.get_tracer_provider(), TracerProvider):
@@ -106,6 +117,32 @@ def setup_tracing(service_name: str, endpoint: str | None = None, *, instance_id
             trace.set_tracer_provider(provider)
             installed = True
     return TracingSetup(provider, exporter, processor, installed)
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Finished spans as JSON lines in a file: name, trace and span ids (hex), parent id, start and end (ns since
+    the epoch), attributes, and events (name, time)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (open for the exporter's life)
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        for sp in spans:
+            ctx, parent = sp.context, sp.parent
+            self._file.write(json.dumps({
+                "name": sp.name, "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
+                "parent_id": f"{parent.span_id:016x}" if parent is not None else None,
+                "service": sp.resource.attributes.get("service.name"), "start_ns": sp.start_time,
+                "end_ns": sp.end_time, "attributes": dict(sp.attributes or {}),
+                "events": [{"name": e.name, "time_ns": e.timestamp} for e in sp.events],
+            }, default=str) + "\n")
+        self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        self._file.close()
 
 
 # -- propagation over gRPC metadata --------------------------------------------------------------------------

@@ -144,6 +144,7 @@ class _Timing:
     def __init__(self, m: GatewayMetrics) -> None:
         self.m, self.t0, self.tokens = m, time.perf_counter(), 0
         self.last: float | None = None
+        self.span = telemetry.current_span()  # the request's ``generate`` span: its first token is an event there
 
     def on_tokens(self, k: int) -> None:
         if k <= 0:
@@ -151,6 +152,7 @@ class _Timing:
         now = time.perf_counter()
         if self.last is None:
             self.m.ttft.observe(now - self.t0)
+            self.span.add_event("first_token")
         else:
             gap = (now - self.last) / k
             for _ in range(k):

@@ -1,0 +1,47 @@
+"""Span files: a cluster started with ``trace_dir`` set (``tokenmill up``: real processes, the real model)
+writes every service's spans as JSON lines, and ``loadgen.trace_summary`` breaks its requests' time down by stage."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+
+from loadgen import trace_summary
+from tests.services.harness import running_cluster
+
+REQUESTS = 3
+
+
+def _generates(spans: list[dict]) -> list[dict]:
+    return [s for s in spans if trace_summary.is_request_root(s)]
+
+
+def test_a_cluster_writes_its_spans_and_the_summary_breaks_the_first_token_down(tmp_path, capsys):
+    spans_dir = tmp_path / "spans"
+    with running_cluster(tmp_path, "--tokenizers", "1", "--grace", "3", "--set", f"trace_dir={spans_dir}") as info:
+        c = openai.OpenAI(base_url=info["http"] + "/v1", api_key="none", max_retries=0, timeout=120)
+        for i in range(REQUESTS):
+            c.completions.create(model="smollm2", prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0)
+        deadline = time.monotonic() + 30  # the exporters write in batches, every few seconds
+        while time.monotonic() < deadline:
+            spans = trace_summary.load_spans(spans_dir) if spans_dir.exists() else []
+            if len(_generates(spans)) >= REQUESTS and sum(s["name"] == "decode" for s in spans) >= REQUESTS:
+                break
+            time.sleep(0.5)
+    spans = trace_summary.load_spans(spans_dir)
+    assert {"tokenmill-gateway", "tokenmill-tokenizer", "tokenmill-router", "tokenmill-decode"} <= {
+        s["service"] for s in spans}
+    gens = _generates(spans)
+    assert len(gens) == REQUESTS
+    for g in gens:  # a request's spans share its trace: the gateway's root and the decode worker's span under it
+        assert g["name"] == "openai.completion" and [e["name"] for e in g["events"]] == ["first_token"]
+        decode = [s for s in spans if s["trace_id"] == g["trace_id"] and s["name"] == "decode"]
+        assert len(decode) == 1 and g["start_ns"] < decode[0]["start_ns"] < g["events"][0]["time_ns"] < g["end_ns"]
+    st = trace_summary.stages(spans)
+    for stage in ("ttft", "to decode", "decode to first token", "e2e"):
+        assert len(st[stage]) == REQUESTS and min(st[stage]) > 0
+    assert max(st["ttft"]) <= max(st["e2e"])
+    assert trace_summary.main([str(spans_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "decode to first token" in out and "span:tokenize" in out
