@@ -13,12 +13,14 @@ gather and a scatter over those tokens only. A slot is rebuilt from the row's to
 of its outputs disagrees, so a slot lost or evicted is only a rebuild, never a wrong answer.
 
 A constrained row (structured outputs) carries its grammar matcher: the rows' allowed tokens are filled as one
-int32 bitmask on the host (``common/structured.py``), copied to the device once, unpacked with one gather and
-added to those rows only, after the penalties and before temperature, top-k/p and the pick, so no path (greedy or
-sampled) can pick a token the grammar disallows. On the CPU's all-greedy fast path the argmax is checked against the
+int32 bitmask on the host (``common/structured.py``) and applied to those rows only, after the penalties and
+before temperature, top-k/p and the pick, so no path (greedy or sampled) can pick a token the grammar disallows
+(on the CPU as a 0 / -inf bias unpacked with one gather). On the CPU's all-greedy fast path the argmax is checked against the
 bitmask first and only rows whose argmax is disallowed are picked again, by one pass of the C++ kernel that takes
-the argmax over the allowed tokens (``cpu_kernels.masked_argmax_rows``); on a GPU that costs a second sync, so a
-constrained batch takes the processed path. Rows without a constraint take no part in it.
+the argmax over the allowed tokens (``cpu_kernels.masked_argmax_rows``). On a GPU the packed bitmask is copied to
+the device as it is: an all-greedy batch takes one Triton kernel, each row's argmax over its allowed tokens (a row
+without a constraint over all of them); otherwise one kernel sets the constrained rows' disallowed logits to -inf
+(``common/triton_ops.py``). Rows without a constraint take no part in it.
 
 One device→host copy per step returns the picked ids (and the asked logprobs with them).
 """
@@ -89,6 +91,22 @@ def _argmax(x: torch.Tensor) -> list[int]:
     if x.device.type == "cpu" and cpu_kernels.available():
         return cpu_kernels.argmax_rows(x).tolist()
     return x.argmax(dim=-1).tolist()
+
+
+_MASK_OPS: dict[str, Any] = {}
+
+
+def _mask_kernels(dev: torch.device) -> Any:
+    """``common.triton_ops`` (its grammar mask kernels) on a CUDA device, else None."""
+    if dev.type != "cuda":
+        return None
+    if "ops" not in _MASK_OPS:
+        try:
+            from common import triton_ops
+        except ImportError:  # no Triton: the portable bias path
+            triton_ops = None  # type: ignore[assignment]
+        _MASK_OPS["ops"] = triton_ops
+    return _MASK_OPS["ops"]
 
 
 def _plain_greedy(r: SampleRow) -> bool:
@@ -284,7 +302,20 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         """Pick one token per row of ``logits`` ([N, V], V the vocab given at construction; float32, or the
         model's dtype: an all-greedy batch is picked from it as is). Does not modify ``logits``."""
-        if all(_plain_greedy(r) for r in rows) and (logits.device.type == "cpu" or all(r.grammar is None for r in rows)):
+        plain = all(_plain_greedy(r) for r in rows)
+        constrained = any(r.grammar is not None for r in rows)
+        ops = _mask_kernels(logits.device) if constrained else None
+        if plain and ops is not None:  # on a GPU: one kernel takes each row's argmax over its allowed tokens
+            filled = self._fill(rows)
+            assert filled is not None
+            idx, bitmask = filled
+            mask_rows = [-1] * logits.shape[0]
+            for j, i in enumerate(idx):
+                mask_rows[i] = j
+            masks = self._to_device(bitmask, logits.device)
+            toks_t = ops.masked_argmax(logits, masks, self._uploads.tensor("mask_rows", mask_rows, torch.int32))
+            return SampleResult(toks_t.tolist(), [None] * logits.shape[0])
+        if plain and (logits.device.type == "cpu" or not constrained):
             toks = _argmax(logits)
             filled = self._fill(rows)
             if filled is not None:  # a constrained row whose argmax its grammar disallows is picked again, masked
@@ -349,6 +380,11 @@ class Sampler:
         filled = self._fill(rows)  # host work the device's queue does not wait for: beside the forward's tail
         if filled is not None:
             idx, bitmask = filled
+            ops = _mask_kernels(dev)
+            if ops is not None:  # on a GPU: the disallowed tokens set to -inf in place, the bits read packed
+                ops.apply_token_bitmask_(x, self._to_device(bitmask, dev),
+                                         self._uploads.tensor("mask_idx", idx, torch.int64))
+                return x, prm, spec
             bias = self._bias(bitmask, dev)
             if len(idx) == n:  # every row constrained
                 x.add_(bias)
@@ -398,12 +434,17 @@ class Sampler:
         if dev.type == "cpu":  # numpy's take: torch's CPU index_select took 10x longer on this gather
             flat = np.take(lut.numpy(), bitmask.numpy().view(np.uint8).reshape(-1), axis=0)
             return torch.from_numpy(flat).view(m, -1)[:, : self.vocab_size]
-        byte_ids = bitmask.view(torch.uint8).to(dev, non_blocking=True).view(-1).long()
+        byte_ids = self._to_device(bitmask, dev).view(torch.uint8).view(-1).long()
+        return lut.index_select(0, byte_ids).view(m, -1)[:, : self.vocab_size]
+
+    def _to_device(self, bitmask: torch.Tensor, dev: torch.device) -> torch.Tensor:
+        """The host bitmask on ``dev``, queued from the pinned buffer (the next fill waits until it is read)."""
+        out = bitmask.to(dev, non_blocking=True)
         if bitmask.is_pinned():
             if self._bitmask_read is None:
                 self._bitmask_read = torch.cuda.Event()
             self._bitmask_read.record()
-        return lut.index_select(0, byte_ids).view(m, -1)[:, : self.vocab_size]
+        return out
 
 
 @dataclass(frozen=True, slots=True)

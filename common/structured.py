@@ -21,7 +21,7 @@ import llguidance as llg
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from common.grammar_proc import MaskProcess, compute_masks
+from common.grammar_proc import MaskProcess, compute_masks, make_tokenizer
 from common.sampling import StructuredOutput
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 256,
                  fill_process: bool = False) -> None:
-        self._tok = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids))
+        self._tok = make_tokenizer(tokenizer_json, vocab_size, eos_ids)
         self.masks: MaskProcess | None = None
         if fill_process:
             try:

@@ -1,5 +1,6 @@
 """Triton kernels of the CUDA fast path: paged decode attention straight from the block-major KV pool, fused
-RoPE + KV write, fused residual add + RMSNorm, fused SiLU·mul.
+RoPE + KV write, fused residual add + RMSNorm, fused SiLU·mul, and the grammar masks' two kernels (the argmax over a
+row's allowed tokens, and the disallowed tokens set to -inf), which read the packed token bitmask as it is.
 
 Imported only on CUDA, through ``common.model_cuda``; the portable PyTorch path in ``common.model`` stays the
 reference for CPU and tests. ``tests/gpu/test_kernels.py`` (``make test-gpu``) checks every kernel here against
@@ -467,3 +468,60 @@ def down_proj(gu: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if gu.shape[0] == 1 and gu.dtype != torch.float32 and gu.is_contiguous() and w.stride(-1) == 1:
         return gemv(gu, w, silu_input=True)
     return residual_linear(silu_mul(gu), w)
+
+
+# ---- grammar masks (structured outputs) --------------------------------------------------------------------------
+# A mask row is int32 words, bit ``t % 32`` of word ``t // 32`` set when token t is allowed (common/structured.py).
+MASK_BLOCK = 4096
+
+
+@triton.jit(do_not_specialize=["stride_x", "vocab"])
+def _masked_argmax_kernel(x_ptr, stride_x, mask_ptr, stride_m, mrow_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    mrow = tl.load(mrow_ptr + row)  # the row's mask row; -1: unconstrained
+    best_v = tl.full([], float("-inf"), tl.float32)
+    best_i = tl.full([], 0, tl.int32)
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < vocab
+        v = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=inb, other=float("-inf")).to(tl.float32)
+        w = tl.load(mask_ptr + tl.maximum(mrow, 0).to(tl.int64) * stride_m + (offs >> 5), mask=inb, other=0)
+        v = tl.where((((w >> (offs & 31)) & 1) != 0) | (mrow < 0), v, float("-inf"))
+        bv = tl.max(v, 0)
+        bi = tl.argmax(v, 0)  # the first of equal maxima
+        better = bv > best_v  # strictly: an earlier block keeps a tie
+        best_i = tl.where(better, start + bi, best_i)
+        best_v = tl.where(better, bv, best_v)
+    tl.store(out_ptr + row, best_i.to(tl.int64))
+
+
+def masked_argmax(logits: torch.Tensor, masks: torch.Tensor, mask_rows: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of ``logits`` [N, V] (rows may be strided, any float dtype) over the tokens row ``i``'s mask
+    ``masks[mask_rows[i]]`` allows (``masks`` int32 [M, ceil(V / 32)], M ≥ 1; ``mask_rows`` int32 [N], -1 for
+    a row without a mask): int64 [N], the first index among equal maxima. One pass, the bits read packed."""
+    n, vocab = logits.shape
+    assert logits.stride(1) == 1 and masks.is_contiguous() and masks.dtype == torch.int32
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    _masked_argmax_kernel[(n,)](logits, logits.stride(0), masks, masks.stride(0), mask_rows, out, vocab,
+                                BLOCK=MASK_BLOCK, num_warps=8)
+    return out
+
+
+@triton.jit(do_not_specialize=["stride_x", "vocab"])
+def _apply_token_bitmask_kernel(x_ptr, stride_x, mask_ptr, stride_m, rows_ptr, vocab, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    row = tl.load(rows_ptr + j).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < vocab
+    w = tl.load(mask_ptr + j.to(tl.int64) * stride_m + (offs >> 5), mask=inb, other=0)
+    tl.store(x_ptr + row * stride_x + offs, float("-inf"), mask=inb & (((w >> (offs & 31)) & 1) == 0))
+
+
+def apply_token_bitmask_(x: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: row ``rows[j]`` of ``x`` [N, V] to -inf wherever ``masks[j]`` (int32 words) disallows a token."""
+    m = rows.shape[0]
+    vocab = x.shape[1]
+    assert x.stride(1) == 1 and masks.is_contiguous() and masks.dtype == torch.int32 and masks.shape[0] == m
+    if m:
+        _apply_token_bitmask_kernel[(m, triton.cdiv(vocab, MASK_BLOCK))](x, x.stride(0), masks, masks.stride(0),
+                                                                          rows, vocab, BLOCK=MASK_BLOCK, num_warps=8)

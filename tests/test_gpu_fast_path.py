@@ -221,3 +221,17 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_grammar_mask_kernels_in_triton_interpreter():
+    """The grammar masks' Triton kernels (masked argmax, -inf fill) against their references, on the CPU through
+    Triton's interpreter (float32: the interpreter's bfloat16 is wrong in Triton 3.9)."""
+    code = """
+import torch
+from tests.gpu.test_kernels import check_grammar_mask_kernels
+check_grammar_mask_kernels("cpu", torch.float32)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -79,6 +79,11 @@ def test_a_masked_row_never_picks_a_masked_token(compiler, knobs, device):
             assert got[i] in allowed[i], (i, got[i])
         if p.greedy:
             assert got[3:] == [777, 1234]
+        if knobs == {"temperature": 0.0}:  # exactly the argmax over the allowed tokens
+            for i in range(3):
+                masked = logits[i].float().cpu().clone()
+                masked[sorted(set(range(V)) - allowed[i])] = float("-inf")
+                assert got[i] == int(masked.argmax()), (i, got[i])
         alone = Sampler(V, device).sample(logits[3:], rows[3:]).token_ids
         assert got[3:] == alone
 

@@ -3,7 +3,7 @@ random inputs, outputs poisoned with NaN first where the kernel writes into a gi
 (batches 1/7/64, contexts to 2,000, flash-decoding splits, a padding row), paged prompt attention over tiles
 (causal, after a cached prefix, rows outside the tiles untouched), RoPE + KV write, residual add + RMSNorm,
 SiLU·mul, the batch-1 GEMV (and the down projection with SiLU·mul fused into it), split-K GEMM and its partials
-summed by the norm kernel.
+summed by the norm kernel, and the grammar masks' argmax and -inf fill.
 
 Every check takes its device: the tests run them on CUDA; on a CPU they run under Triton's interpreter
 (``TRITON_INTERPRET=1``) with a smaller KV pool (``nb``).
@@ -231,6 +231,46 @@ def check_gemv_and_splitk(device: str, n: int, k: int) -> None:
         assert_close(hn, rms_norm(xr, nw, 1e-5), tol, f"RMSNorm of residual + split-K partials {m}x{n}x{k}")
 
 
+def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The grammar masks' kernels on random packed bitmasks over SmolLM2's 49,152 tokens and a Llama 3 row stride
+    (logits sliced to the sampled vocabulary): the masked argmax against the argmax of -inf-filled rows (rows without
+    a mask over every token; ties to the first index, across the kernel's blocks too), and the in-place -inf fill
+    (allowed entries untouched, other rows untouched)."""
+    import numpy as np
+
+    from common import triton_ops as tk
+
+    vocab, full, n = 49_152, 128_256, 7
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(n, full, generator=g).to(dtype).to(device)[:, :vocab]
+    logits[5, :] = 0.0  # all equal: the first allowed token
+    logits[6, 100] = logits[6, 9000] = 50.0  # a tie across two blocks: the earlier one
+    words = vocab // 32
+    bits = torch.rand(4, words * 32, generator=g) < 0.05
+    bits[2, 100] = bits[2, 9000] = True
+    packed = np.packbits(bits.numpy().astype(np.uint8), axis=1, bitorder="little").view(np.int32)
+    masks = torch.from_numpy(packed.copy()).to(device)
+    mask_rows = [0, -1, 1, 3, -1, 2, 2]
+    got = tk.masked_argmax(logits, masks, torch.tensor(mask_rows, dtype=torch.int32, device=device)).tolist()
+    want = []
+    for i, m in enumerate(mask_rows):
+        row = logits[i].float().cpu().clone()
+        if m >= 0:
+            row[~bits[m, :vocab]] = float("-inf")
+        want.append(int(row.argmax()))
+    assert got == want, (got, want)
+    assert got[5] == int(bits[2].nonzero()[0]) and got[6] == 100
+    x = torch.randn(n, vocab, generator=g).to(device)
+    before = x.clone()
+    rows = [4, 0, 6, 2]
+    tk.apply_token_bitmask_(x, masks, torch.tensor(rows, device=device))
+    for j, r in enumerate(rows):
+        keep = bits[j, :vocab].to(device)
+        assert torch.equal(x[r][keep], before[r][keep]) and bool(torch.isneginf(x[r][~keep]).all()), r
+    for r in set(range(n)) - set(rows):
+        assert torch.equal(x[r], before[r]), r
+
+
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}-ctx{c[1]}-splits{c[2]}")
 @pytest.mark.parametrize("config", CONFIGS)
 def test_paged_decode_attention(config, case):
@@ -266,3 +306,7 @@ def test_silu_mul(config):
 @pytest.mark.parametrize("shape", GEMV_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_gemv_and_splitk(shape):
     check_gemv_and_splitk("cuda", *shape)
+
+
+def test_grammar_mask_kernels():
+    check_grammar_mask_kernels("cuda")
