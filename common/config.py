@@ -164,6 +164,9 @@ class EngineConfig:
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
     # the engine runs its next step; False: inline, on the engine thread
     grammar_process: bool = True
+    # Structured outputs: threads that fill a step's masks in parallel (in the mask process, or inline);
+    # 0: llguidance's default, 80% of the cores up to 32
+    grammar_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -213,7 +213,8 @@ class LLMEngine:
                 if not eos and own is not None:
                     eos = [own]
                 self._grammars = GrammarCompiler(self.tokenizer.tk.to_str(), self.sample_vocab, eos,
-                                                 fill_process=self.cfg.grammar_process)
+                                                 fill_process=self.cfg.grammar_process,
+                                                 threads=self.cfg.grammar_threads)
             return self._grammars
 
     def grammar_matcher(self, params: SamplingParams, prior: Seq[int] = ()) -> GrammarMatcher | None:

@@ -58,7 +58,8 @@ class MaskProcess:
     """The engine side: the slots, the ops not sent yet, and the child's answers. Thread-safe (a matcher's
     finalizer may run on any thread); the engine thread does everything else."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 1024) -> None:
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 1024,
+                 threads: int = 0) -> None:
         self.words = (vocab_size + 31) // 32
         self.capacity = capacity
         nbytes = capacity * self.words * 4
@@ -72,7 +73,7 @@ class MaskProcess:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "common.grammar_proc", str(self._fd), str(capacity), str(self.words),
-                 str(vocab_size), f.name, json.dumps(list(eos_ids))],
+                 str(vocab_size), f.name, json.dumps(list(eos_ids)), str(threads)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(self._fd,), env=env)
         except OSError:
             os.unlink(f.name)
@@ -296,13 +297,13 @@ def main(argv: list[str]) -> int:
     import llguidance as llg
 
     fd, capacity, words, vocab = (int(x) for x in argv[:4])
-    tok_path, eos = argv[4], json.loads(argv[5])
+    tok_path, eos, threads = argv[4], json.loads(argv[5]), int(argv[6])
     mapped = mmap.mmap(fd, capacity * words * 4)
     base = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
     tokenizer_json = Path(tok_path).read_text()
     os.unlink(tok_path)
     tok = make_tokenizer(tokenizer_json, vocab, eos)
-    executor = llg.LLExecutor()
+    executor = llg.LLExecutor(threads or None)  # 0: llguidance's default
     compiled: OrderedDict[str, Any] = OrderedDict()
     matchers: dict[int, Any] = {}
     stdin = sys.stdin.buffer

@@ -94,32 +94,42 @@ def _check(so: StructuredOutput) -> str:
     return _describe(so, err) if err and not err.startswith("WARNING") else ""
 
 
-_executor: llg.LLExecutor | None = None
-
-
 def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], host: np.ndarray) -> None:
     """Write each matcher's allowed tokens, one bit per token id, into row ``i`` of ``host`` (an int32 [M, words]
     C-order array). Rows mirrored in the grammar mask process are copied from it; the rest are filled here, several
     in parallel, without the GIL."""
-    global _executor
     remote = next((m._remote for m, _ in rows if m._remote is not None), None)
     if remote is not None:
         rows = remote.fill(rows, host)
         if not rows:
             return
-    if _executor is None and len(rows) > 1:
-        _executor = llg.LLExecutor()
-    compute_masks(_executor, [(m.raw, i) for m, i in rows], host.ctypes.data, host.shape[1] * 4)
+    if rows:
+        compute_masks(rows[0][0]._executor, [(m.raw, i) for m, i in rows], host.ctypes.data, host.shape[1] * 4)
+
+
+class _Executor:
+    """llguidance's parallel executor (its thread pool), made at the first fill of several rows inline."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads  # 0: llguidance's default
+        self._ex: llg.LLExecutor | None = None
+
+    def unsafe_compute_mask_ptr(self, rows: list[tuple[llg.LLMatcher, int]], base: int, row_bytes: int,
+                                batch: int) -> None:
+        if self._ex is None:
+            self._ex = llg.LLExecutor(self.threads or None)
+        self._ex.unsafe_compute_mask_ptr(rows, base, row_bytes, batch)
 
 
 class GrammarMatcher:
     """One sequence's position in its grammar. Not thread-safe: the engine thread advances it. A matcher mirrored in
     the grammar mask process (``common/grammar_proc.py``) sends it every token it accepts."""
 
-    __slots__ = ("__weakref__", "_m", "_remote", "_slot")
+    __slots__ = ("__weakref__", "_executor", "_m", "_remote", "_slot")
 
-    def __init__(self, m: llg.LLMatcher) -> None:
+    def __init__(self, m: llg.LLMatcher, executor: _Executor) -> None:
         self._m = m
+        self._executor = executor  # its compiler's: fills a step's rows in parallel
         self._remote: MaskProcess | None = None
         self._slot = -1
 
@@ -164,12 +174,13 @@ class GrammarCompiler:
     Thread-safe: workers validate (and so compile) off the engine thread."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 256,
-                 fill_process: bool = False) -> None:
+                 fill_process: bool = False, threads: int = 0) -> None:
         self._tok = make_tokenizer(tokenizer_json, vocab_size, eos_ids)
+        self._executor = _Executor(threads)
         self.masks: MaskProcess | None = None
         if fill_process:
             try:
-                self.masks = MaskProcess(tokenizer_json, vocab_size, eos_ids)
+                self.masks = MaskProcess(tokenizer_json, vocab_size, eos_ids, threads=threads)
             except (OSError, AttributeError) as e:  # no memfd (not Linux), or no process could start
                 log.warning("grammar masks are filled inline: the mask process could not start (%s)", e)
         self.vocab_size = vocab_size
@@ -199,7 +210,7 @@ class GrammarCompiler:
     def matcher(self, so: StructuredOutput, prior: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher for one sequence, advanced past ``prior`` (tokens it already generated). Raises
         GrammarError for a bad constraint, or when ``prior`` does not follow it."""
-        m = GrammarMatcher(self.compile(so).deep_copy())
+        m = GrammarMatcher(self.compile(so).deep_copy(), self._executor)
         for i, t in enumerate(prior):
             if not m.accept(int(t)):
                 raise GrammarError(f"output token {i} ({t}) does not follow the {so.kind.replace('_', ' ')} "

@@ -198,19 +198,20 @@ def _long_schema(s: dict[str, Any]) -> str:
 
 
 def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, device: str = "cpu",
-                 model: str | None = None, grammar_process: bool = False) -> dict[str, Any]:
+                 model: str | None = None, grammar_process: bool = False, threads: int = 0) -> dict[str, Any]:
     import torch
 
     from common import sampler as sampler_mod
     from common.config import EngineConfig
     from common.engine import LLMEngine
+    from common.grammar_proc import MaskProcess
     from common.loader import load_model_source
     from common.sampling import SamplingParams, StructuredOutput
     from common.structured import GrammarMatcher
 
     t0 = time.perf_counter()
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20,  # type: ignore[arg-type]
-                       grammar_process=grammar_process)
+                       grammar_process=grammar_process, grammar_threads=threads)
     # a dummy (random weights at a real size) samples SmolLM2's ids under SmolLM2's tokenizer, as the grammars do
     eng = LLMEngine(load_model_source(model, "smollm2" if model and model.startswith("dummy:") else None), cfg)
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -226,6 +227,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     fill_s: list[float] = []
     advance_s: list[float] = []
     real_fill, real_consume, real_send = sampler_mod.fill_bitmask, GrammarMatcher.consume, GrammarMatcher.send
+    real_flush = MaskProcess.flush
 
     def timed_fill(*args: Any) -> None:
         t = time.perf_counter()
@@ -243,6 +245,11 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         real_send(self, token)
         parts["advance"] += time.perf_counter() - t
 
+    def timed_flush(self: MaskProcess) -> None:
+        t = time.perf_counter()
+        real_flush(self)
+        parts["advance"] += time.perf_counter() - t
+
     def timed_update(out: Any, logits: Any) -> Any:
         parts["fill"] = parts["advance"] = 0.0
         t = time.perf_counter()
@@ -256,6 +263,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     sampler_mod.fill_bitmask = timed_fill  # type: ignore[assignment]
     GrammarMatcher.consume = timed_consume  # type: ignore[method-assign]
     GrammarMatcher.send = timed_send  # type: ignore[method-assign]
+    MaskProcess.flush = timed_flush  # type: ignore[method-assign]
 
     def window(constrained: bool, tag: str, n: int) -> tuple[list[float], list[float]]:
         for i, ids in enumerate(prompts):
@@ -316,6 +324,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         sampler_mod.fill_bitmask = real_fill  # type: ignore[assignment]
         GrammarMatcher.consume = real_consume  # type: ignore[method-assign]
         GrammarMatcher.send = real_send  # type: ignore[method-assign]
+        MaskProcess.flush = real_flush  # type: ignore[method-assign]
     med = statistics.median
     extra = med(masked_u) - med(plain_u)  # the mask fill, its application and the matchers' advance
     if masks is not None:
@@ -367,10 +376,11 @@ def run(a: argparse.Namespace) -> int:
     runs = []
     for mode in modes:
         print(f"  masks filled {'in the grammar mask process' if mode else 'inline'}", flush=True)
-        runs.append(bench_engine(dtype, a.steps, a.rounds, a.temperature, a.device, a.model, grammar_process=mode))
+        runs.append(bench_engine(dtype, a.steps, a.rounds, a.temperature, a.device, a.model, grammar_process=mode,
+                                 threads=a.grammar_threads))
     print()
     print("| batch | dtype | temperature | masks filled | step ms: none constrained | all constrained | "
-          "update ms (sample + stop checks): none | all | mask fill (or wait and copy) ms | advance ms | "
+          "update ms (sample + stop checks): none | all | mask fill (or wait and copy) ms | advance (and send) ms | "
           "process: read after sending ms | its fill ms p50 / p90 | constrained cost | target | "
           "step ratio, end to end |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -410,5 +420,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--switch-interval-ms", type=float, default=ClusterConfig().worker_switch_interval_ms or 5.0,
                    help="the GIL switch interval of the engine's process (default: the workers' "
                         "worker_switch_interval_ms, 0.5)")
+    p.add_argument("--grammar-threads", type=int, default=0,
+                   help="threads that fill a step's masks (engine.grammar_threads; default 0: llguidance's, 80%% "
+                        "of the cores up to 32)")
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)
