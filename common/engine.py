@@ -137,8 +137,8 @@ class LLMEngine:
         if self.cfg.noop_model:
             self.sample_vocab = 1  # its logits have one column
         self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs)
-        self.num_steps = 0
         self.num_generated_tokens = 0
+        self.reset_step_counters()
 
     @classmethod
     def from_spec(cls, model: str | None = None, cfg: EngineConfig | None = None) -> LLMEngine:
@@ -368,9 +368,18 @@ class LLMEngine:
     def num_leased(self) -> int:
         return len(self._leased)
 
+    def reset_step_counters(self) -> None:
+        """Steps, and every step's wall time, decode rows and prompt tokens, summed (/metrics:
+        ``tokenmill:engine_step*``), from zero."""
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.step_decode_rows = 0
+        self.step_prompt_tokens = 0
+
     # -- the loop --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine iteration: schedule → execute → update. Returns the tokens it produced."""
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -378,7 +387,11 @@ class LLMEngine:
             self._grammars.flush()  # matchers made since the last step: their first masks fill beside the forward
         logits = self.runner.execute(out)
         self.num_steps += 1
-        return self._update(out, logits)
+        outputs = self._update(out, logits)
+        self.step_decode_rows += len(out.decodes)
+        self.step_prompt_tokens += out.num_tokens - len(out.decodes)
+        self.step_seconds += time.perf_counter() - t0
+        return outputs
 
     def _update(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestOutput]:
         sampling = [it.seq for it in (*out.prefills, *out.decodes) if it.samples]

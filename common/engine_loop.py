@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -59,6 +60,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
+        self.idle_seconds = 0.0  # blocked for a command with no sequence to run (/metrics: tokenmill:engine_idle_seconds)
 
     def start(self) -> None:
         self._thread.start()
@@ -111,7 +113,12 @@ class EngineLoop:
         assert eng is not None
         try:
             while not self._stopping:
-                self._run_commands(eng, block=not eng.has_unfinished())
+                if eng.has_unfinished():
+                    self._run_commands(eng, block=False)
+                else:
+                    t = time.perf_counter()
+                    self._run_commands(eng, block=True)
+                    self.idle_seconds += time.perf_counter() - t
                 if self._on_tick is not None:
                     self._on_tick(eng)
                 if eng.has_unfinished():

@@ -65,6 +65,15 @@ class WorkerMetrics:
         self.nixl_busy = Gauge("tokenmill:nixl_xfer_busy_seconds", "Seconds with at least one NIXL transfer in "
                                "flight: bytes ÷ this is the bandwidth the link delivered", registry=r)
         self.nixl_failures = Gauge("tokenmill:nixl_xfer_failures", "Failed NIXL transfers", registry=r)
+        self.steps = Gauge("tokenmill:engine_steps", "Engine steps run", registry=r)
+        self.step_seconds = Gauge("tokenmill:engine_step_seconds", "Seconds spent in engine steps (schedule, "
+                                  "forward, sampling, outputs), summed: ÷ engine_steps is the mean step", registry=r)
+        self.step_decode_rows = Gauge("tokenmill:engine_step_decode_rows", "Decode rows over all steps, summed: "
+                                      "÷ engine_steps is the mean decode batch", registry=r)
+        self.step_prompt_tokens = Gauge("tokenmill:engine_step_prompt_tokens", "Prompt tokens computed over all "
+                                        "steps, summed", registry=r)
+        self.idle_seconds = Gauge("tokenmill:engine_idle_seconds", "Seconds the engine thread waited for work with "
+                                  "no sequence to run", registry=r)
         self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
                                       registry=r)
         # one observation per request's KV transfer, on both sides: decode from posting its READ to seeing it
@@ -88,10 +97,16 @@ class WorkerMetrics:
         self.kv_transfer_bytes.observe(nbytes)
         self.kv_transfer_blocks.observe(blocks)
 
-    def bind(self, engine: LLMEngine, agent: KvTransferAgent | None) -> None:
+    def bind(self, engine: LLMEngine, agent: KvTransferAgent | None, loop: EngineLoop | None = None) -> None:
         """Read the engine's and the agent's state at scrape time, so ``/metrics`` is never a report interval
         behind. Every read is a length or a number the engine thread replaces whole (atomic under the GIL)."""
         bm = engine.block_manager
+        self.steps.set_function(lambda: engine.num_steps)
+        self.step_seconds.set_function(lambda: engine.step_seconds)
+        self.step_decode_rows.set_function(lambda: engine.step_decode_rows)
+        self.step_prompt_tokens.set_function(lambda: engine.step_prompt_tokens)
+        if loop is not None:
+            self.idle_seconds.set_function(lambda: loop.idle_seconds)
         self.running.set_function(lambda: engine.num_running)
         self.waiting.set_function(lambda: engine.num_waiting)
 
@@ -129,6 +144,7 @@ def build_engine(cfg: ServiceConfig) -> LLMEngine:
     t0 = time.perf_counter()
     engine = LLMEngine(load_model_source(cfg.cluster.model, cfg.cluster.tokenizer_spec), cfg.cluster.engine)
     engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))
+    engine.reset_step_counters()  # /metrics counts served work only
     log.info("%s: model %s loaded and warmed in %.1f s (%d KV blocks)", cfg.name, engine.source.model_id,
              time.perf_counter() - t0, engine.block_manager.num_blocks)
     return engine
@@ -215,7 +231,7 @@ class WorkerBase:
                                on_failure=self._engine_failed)
         self.loop.start()
         self.engine = await asyncio.wrap_future(self.loop.ready)
-        self.metrics.bind(self.engine, self.agent)
+        self.metrics.bind(self.engine, self.agent, self.loop)
         interval = self.cfg.cluster.worker_pool(self.cfg.role).report_interval_s
         # every router replica keeps its own view: each gets this worker's stream
         self._report_tasks = [

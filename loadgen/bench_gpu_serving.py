@@ -172,6 +172,12 @@ def engine_closed_loop(eng: Any, specs: list[RequestSpec], sampling: Sampling, c
     return records
 
 
+def engine_counters(eng: Any) -> dict[str, float]:
+    """The engine's step counters under the names the workers' /metrics deltas get (loadgen/server_metrics.py)."""
+    return {"engine_steps": eng.num_steps, "engine_step_seconds": eng.step_seconds,
+            "engine_step_decode_rows": eng.step_decode_rows, "engine_step_prompt_tokens": eng.step_prompt_tokens}
+
+
 def time_decode_steps(eng: Any, specs: list[RequestSpec], sampling: Sampling, steps: int, device: str) -> dict:
     """``eng.step()`` with ``len(specs)`` sequences all decoding: the median of ``steps`` steps after 3 warm-up
     steps. The sequences are aborted afterwards."""
@@ -403,6 +409,19 @@ def build_table(result: dict[str, Any]) -> str:
         if st:
             lines.append(f"{model}: engine step at batch {st['batch']}: greedy {st['greedy_ms']:.2f} ms, sampled "
                          f"{st['sampled_ms']:.2f} ms, sampled ÷ greedy {st['ratio']:.2f}× (target ≤ 1.1×)")
+    lines += ["", "Engine steps over each run (the decode workers' /metrics for the served runs): busy = seconds in "
+              "steps ÷ the run's duration, idle = seconds the engine waited with nothing to run ÷ the duration.", "",
+              "| model | sampling | client | steps | step ms mean | decode rows / step | prompt tokens / step | "
+              "busy | idle |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        e, dur = r.get("server") or {}, r["summary"].get("duration_s") or 0.0
+        n = e.get("engine_steps")
+        if not n or not dur:
+            continue
+        lines.append(f"| {r['model']} | {r['sampling']} | {r['client']} | {n:,.0f} | "
+                     f"{1000 * e['engine_step_seconds'] / n:.2f} | {e['engine_step_decode_rows'] / n:.1f} | "
+                     f"{e['engine_step_prompt_tokens'] / n:.0f} | {e['engine_step_seconds'] / dur:.0%} | "
+                     f"{e.get('engine_idle_seconds', 0.0) / dur:.0%} |")
     heads = [f"{r['model']} {r['client']} {r['vs_engine_greedy']:.2f}×" for r in result["rows"]
              if r["client"] != "engine" and r["sampling"] == "sampled" and r["vs_engine_greedy"]]
     if heads:
@@ -494,8 +513,10 @@ def engine_phase(a: argparse.Namespace, model: str, dtype: str, specs: list[Requ
                  f"{smp['step_ms_p50']:.2f} ms ({mres['step']['ratio']:.2f}×)")
         for s in SAMPLINGS:
             with res.phase(f"{model}: engine {s.name} load"):
+                c0 = engine_counters(eng)
                 summary = summarize(engine_closed_loop(eng, specs, s, a.max_concurrency, f"run-{s.name}"))
-                res.doc["rows"].append(_row(model, s.name, "engine", summary))
+                steps = {k: v - c0[k] for k, v in engine_counters(eng).items()}
+                res.doc["rows"].append(_row(model, s.name, "engine", summary, steps))
                 _say(f"{model}: engine {s.name}: {summary['output_throughput']:.1f} output tok/s, TPOT p50 "
                      f"{summary['tpot_ms']['p50'] or 0:.2f} ms, TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms")
     finally:

@@ -4,7 +4,8 @@ sampled during it for peaks), reported as deltas.
 Reported: prefix-cache hit rate (hits / queries over the run, in prompt tokens, over every worker's cache: a prompt
 prefilled remotely is looked up on the prefill worker and again on the decode worker; ``by_endpoint`` has each
 process's own figures), KV usage peak (the highest ``kv_cache_usage_perc`` any worker showed while sampled), NIXL
-bytes, seconds and failures (counted by the side that pulls, the decode worker), and the gateway's mean TTFT and e2e
+bytes, seconds and failures (counted by the side that pulls, the decode worker), the engines' steps (how many, their
+seconds, decode rows and prompt tokens, and the seconds an engine waited with nothing to run), and the gateway's mean TTFT and e2e
 from its histograms (the server's view: the client's figures should be a little above them; the gap is what the
 client and the network add). Counters and gauges of the same name are summed over the endpoints; a name no endpoint
 exports is left out (a vLLM server's ``vllm:`` names are read too where they mean the same).
@@ -33,6 +34,12 @@ _COUNTERS = {
     "nixl_bytes": ("tokenmill:nixl_xfer_bytes",),
     "nixl_seconds": ("tokenmill:nixl_xfer_seconds",),
     "nixl_failures": ("tokenmill:nixl_xfer_failures",),
+    # the workers' engine loops: steps, their seconds, decode rows and prompt tokens, and the idle engine's wait
+    "engine_steps": ("tokenmill:engine_steps",),
+    "engine_step_seconds": ("tokenmill:engine_step_seconds",),
+    "engine_step_decode_rows": ("tokenmill:engine_step_decode_rows",),
+    "engine_step_prompt_tokens": ("tokenmill:engine_step_prompt_tokens",),
+    "engine_idle_seconds": ("tokenmill:engine_idle_seconds",),
     # the gateway's own latency histograms (vLLM's server has the same names): the server's view of TTFT and e2e
     "ttft_sum": ("tokenmill:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum"),
     "ttft_count": ("tokenmill:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),

@@ -294,6 +294,16 @@ def test_metrics_count_requests(cluster):
         metric(p, "tokenmill:num_requests_running")
         metric(p, "tokenmill:prefix_cache_queries")
     assert sum(metric(p, "tokenmill:nixl_xfer_seconds") for p in procs(cluster, "decode")) > 0
+    # the engines' step counters: every decode row made one token, and every engine has waited idle between tests
+    for role in ("decode", "prefill"):
+        for p in procs(cluster, role):
+            steps, secs = metric(p, "tokenmill:engine_steps"), metric(p, "tokenmill:engine_step_seconds")
+            assert steps > 0 and 0 < secs < 1e4, (p["name"], steps, secs)
+            assert metric(p, "tokenmill:engine_idle_seconds") > 0, p["name"]
+            assert metric(p, "tokenmill:engine_step_prompt_tokens") > 0, p["name"]
+            rows = metric(p, "tokenmill:engine_step_decode_rows")
+            assert rows <= metric(p, "tokenmill:generation_tokens_total"), p["name"]
+            assert (rows > 0) == (role == "decode"), (p["name"], rows)
 
 
 def test_killed_decode_worker_mid_stream_moves_its_streams_and_loses_nothing(cluster, engine):
