@@ -21,8 +21,9 @@ def test_a_cluster_writes_its_spans_and_the_summary_breaks_the_first_token_down(
     spans_dir = tmp_path / "spans"
     with running_cluster(tmp_path, "--tokenizers", "1", "--grace", "3", "--set", f"trace_dir={spans_dir}") as info:
         c = openai.OpenAI(base_url=info["http"] + "/v1", api_key="none", max_retries=0, timeout=120)
-        for i in range(REQUESTS):
-            c.completions.create(model="smollm2", prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0)
+        for i in range(REQUESTS):  # the last one as tenant "solo"
+            c.completions.create(model="smollm2", prompt=f"Count to {i + 3}:", max_tokens=8, temperature=0,
+                                 extra_headers={"x-tenant-id": "solo"} if i == REQUESTS - 1 else None)
         deadline = time.monotonic() + 30  # the exporters write in batches, every few seconds
         while time.monotonic() < deadline:
             spans = trace_summary.load_spans(spans_dir) if spans_dir.exists() else []
@@ -45,3 +46,11 @@ def test_a_cluster_writes_its_spans_and_the_summary_breaks_the_first_token_down(
     assert trace_summary.main([str(spans_dir)]) == 0
     out = capsys.readouterr().out
     assert "decode to first token" in out and "span:tokenize" in out
+    # one tenant's requests, and the slowest request's stages and spans
+    solo = trace_summary.stages(spans, tenant="solo")
+    assert len(solo["ttft"]) == 1 and solo["ttft"][0] in st["ttft"]
+    assert trace_summary.main([str(spans_dir), "--tenant", "solo", "--slowest", "5"]) == 0
+    out = capsys.readouterr().out
+    [line] = [ln for ln in out.splitlines() if "spans:" in ln]  # the tenant has one request
+    assert "decode to first token" in line and "decode " in line.split("spans:")[1], line
+    assert trace_summary.main([str(spans_dir), "--tenant", "nobody"]) == 1
