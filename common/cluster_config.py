@@ -290,6 +290,9 @@ class ClusterConfig:
     # Python's GIL switch interval in the model workers: how long the engine thread can wait for the GIL while the
     # gRPC and detokenizer threads hold it (docs/benchmarks.md, the served cluster on a GPU). None: Python's 5 ms
     worker_switch_interval_ms: float | None = 0.5
+    # every service freezes the objects of its start-up out of later garbage collections once it is ready, so a
+    # full collection scans only what serving allocated (common/gc_watch.py); False: Python's default
+    gc_freeze: bool = True
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)

@@ -39,6 +39,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from common import telemetry
 from common.cluster_config import ServiceConfig
+from common.gc_watch import GcWatch, freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -339,8 +340,10 @@ async def start_server(
     return running
 
 
-async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: asyncio.Event | None = None) -> None:
-    """Run ``app`` on ``cfg``'s ports until SIGTERM/SIGINT (or ``stop`` is set), then drain and stop it."""
+async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: asyncio.Event | None = None,
+                                freeze_gc: bool = False) -> None:
+    """Run ``app`` on ``cfg``'s ports until SIGTERM/SIGINT (or ``stop`` is set), then drain and stop it.
+    ``freeze_gc``: once ready, freeze the process's heap out of later collections (a service's own process only)."""
     stop = stop or getattr(app, "stop_event", None) or asyncio.Event()  # an app may end itself (a dead engine)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -348,12 +351,16 @@ async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: async
     telemetry.setup_tracing(f"tokenmill-{cfg.role}", cfg.cluster.otlp_endpoint, instance_id=cfg.name,
                             trace_dir=cfg.cluster.trace_dir)
     running = await start_server(app, cfg.host, cfg.grpc_port, cfg.metrics_port)
+    gc_watch = GcWatch(app.registry, cfg.name)
     try:
         starting = asyncio.ensure_future(app.start())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
         if starting.done():
             starting.result()  # a failed start raises here
+            if freeze_gc:
+                frozen = freeze_startup_heap()
+                log.debug("%s: %d objects of start-up frozen out of garbage collection", cfg.name, frozen)
             await running.set_serving(True)
             log.info("%s ready: grpc %s:%d metrics :%s", cfg.name, cfg.host, running.port, running.metrics_port)
             await stopped
@@ -369,6 +376,7 @@ async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: async
                 log.exception("%s: begin_drain failed", cfg.name)
         await running.drain(cfg.cluster.grace_s)
         await app.stop()
+        gc_watch.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     log.info("%s stopped", cfg.name)
@@ -377,7 +385,7 @@ async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: async
 def run(app: ServiceApp, cfg: ServiceConfig) -> int:
     """Blocking entry point of ``tokenmill serve <role>``: returns the process exit code (1: it failed)."""
     try:
-        asyncio.run(serve_until_signalled(app, cfg))
+        asyncio.run(serve_until_signalled(app, cfg, freeze_gc=cfg.cluster.gc_freeze))
     except (OSError, ValueError) as e:  # a bad model path, a taken port: the message says it all
         log.error("%s failed: %s", cfg.name, e)
         return 1

@@ -294,6 +294,8 @@ def test_metrics_count_requests(cluster):
         metric(p, "tokenmill:num_requests_running")
         metric(p, "tokenmill:prefix_cache_queries")
     assert sum(metric(p, "tokenmill:nixl_xfer_seconds") for p in procs(cluster, "decode")) > 0
+    # every service times its garbage collections (the gateway's allocations have run generation 0 many times)
+    assert metric(gw, "tokenmill:gc_pause_seconds_count") > 0
     # the engines' step counters: every decode row made one token, and every engine has waited idle between tests
     for role in ("decode", "prefill"):
         for p in procs(cluster, role):
