@@ -58,6 +58,7 @@ from loadgen.bench_serving_peer import _serving
 from loadgen.clients import GrpcTarget, SendOptions
 from loadgen.metrics import RequestRecord, stats, summarize
 from loadgen.runner import LoadConfig, run_load, run_warmups
+from loadgen.server_metrics import MetricsWatcher, histogram_tail
 from loadgen.workloads import PromptBuilder, Tenant, WorkloadConfig, iter_requests
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -256,7 +257,48 @@ def _p(s: dict[str, Any], key: str, q: str) -> float:
     return math.nan if v is None else float(v)
 
 
-async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> dict[str, Any]:
+def _processes(state_file: Path) -> dict[str, str]:
+    """The cluster's processes: ``/metrics`` URL → process name, from its state file."""
+    st = json.loads(state_file.read_text())
+    return {f"http://{p.get('address', '127.0.0.1:0').rsplit(':', 1)[0]}:{p['metrics_port']}/metrics": p["name"]
+            for p in st.get("processes", [])}
+
+
+def _stalls(w: MetricsWatcher, names: dict[str, str]) -> dict[str, Any]:
+    """What stood the cluster's processes still over one window, from their /metrics before and after it: the
+    gateway's event loop waking a 10 ms timer late (over 20 ms, over 100 ms, the highest bucket reached) and every
+    process's garbage collections of 50 ms or more."""
+    out: dict[str, Any] = {"gc_over_50ms": {}, "gc_top_s": {}}
+    for url, name in names.items():
+        if url not in w.before or url not in w.after:
+            continue
+        b, af = w.before[url], w.after[url]
+        if name.startswith("gateway"):
+            n, over20, top = histogram_tail(b, af, "tokenmill:gateway_loop_lag_seconds", 0.02)
+            out[f"{name}_loop_lag"] = {"wakes": n, "over_20ms": over20,
+                                       "over_100ms": histogram_tail(b, af, "tokenmill:gateway_loop_lag_seconds", 0.1)[1],
+                                       "top_bucket_s": top}
+        n, over, top = histogram_tail(b, af, "tokenmill:gc_pause_seconds", 0.05)
+        if over:
+            out["gc_over_50ms"][name] = over
+            out["gc_top_s"][name] = top
+    return out
+
+
+def _stall_line(window: str, s: dict[str, Any]) -> str:
+    parts = []
+    for k, v in s.items():
+        if k.endswith("_loop_lag"):
+            top = v["top_bucket_s"]
+            parts.append(f"{k[:-9]}'s loop woke over 20 ms late {v['over_20ms']:.0f} times, over 100 ms "
+                         f"{v['over_100ms']:.0f} (the worst ≤ {'-' if top is None else f'{top * 1e3:g} ms'})")
+    gcs = ", ".join(f"{n} {c:.0f} (worst ≤ {s['gc_top_s'][n] * 1e3:g} ms)" for n, c in s["gc_over_50ms"].items())
+    parts.append(f"collections of 50 ms or more: {gcs or 'none'}")
+    return f"{window}: " + "; ".join(parts)
+
+
+async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state_file: Path | None = None
+                ) -> dict[str, Any]:
     from common.loader import load_tokenizer
 
     builder = PromptBuilder(load_tokenizer(None))
@@ -269,6 +311,17 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
     lag = LoopLag(keep=True)  # this process's own event-loop lag: it sends and times every request
     lag.start()
     lags: dict[str, list[float]] = {"alone": [], "beside_flood": []}
+    names = _processes(state_file) if state_file is not None and state_file.exists() else {}
+    stalls: dict[str, list[dict[str, Any]]] = {"alone": [], "beside_flood": []}
+
+    async def watched(window: str, phase: Any) -> Any:
+        w = MetricsWatcher(list(names), interval=3600)  # one scrape before and one after the window
+        await w.start()
+        try:
+            return await phase
+        finally:
+            await w.stop()
+            stalls[window].append(_stalls(w, names))
     flood_proc: _FloodProcess | None = None
     try:
         await run_warmups(target, iter_requests(_workload(a.flood_input_len, 8, a.seed + 9), builder, [probe]),
@@ -298,11 +351,11 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
             _say(f"round {k + 1}/{a.rounds}, run (a): the interactive tenant alone, {a.interactive_rate:g} req/s "
                  f"for {a.duration:g} s")
             lag.take()
-            [ra], _, _ = await _phase(target, builder, [(inter, inter_w, inter_load)])
+            [ra], _, _ = await watched("alone", _phase(target, builder, [(inter, inter_w, inter_load)]))
             lags["alone"] += lag.take()
             _say(f"round {k + 1}/{a.rounds}, run (b): the same beside the flood")
-            [rb], rf, _ = await _phase(target, builder, [(inter, inter_w, inter_load)],
-                                       (flood_proc, flood.rate, flood_load))
+            [rb], rf, _ = await watched("beside_flood", _phase(target, builder, [(inter, inter_w, inter_load)],
+                                                               (flood_proc, flood.rate, flood_load)))
             lags["beside_flood"] += lag.take()
             alone += ra
             beside += rb
@@ -338,6 +391,8 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str]) -> di
         "refused_429": refused,
         # how late the load generator's own event loop ran (10 ms timer): it inflates the TTFT and ITL it measures
         "client_loop_lag_ms": {k: stats(v, 1e3) for k, v in lags.items()},
+        # the cluster's own stalls in each window (one entry per round): gateway loop lag, long collections
+        "server_stalls": stalls,
         "ratio": {"ttft_p50": _p(sb, "ttft_ms", "p50") / _p(sa, "ttft_ms", "p50"),
                   "ttft_p99": _p(sb, "ttft_ms", "p99") / _p(sa, "ttft_ms", "p99"),
                   "tpot_p50": _p(sb, "tpot_ms", "p50") / _p(sa, "tpot_ms", "p50"),
@@ -375,6 +430,8 @@ def format_result(r: dict[str, Any]) -> str:
         "the load generator's own event-loop lag (it times every request), p99 / max: " + ", ".join(
             f"{k} " + ("-" if v["p99"] is None else f"{v['p99']:.1f} / {v['max']:.1f} ms")
             for k, v in r.get("client_loop_lag_ms", {}).items()),
+        *(_stall_line(f"{window}, round {i + 1}", s) for window, rounds in r.get("server_stalls", {}).items()
+          for i, s in enumerate(rounds)),
         f"targets: TTFT p99 moved {100 * (q['ttft_p99'] - 1):+.0f}% (< +20%: {'met' if ok_ttft else 'MISSED'}), "
         f"TPOT p99 moved {100 * (q['tpot_p99'] - 1):+.0f}% (< +10%: {'met' if ok_tpot else 'MISSED'})",
     ]
@@ -388,7 +445,7 @@ def run(a: argparse.Namespace) -> int:
         work.mkdir(parents=True, exist_ok=True)
         try:
             with cluster(a, keys, work) as address:
-                result = asyncio.run(_main(a, address, keys))
+                result = asyncio.run(_main(a, address, keys, work / "state.json"))
         except (RuntimeError, OSError, ValueError) as e:
             print(f"tokenmill bench tenants: {e}", file=sys.stderr)
             return 2

@@ -59,6 +59,29 @@ def parse(text: str) -> Sample:
     return out
 
 
+def histogram_tail(before: Sample, after: Sample, name: str, over: float) -> tuple[float, float, float | None]:
+    """Histogram ``name`` (its label sets summed) between two scrapes of one endpoint: the observations, those above
+    ``over`` seconds (``over`` must be a bucket bound), and the upper bound of the highest bucket that gained any
+    (``math.inf``: past the last finite bound; None: no observation)."""
+    by_le: dict[float, float] = {}
+    prefix = name + "_bucket"
+    for key, v in after.items():
+        if not key.startswith(prefix + "{"):
+            continue
+        le = float(json.loads(key[len(prefix):])["le"])
+        by_le[le] = by_le.get(le, 0.0) + v - before.get(key, 0.0)
+    if not by_le:
+        return 0.0, 0.0, None
+    total = by_le.get(math.inf, 0.0)
+    above = total - by_le.get(over, 0.0)
+    bounds = sorted(by_le)
+    top = None
+    for lo, hi in zip([-1.0, *bounds], bounds):  # the highest bucket whose cumulative count grew past the one below
+        if by_le[hi] - (by_le.get(lo, 0.0) if lo >= 0 else 0.0) > 0:
+            top = hi
+    return total, above, top
+
+
 def endpoints_from_state(path: str | os.PathLike[str], host: str | None = None) -> list[str]:
     """The ``/metrics`` URLs of every process of a ``tokenmill up`` cluster, from its state file."""
     st = json.loads(Path(path).read_text())

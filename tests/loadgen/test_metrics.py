@@ -171,3 +171,28 @@ def test_result_json_is_strict_and_records_are_compact():
     assert json.loads(text)["x"] == [None, 1.5, [None]] and json.loads(text)["s"]["request_throughput"] is None
     d = _timeline()[0].to_json()
     assert "itls" not in d and d["chunk_times"] == [0.1, 0.15, 0.25, 0.3] and d["tpot"] == round(0.2 / 3, 6)
+
+
+def test_histogram_tail_counts_the_observations_above_a_bound_between_two_scrapes():
+    """A real histogram (two label sets, summed) scraped before and after: the window's observations, those above
+    the bound, and the highest bucket that gained any."""
+    from prometheus_client import Histogram, generate_latest
+
+    from loadgen.server_metrics import histogram_tail
+
+    reg = CollectorRegistry()
+    h = Histogram("t:pause_seconds", "p", ["generation"], registry=reg, buckets=(0.01, 0.05, 0.1, 1.0))
+    h.labels("0").observe(0.001)
+    h.labels("2").observe(0.07)
+    before = parse(generate_latest(reg).decode())
+    for v in (0.002, 0.03):
+        h.labels("0").observe(v)
+    for v in (0.06, 0.5):
+        h.labels("2").observe(v)
+    after = parse(generate_latest(reg).decode())
+    assert histogram_tail(before, after, "t:pause_seconds", 0.05) == (4.0, 2.0, 1.0)
+    assert histogram_tail(before, after, "t:pause_seconds", 0.1) == (4.0, 1.0, 1.0)
+    assert histogram_tail(after, after, "t:pause_seconds", 0.05) == (0.0, 0.0, None)
+    h.labels("0").observe(5.0)  # past the last finite bound
+    assert histogram_tail(after, parse(generate_latest(reg).decode()), "t:pause_seconds", 0.05) == (1.0, 1.0, math.inf)
+    assert histogram_tail({}, {}, "t:absent_seconds", 0.05) == (0.0, 0.0, None)
