@@ -393,6 +393,12 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
         "client_loop_lag_ms": {k: stats(v, 1e3) for k, v in lags.items()},
         # the cluster's own stalls in each window (one entry per round): gateway loop lag, long collections
         "server_stalls": stalls,
+        # the interactive tenant's measured requests, to line up with the cluster's spans when it ran with
+        # trace_dir: `python -m loadgen.trace_summary DIR --client RESULT`
+        "client_records": {w: [{"request_id": r.request_id, "start_wall_ns": r.start_wall_ns,
+                                "ttft_ms": None if r.ttft is None else r.ttft * 1e3}
+                               for r in recs if not r.warmup and r.request_id]
+                           for w, recs in (("alone", alone), ("beside_flood", beside))},
         "ratio": {"ttft_p50": _p(sb, "ttft_ms", "p50") / _p(sa, "ttft_ms", "p50"),
                   "ttft_p99": _p(sb, "ttft_ms", "p99") / _p(sa, "ttft_ms", "p99"),
                   "tpot_p50": _p(sb, "tpot_ms", "p50") / _p(sa, "tpot_ms", "p50"),

@@ -10,6 +10,7 @@ import asyncio
 import codecs
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -121,6 +122,7 @@ class GrpcTarget:
         stub = self._stubs[self._next % len(self._stubs)]
         self._next += 1
         req = self.request(spec)
+        req.request_id = rec.request_id = f"lg-{uuid.uuid4().hex}"  # the server's spans carry it
 
         async def stream() -> None:
             call = stub.Generate(req, metadata=md or None)
@@ -142,6 +144,7 @@ class GrpcTarget:
 
         st = time.perf_counter()
         rec.start = st - t0
+        rec.start_wall_ns = time.time_ns()
         await _timed(stream(), rec, self.opts.timeout)
         rec.end = time.perf_counter() - st
 
@@ -237,6 +240,7 @@ class OpenAITarget:
 
         st = time.perf_counter()
         rec.start = st - t0
+        rec.start_wall_ns = time.time_ns()
         await _timed(stream(), rec, self.opts.timeout)
         rec.end = time.perf_counter() - st
 

@@ -50,6 +50,8 @@ class RequestRecord:
     priority: int | None = None
     group: int | None = None
     warmup: bool = False
+    request_id: str | None = None  # sent with the request (gRPC): the id of its trace's root span too
+    start_wall_ns: int | None = None  # ``start`` on the wall clock (time.time_ns), to line up with server spans
 
     @property
     def ok(self) -> bool:

@@ -13,6 +13,13 @@ request (a trace whose root is the gateway's span: ``generate`` over gRPC, ``ope
 and prints those and every span name's duration as p50 / p90 / p99 in ms. The services share one host's clock.
 ``--tenant NAME`` keeps the requests of one tenant (the root's ``tenant`` attribute); ``--slowest N`` lists the N
 requests with the longest TTFT, each with its stages and spans: where a p99 request waited.
+
+``--client FILE`` lines the client's view up with the spans: FILE is a JSON result with ``client_records`` (``tokenmill
+bench tenants`` writes them: each request's id, its send time on the wall clock and the TTFT the client measured, by
+window). Each request's client TTFT then splits into **client to gateway** (its send to the gateway's span start:
+the client's own sending, the network and the gateway's gRPC server before the handler runs), the gateway's TTFT
+(its span start to its ``first_token`` event) and **gateway to client** (that event to the client's first token:
+the gateway's gRPC server after the handler, the network, the client's own reading).
 """
 
 from __future__ import annotations
@@ -103,14 +110,60 @@ def slowest(spans: list[dict[str, Any]], n: int, tenant: str | None = None) -> s
     return "\n".join(lines)
 
 
-def table(st: dict[str, list[float]]) -> str:
-    derived = [k for k in ("ttft", "to decode", "decode to first token", "e2e") if k in st]
-    names = derived + sorted(k for k in st if k.startswith("span:"))
-    lines = [f"{'stage':32s} {'count':>7s} {'p50 ms':>9s} {'p90 ms':>9s} {'p99 ms':>9s}"]
+def table(st: dict[str, list[float]], names: list[str] | None = None) -> str:
+    """p50 / p90 / p99 of each of ``names`` (default: the derived stages, then every span)."""
+    if names is None:
+        derived = [k for k in ("ttft", "to decode", "decode to first token", "e2e") if k in st]
+        names = derived + sorted(k for k in st if k.startswith("span:"))
+    width = max(32, *(len(k) + 1 for k in names))
+    lines = [f"{'stage':{width}s} {'count':>7s} {'p50 ms':>9s} {'p90 ms':>9s} {'p99 ms':>9s}"]
     for k in names:
         v = st[k]
-        lines.append(f"{k:32s} {len(v):7d} {_pct(v, 0.5):9.2f} {_pct(v, 0.9):9.2f} {_pct(v, 0.99):9.2f}")
+        lines.append(f"{k:{width}s} {len(v):7d} {_pct(v, 0.5):9.2f} {_pct(v, 0.9):9.2f} {_pct(v, 0.99):9.2f}")
     return "\n".join(lines)
+
+
+def client_split(spans: list[dict[str, Any]], records: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Per window of ``records`` (dicts with ``window``, ``request_id``, ``start_wall_ns``, ``ttft_ms``), in ms: the
+    client's TTFT, client to gateway, the gateway's TTFT and gateway to client, for the requests the spans have."""
+    roots = {s.get("attributes", {}).get("request_id"): s for s in spans if is_request_root(s)}
+    out: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        root = roots.get(r.get("request_id"))
+        if root is None or r.get("ttft_ms") is None or r.get("start_wall_ns") is None:
+            continue
+        first = next((e["time_ns"] for e in root.get("events", ()) if e["name"] == "first_token"), None)
+        if first is None:
+            continue
+        w = r.get("window", "all")
+        client_first = r["start_wall_ns"] + r["ttft_ms"] * 1e6
+        out[f"{w}: client ttft"].append(r["ttft_ms"])
+        out[f"{w}: client to gateway"].append((root["start_ns"] - r["start_wall_ns"]) / 1e6)
+        out[f"{w}: gateway ttft"].append((first - root["start_ns"]) / 1e6)
+        out[f"{w}: gateway to client"].append((client_first - first) / 1e6)
+    return dict(out)
+
+
+def slowest_clients(spans: list[dict[str, Any]], records: list[dict[str, Any]], n: int) -> str:
+    """The ``n`` requests with the longest client TTFT, split as in :func:`client_split`."""
+    lines = []
+    for r in sorted((r for r in records if r.get("ttft_ms") is not None), key=lambda r: -r["ttft_ms"])[:n]:
+        one = client_split(spans, [dict(r, window="x")])
+        if not one:
+            lines.append(f"client ttft {r['ttft_ms']:.1f} ms  {r.get('request_id')}: no span")
+            continue
+        lines.append(f"client ttft {r['ttft_ms']:.1f} ms  {r.get('request_id')} ({r.get('window', '')}): "
+                     f"client to gateway {one['x: client to gateway'][0]:.1f}, gateway ttft "
+                     f"{one['x: gateway ttft'][0]:.1f}, gateway to client {one['x: gateway to client'][0]:.1f}")
+    return "\n".join(lines)
+
+
+def load_client_records(path: Path) -> list[dict[str, Any]]:
+    """``client_records`` of a JSON result: a list, or lists by window (each record then gets its ``window``)."""
+    got = json.loads(path.read_text()).get("client_records", [])
+    if isinstance(got, dict):
+        return [dict(r, window=w) for w, rs in got.items() for r in rs]
+    return list(got)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the stages' milliseconds here")
     ap.add_argument("--tenant", help="only this tenant's requests")
     ap.add_argument("--slowest", type=int, default=0, help="list the N requests with the longest TTFT, stage by stage")
+    ap.add_argument("--client", type=Path, help="a JSON result with client_records (tokenmill bench tenants): "
+                    "split each client TTFT into client to gateway, the gateway's TTFT and gateway to client")
     a = ap.parse_args(argv)
     spans = load_spans(a.directory)
     if not spans:
@@ -132,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.slowest:
         print(f"\nthe {a.slowest} longest TTFTs (ms):")
         print(slowest(spans, a.slowest, a.tenant))
+    if a.client:
+        records = load_client_records(a.client)
+        split = client_split(spans, records)
+        if not split:
+            print(f"no request of {a.client} has a span here", file=sys.stderr)
+            return 1
+        print("\nthe client's TTFT, split (ms):")
+        print(table(split, list(split)))
+        if a.slowest:
+            print(f"\nthe {a.slowest} longest client TTFTs (ms):")
+            print(slowest_clients(spans, records, a.slowest))
     if a.json:
         Path(a.json).write_text(json.dumps(st))
     return 0
