@@ -27,7 +27,11 @@ Then, over gRPC ``Generate``:
 It prints the interactive tenant's TTFT and TPOT p50/p99 in both runs and their ratio, the flood's throughput and
 its share of the capacity and of what the interactive tenant left, and who got the 429s. Requests due in the first
 ``--warmup-seconds`` of a run are sent but left out. Each run has a cache salt of its own, so run (b) does not hit
-run (a)'s prefix cache.
+run (a)'s prefix cache. Around each run it reads every process's ``/metrics`` and prints what stood the cluster
+still: the gateway's event loop waking late (over 20 ms, over 100 ms) and garbage collections of 50 ms or more. The
+result keeps the interactive tenant's request ids, send times and TTFTs (``client_records``): run the cluster with
+``--set trace_dir=DIR`` and ``python -m loadgen.trace_summary DIR --client RESULT`` splits each TTFT into the way to
+the gateway, the gateway's own TTFT and the way back.
 """
 
 from __future__ import annotations
