@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -45,6 +46,11 @@ from common.worker import FINISH_TO_PROTO, WorkerBase, logprob_proto
 from services.decode.kv_pull import KvPulls, Lease
 
 log = logging.getLogger(__name__)
+
+# The detokenizer gives the GIL up after every this many outputs of a step: an engine thread that waits for it to
+# launch its next step takes it then, instead of after the whole step's text (a Python thread that works after each
+# step stretches the engine's steps: docs/benchmarks.md, the served cluster on a GPU).
+DETOK_YIELD_EVERY = 8
 
 
 # -- what the detokenizer thread takes from ``_detok_q`` (from the asyncio loop and the engine thread) ----------
@@ -312,8 +318,10 @@ class DecodeWorker(WorkerBase):
                     case _Out(o):
                         self._detok_one(proc, o, ready)
                     case _Outs(outs):
-                        for o in outs:
+                        for i, o in enumerate(outs, 1):
                             self._detok_one(proc, o, ready)
+                            if i % DETOK_YIELD_EVERY == 0:
+                                time.sleep(0)  # the GIL to the engine thread if it waits for it (see the constant)
             if ready:
                 self.call_in_aio(self._deliver_many, ready)
 
