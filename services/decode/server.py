@@ -318,10 +318,21 @@ class DecodeWorker(WorkerBase):
                     case _Out(o):
                         self._detok_one(proc, o, ready)
                     case _Outs(outs):
-                        for i, o in enumerate(outs, 1):
+                        # a request's first tokens first, handed over at once (they make its TTFT); the others
+                        # in chunks, giving the GIL up between them (see the constant)
+                        later = []
+                        for o in outs:
+                            if o.num_output_tokens <= len(o.new_token_ids):
+                                self._detok_one(proc, o, ready)
+                            else:
+                                later.append(o)
+                        if ready and later:
+                            self.call_in_aio(self._deliver_many, ready)
+                            ready = []
+                        for i, o in enumerate(later, 1):
                             self._detok_one(proc, o, ready)
                             if i % DETOK_YIELD_EVERY == 0:
-                                time.sleep(0)  # the GIL to the engine thread if it waits for it (see the constant)
+                                time.sleep(0)
             if ready:
                 self.call_in_aio(self._deliver_many, ready)
 
