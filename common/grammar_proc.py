@@ -269,6 +269,13 @@ def make_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int])
     return llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_ids), slices=SLICES)
 
 
+def make_executor(threads: int) -> Any:
+    """llguidance's parallel executor of ``threads`` threads (0: its default, 80% of the cores up to 32)."""
+    import llguidance as llg
+
+    return llg.LLExecutor(threads or None)
+
+
 def compute_masks(executor: Any, rows: Sequence[tuple[Any, int]], base: int, row_bytes: int) -> None:
     """llguidance's masks of ``rows`` (matcher, row) into the bitmask at address ``base``, ``row_bytes`` a row:
     one row on this thread, several in parallel on ``executor`` (an ``LLExecutor``), without the GIL. The child
@@ -303,7 +310,7 @@ def main(argv: list[str]) -> int:
     tokenizer_json = Path(tok_path).read_text()
     os.unlink(tok_path)
     tok = make_tokenizer(tokenizer_json, vocab, eos)
-    executor = llg.LLExecutor(threads or None)  # 0: llguidance's default
+    executor = make_executor(threads)
     compiled: OrderedDict[str, Any] = OrderedDict()
     matchers: dict[int, Any] = {}
     stdin = sys.stdin.buffer

@@ -21,7 +21,7 @@ import llguidance as llg
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from common.grammar_proc import MaskProcess, compute_masks, make_tokenizer
+from common.grammar_proc import MaskProcess, compute_masks, make_executor, make_tokenizer
 from common.sampling import StructuredOutput
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class _Executor:
     def unsafe_compute_mask_ptr(self, rows: list[tuple[llg.LLMatcher, int]], base: int, row_bytes: int,
                                 batch: int) -> None:
         if self._ex is None:
-            self._ex = llg.LLExecutor(self.threads or None)
+            self._ex = make_executor(self.threads)
         self._ex.unsafe_compute_mask_ptr(rows, base, row_bytes, batch)
 
 

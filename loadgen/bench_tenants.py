@@ -62,7 +62,7 @@ from loadgen.bench_serving_peer import _serving
 from loadgen.clients import GrpcTarget, SendOptions
 from loadgen.metrics import RequestRecord, stats, summarize
 from loadgen.runner import LoadConfig, run_load, run_warmups
-from loadgen.server_metrics import MetricsWatcher, histogram_tail
+from loadgen.server_metrics import MetricsWatcher, histogram_tail, named_endpoints_from_state
 from loadgen.workloads import PromptBuilder, Tenant, WorkloadConfig, iter_requests
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -261,13 +261,6 @@ def _p(s: dict[str, Any], key: str, q: str) -> float:
     return math.nan if v is None else float(v)
 
 
-def _processes(state_file: Path) -> dict[str, str]:
-    """The cluster's processes: ``/metrics`` URL → process name, from its state file."""
-    st = json.loads(state_file.read_text())
-    return {f"http://{p.get('address', '127.0.0.1:0').rsplit(':', 1)[0]}:{p['metrics_port']}/metrics": p["name"]
-            for p in st.get("processes", [])}
-
-
 def _stalls(w: MetricsWatcher, names: dict[str, str]) -> dict[str, Any]:
     """What stood the cluster's processes still over one window, from their /metrics before and after it: the
     gateway's event loop waking a 10 ms timer late (over 20 ms, over 100 ms, the highest bucket reached) and every
@@ -315,7 +308,7 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
     lag = LoopLag(keep=True)  # this process's own event-loop lag: it sends and times every request
     lag.start()
     lags: dict[str, list[float]] = {"alone": [], "beside_flood": []}
-    names = _processes(state_file) if state_file is not None and state_file.exists() else {}
+    names = named_endpoints_from_state(state_file) if state_file is not None and state_file.exists() else {}
     stalls: dict[str, list[dict[str, Any]]] = {"alone": [], "beside_flood": []}
 
     async def watched(window: str, phase: Any) -> Any:

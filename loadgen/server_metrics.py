@@ -84,11 +84,16 @@ def histogram_tail(before: Sample, after: Sample, name: str, over: float) -> tup
 
 def endpoints_from_state(path: str | os.PathLike[str], host: str | None = None) -> list[str]:
     """The ``/metrics`` URLs of every process of a ``tokenmill up`` cluster, from its state file."""
+    return list(named_endpoints_from_state(path, host))
+
+
+def named_endpoints_from_state(path: str | os.PathLike[str], host: str | None = None) -> dict[str, str]:
+    """Every process of a ``tokenmill up`` cluster from its state file: ``/metrics`` URL → process name."""
     st = json.loads(Path(path).read_text())
-    out = []
+    out = {}
     for p in st.get("processes", []):
         h = host or p.get("address", "127.0.0.1:0").rsplit(":", 1)[0]
-        out.append(f"http://{h}:{p['metrics_port']}/metrics")
+        out[f"http://{h}:{p['metrics_port']}/metrics"] = p.get("name", p.get("role", ""))
     return out
 
 

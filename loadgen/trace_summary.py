@@ -123,38 +123,48 @@ def table(st: dict[str, list[float]], names: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
+_CLIENT_PARTS = ("client ttft", "client to gateway", "gateway ttft", "gateway to client")
+
+
+def _client_parts(roots: dict[Any, dict[str, Any]], r: dict[str, Any]) -> tuple[float, ...] | None:
+    """One client record (``request_id``, ``start_wall_ns``, ``ttft_ms``) against its request's root span, in ms,
+    as :data:`_CLIENT_PARTS`; None when the spans lack it or its first token."""
+    root = roots.get(r.get("request_id"))
+    if root is None or r.get("ttft_ms") is None or r.get("start_wall_ns") is None:
+        return None
+    first = next((e["time_ns"] for e in root.get("events", ()) if e["name"] == "first_token"), None)
+    if first is None:
+        return None
+    client_first = r["start_wall_ns"] + r["ttft_ms"] * 1e6
+    return (r["ttft_ms"], (root["start_ns"] - r["start_wall_ns"]) / 1e6, (first - root["start_ns"]) / 1e6,
+            (client_first - first) / 1e6)
+
+
+def _roots(spans: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
+    return {s.get("attributes", {}).get("request_id"): s for s in spans if is_request_root(s)}
+
+
 def client_split(spans: list[dict[str, Any]], records: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Per window of ``records`` (dicts with ``window``, ``request_id``, ``start_wall_ns``, ``ttft_ms``), in ms: the
     client's TTFT, client to gateway, the gateway's TTFT and gateway to client, for the requests the spans have."""
-    roots = {s.get("attributes", {}).get("request_id"): s for s in spans if is_request_root(s)}
+    roots = _roots(spans)
     out: dict[str, list[float]] = defaultdict(list)
     for r in records:
-        root = roots.get(r.get("request_id"))
-        if root is None or r.get("ttft_ms") is None or r.get("start_wall_ns") is None:
-            continue
-        first = next((e["time_ns"] for e in root.get("events", ()) if e["name"] == "first_token"), None)
-        if first is None:
-            continue
-        w = r.get("window", "all")
-        client_first = r["start_wall_ns"] + r["ttft_ms"] * 1e6
-        out[f"{w}: client ttft"].append(r["ttft_ms"])
-        out[f"{w}: client to gateway"].append((root["start_ns"] - r["start_wall_ns"]) / 1e6)
-        out[f"{w}: gateway ttft"].append((first - root["start_ns"]) / 1e6)
-        out[f"{w}: gateway to client"].append((client_first - first) / 1e6)
+        parts = _client_parts(roots, r)
+        for name, v in zip(_CLIENT_PARTS, parts or ()):
+            out[f"{r.get('window', 'all')}: {name}"].append(v)
     return dict(out)
 
 
 def slowest_clients(spans: list[dict[str, Any]], records: list[dict[str, Any]], n: int) -> str:
     """The ``n`` requests with the longest client TTFT, split as in :func:`client_split`."""
+    roots = _roots(spans)
     lines = []
     for r in sorted((r for r in records if r.get("ttft_ms") is not None), key=lambda r: -r["ttft_ms"])[:n]:
-        one = client_split(spans, [dict(r, window="x")])
-        if not one:
-            lines.append(f"client ttft {r['ttft_ms']:.1f} ms  {r.get('request_id')}: no span")
-            continue
-        lines.append(f"client ttft {r['ttft_ms']:.1f} ms  {r.get('request_id')} ({r.get('window', '')}): "
-                     f"client to gateway {one['x: client to gateway'][0]:.1f}, gateway ttft "
-                     f"{one['x: gateway ttft'][0]:.1f}, gateway to client {one['x: gateway to client'][0]:.1f}")
+        parts = _client_parts(roots, r)
+        head = f"client ttft {r['ttft_ms']:.1f} ms  {r.get('request_id')} ({r.get('window', '')})"
+        lines.append(f"{head}: no span" if parts is None else
+                     f"{head}: " + ", ".join(f"{k} {v:.1f}" for k, v in zip(_CLIENT_PARTS[1:], parts[1:])))
     return "\n".join(lines)
 
 
