@@ -290,6 +290,9 @@ class ClusterConfig:
     # Python's GIL switch interval in the model workers: how long the engine thread can wait for the GIL while the
     # gRPC and detokenizer threads hold it (docs/benchmarks.md, the served cluster on a GPU). None: Python's 5 ms
     worker_switch_interval_ms: float | None = 0.5
+    # a model worker's engine runs in a process of its own, fed and read over a pipe, so it shares its GIL with no
+    # gRPC or detokenizer thread (common/engine_core.py); False: on a thread of the worker's process
+    worker_engine_process: bool = True
     # every service freezes the objects of its start-up out of later garbage collections once it is ready, so a
     # full collection scans only what serving allocated (common/gc_watch.py); False: Python's default
     gc_freeze: bool = True

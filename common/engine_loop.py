@@ -31,7 +31,9 @@ class EngineLoop:
     ``on_outputs`` gets every step's outputs (on the engine thread: keep it cheap, e.g. a queue put).
     ``on_tick`` runs once per iteration (poll transfers, expire leases); ``busy`` says whether ticks are
     needed even when the engine is idle (a transfer in flight). ``on_failure`` gets the exception that ended the
-    loop (on the engine thread, once), so the service can fail what waits on it and go down."""
+    loop (on the engine thread, once), so the service can fail what waits on it and go down. ``after(end)``
+    runs before each step (``end`` False: what the commands produced can leave before the step) and at the end of
+    each iteration (True)."""
 
     def __init__(
         self,
@@ -41,6 +43,7 @@ class EngineLoop:
         busy: Callable[[], bool] | None = None,
         idle_tick_s: float = 0.05,
         on_failure: Callable[[BaseException], None] | None = None,
+        after: Callable[[bool], None] | None = None,
     ) -> None:
         # an engine, or a factory the loop's thread calls first (see the module's docstring); ``ready`` holds it
         self._factory: Callable[[], LLMEngine] | None = None
@@ -56,6 +59,7 @@ class EngineLoop:
         self._busy = busy or (lambda: False)
         self._idle_tick_s = idle_tick_s
         self._on_failure = on_failure
+        self._after = after
         self._cmds: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], Future[Any]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._stopping = False
@@ -122,9 +126,13 @@ class EngineLoop:
                 if self._on_tick is not None:
                     self._on_tick(eng)
                 if eng.has_unfinished():
+                    if self._after is not None:
+                        self._after(False)
                     outs = eng.step()
                     if outs:
                         self._on_outputs(outs)
+                if self._after is not None:
+                    self._after(True)
         except BaseException as e:  # the worker fails what waits on the engine and goes down
             self.error = e
             self._stopping = True  # later submits fail at once

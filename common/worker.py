@@ -1,30 +1,28 @@
-"""What prefill and decode workers share: engine start-up, the engine loop, metrics, the NIXL agent, reports."""
+"""What the fronts of prefill and decode workers share: their engine core (common/engine_core.py), metrics, load
+reports."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmill.v1 import common_pb2, prefill_pb2, router_pb2
 
 from common.cluster_config import ServiceConfig
-from common.engine import LLMEngine, RequestOutput
+from common.engine import LLMEngine
+from common.engine_core import CoreHandle, CoreInfo, ProcessCore, ThreadCore, WorkerCore
 from common.engine_loop import EngineLoop
-from common.kv_transfer import KvCompat, KvTransferAgent
-from common.load_report import engine_load, report_forever
-from common.loader import load_model_source
-from common.model_runner import KV_LAYOUT
+from common.kv_transfer import KvCompat
+from common.load_report import report_forever
 from common.rpc import Unavailable
 from common.sampling import SamplingParams
 from common.sequence import FinishReason, PriorityClass
+from common.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -97,67 +95,32 @@ class WorkerMetrics:
         self.kv_transfer_bytes.observe(nbytes)
         self.kv_transfer_blocks.observe(blocks)
 
-    def bind(self, engine: LLMEngine, agent: KvTransferAgent | None, loop: EngineLoop | None = None) -> None:
-        """Read the engine's and the agent's state at scrape time, so ``/metrics`` is never a report interval
-        behind. Every read is a length or a number the engine thread replaces whole (atomic under the GIL)."""
-        bm = engine.block_manager
-        self.steps.set_function(lambda: engine.num_steps)
-        self.step_seconds.set_function(lambda: engine.step_seconds)
-        self.step_decode_rows.set_function(lambda: engine.step_decode_rows)
-        self.step_prompt_tokens.set_function(lambda: engine.step_prompt_tokens)
-        if loop is not None:
-            self.idle_seconds.set_function(lambda: loop.idle_seconds)
-        self.running.set_function(lambda: engine.num_running)
-        self.waiting.set_function(lambda: engine.num_waiting)
+    def bind(self, stats: Callable[[], dict[str, float]]) -> None:
+        """Read the engine's and the agent's counters at scrape time from ``stats()``: the engine core's last
+        report, renewed after every loop iteration (``WorkerCore.stats``)."""
+        def read(key: str) -> Callable[[], float]:
+            return lambda: stats().get(key, 0.0)
 
-        def by_class(klass: PriorityClass, i: int) -> Callable[[], float]:
-            """The class's count of waiting (``i`` 0) or running (1) requests."""
-            return lambda: engine.num_by_class(klass)[i]
-
+        self.steps.set_function(read("steps"))
+        self.step_seconds.set_function(read("step_seconds"))
+        self.step_decode_rows.set_function(read("step_decode_rows"))
+        self.step_prompt_tokens.set_function(read("step_prompt_tokens"))
+        self.idle_seconds.set_function(read("idle_seconds"))
+        self.running.set_function(read("running"))
+        self.waiting.set_function(read("waiting"))
         for klass in PriorityClass:
             label = klass.name.lower()
-            self.class_waiting.labels(label).set_function(by_class(klass, 0))
-            self.class_running.labels(label).set_function(by_class(klass, 1))
-        self.kv_used.set_function(bm.usage)
-        self.kv_free.set_function(lambda: bm.num_free_blocks)
-        self.kv_total.set_function(lambda: bm.num_blocks)
-        self.prefix_queries.set_function(lambda: bm.stats.queries)
-        self.prefix_hits.set_function(lambda: bm.stats.hits)
-        if agent is not None:
-            self.nixl_bytes.set_function(lambda: agent.bytes_transferred)
-            self.nixl_seconds.set_function(lambda: agent.transfer_seconds)
-            self.nixl_busy.set_function(lambda: agent.busy_seconds)
-            self.nixl_failures.set_function(lambda: agent.failures)
-
-
-def build_engine(cfg: ServiceConfig) -> LLMEngine:
-    """Load the model and warm it up (one short request) so the first real one pays no start-up cost. Raises
-    ValueError for a tensor-parallel prefill worker: the KV transfer would carry rank 0's shard alone."""
-    tp = cfg.cluster.engine.tensor_parallel_size
-    if cfg.role == "prefill" and tp > 1:
-        raise ValueError(f"{cfg.name}: engine.tensor_parallel_size={tp} on a prefill worker: the KV transfer between "
-                         f"the pools does not carry a tensor-parallel worker's shards; serve the aggregated layout "
-                         f"(prefill.count=0)")
-    threads = os.environ.get("OMP_NUM_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-    t0 = time.perf_counter()
-    engine = LLMEngine(load_model_source(cfg.cluster.model, cfg.cluster.tokenizer_spec), cfg.cluster.engine)
-    engine.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2, temperature=0.0))
-    engine.reset_step_counters()  # /metrics counts served work only
-    log.info("%s: model %s loaded and warmed in %.1f s (%d KV blocks)", cfg.name, engine.source.model_id,
-             time.perf_counter() - t0, engine.block_manager.num_blocks)
-    return engine
-
-
-def make_agent(cfg: ServiceConfig, engine: LLMEngine) -> KvTransferAgent:
-    kv = engine.runner.kv_cache
-    role = cfg.role
-    if role != "prefill" and role != "decode":
-        raise ValueError(f"{cfg.name}: a KV transfer agent belongs to a prefill or decode worker")
-    # the name is unique to this process: a restarted worker's peers see a new agent, never READ through the old
-    return KvTransferAgent(f"{cfg.name}.{os.getpid()}", kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT),
-                           role=role)
+            self.class_waiting.labels(label).set_function(read(f"waiting_{label}"))
+            self.class_running.labels(label).set_function(read(f"running_{label}"))
+        self.kv_used.set_function(read("kv_used"))
+        self.kv_free.set_function(read("kv_free"))
+        self.kv_total.set_function(read("kv_total"))
+        self.prefix_queries.set_function(read("prefix_queries"))
+        self.prefix_hits.set_function(read("prefix_hits"))
+        self.nixl_bytes.set_function(read("nixl_bytes"))
+        self.nixl_seconds.set_function(read("nixl_seconds"))
+        self.nixl_busy.set_function(read("nixl_busy"))
+        self.nixl_failures.set_function(read("nixl_failures"))
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:
@@ -172,9 +135,12 @@ def logprob_proto(lp: Any) -> common_pb2.TokenLogprob:
 
 
 class WorkerBase:
-    """Engine + loop + agent + load reports; subclasses add their servicer and output handling."""
+    """The front of a model worker: its engine core (``common/engine_core.py``; ``core_class`` says which), load
+    reports to every router, and the metrics; subclasses add their servicer and what they do with the core's
+    events (``ev_<kind>`` methods, called on the engine thread or the core's pipe reader: keep them cheap)."""
 
     role_proto: router_pb2.WorkerRole = router_pb2.WORKER_ROLE_UNSPECIFIED
+    core_class: type[WorkerCore] = WorkerCore
 
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
@@ -183,33 +149,34 @@ class WorkerBase:
             sys.setswitchinterval(cfg.cluster.worker_switch_interval_ms / 1000)
         self.registry = CollectorRegistry(auto_describe=True)
         self.metrics = WorkerMetrics(self.registry)
+        self.core: CoreHandle | None = None
+        self.info: CoreInfo | None = None
+        self.tokenizer: TextTokenizer | None = None
+        self.stats: dict[str, float] = {}  # the core's last counters (``ev_stats``)
+        # with the engine on a thread of this process (``worker_engine_process`` false) only: tests reach into them
         self.engine: LLMEngine | None = None
         self.loop: EngineLoop | None = None
-        self.agent: KvTransferAgent | None = None
         self.aio: asyncio.AbstractEventLoop | None = None
         self.draining = False
-        # the engine thread died: set with the exception; ``stop_event`` then ends the service (exit code 1)
+        # the engine failed: set with the exception; ``stop_event`` then ends the service (exit code 1)
         self.failed: BaseException | None = None
         self.stop_event = asyncio.Event()
         self._events: dict[str, tuple[list[int], list[int]]] = {}  # per router: KV events not yet reported
         self._stop_reports = asyncio.Event()
         self._report_tasks: list[asyncio.Task[None]] = []
 
-    # subclass hooks (engine thread)
-    def on_outputs(self, outs: list[RequestOutput]) -> None:
-        raise NotImplementedError
+    # -- the core's events (engine thread or pipe reader) --------------------------------------------------
+    def on_core_event(self, kind: str, *args: Any) -> None:
+        getattr(self, f"ev_{kind}")(*args)
 
-    def on_tick(self, engine: LLMEngine) -> None:
-        return None
-
-    def busy(self) -> bool:
-        return False
+    def ev_stats(self, stats: dict[str, float]) -> None:
+        self.stats = stats
 
     def fail_requests(self, exc: Exception) -> None:
-        """Every request waiting on the engine ends with ``exc`` (asyncio loop; the engine thread died)."""
+        """Every request waiting on the engine ends with ``exc`` (asyncio loop; the engine failed)."""
         raise NotImplementedError
 
-    def _engine_failed(self, e: BaseException) -> None:  # engine thread
+    def _engine_failed(self, e: BaseException) -> None:  # engine thread or pipe reader
         self.call_in_aio(self._fail, e)
 
     def _fail(self, e: BaseException) -> None:
@@ -219,19 +186,34 @@ class WorkerBase:
                                        f"request can be sent again"))
         self.stop_event.set()
 
+    async def call(self, method: str, *args: Any) -> Any:
+        """``core.method(*args)`` on the engine thread, before its next step. Runs even if the caller is
+        cancelled while it waits."""
+        assert self.core is not None
+        return await asyncio.wrap_future(self.core.call(method, *args))
+
+    def cast(self, method: str, *args: Any) -> None:
+        """``call`` without waiting for it (any thread)."""
+        assert self.core is not None
+        self.core.call(method, *args)
+
+    async def validate(self, prompt: list[int], params: SamplingParams) -> int:
+        """The engine's checks of a request (off the engine thread); raises RequestError."""
+        assert self.core is not None
+        return await asyncio.wrap_future(self.core.validate(prompt, params))
+
     async def start(self) -> None:
         self.aio = asyncio.get_running_loop()
-
-        def setup() -> LLMEngine:  # on the engine thread, the process's only torch thread (see common/engine_loop)
-            engine = build_engine(self.cfg)
-            self.agent = make_agent(self.cfg, engine)
-            return engine
-
-        self.loop = EngineLoop(setup, self.on_outputs, self.on_tick, self.busy, idle_tick_s=0.005,
-                               on_failure=self._engine_failed)
-        self.loop.start()
-        self.engine = await asyncio.wrap_future(self.loop.ready)
-        self.metrics.bind(self.engine, self.agent, self.loop)
+        handle = ProcessCore if self.cfg.cluster.worker_engine_process else ThreadCore
+        self.core = handle(self.core_class, self.cfg, self.on_core_event, self._engine_failed)
+        self.core.start()
+        self.info = await asyncio.wrap_future(self.core.ready)
+        if isinstance(self.core, ThreadCore):
+            self.loop, self.engine = self.core.loop, self.core.core.engine
+            self.tokenizer = self.engine.tokenizer if self.engine is not None else None
+        elif self.info.tokenizer is not None:
+            self.tokenizer = self.info.tokenizer.build()
+        self.metrics.bind(lambda: self.stats)
         interval = self.cfg.cluster.worker_pool(self.cfg.role).report_interval_s
         # every router replica keeps its own view: each gets this worker's stream
         self._report_tasks = [
@@ -242,38 +224,27 @@ class WorkerBase:
     def _snapshot_for(self, router: str) -> Callable[[bool], Awaitable[router_pb2.WorkerLoad]]:
         """Snapshots for one router's stream; KV events are kept per router, so each sees them all."""
         async def snapshot(first: bool) -> router_pb2.WorkerLoad:
-            assert self.loop is not None
-
-            def snap(e: LLMEngine) -> router_pb2.WorkerLoad:
-                self._fan_out_events(e)
-                load = engine_load(e, self.cfg.name, self.cfg.address, self.role_proto, full=first,
-                                   draining=self.draining)
-                if not first:
-                    mine = self._events.pop(router, ([], []))
-                    load.kv_events.stored.extend(mine[0])
-                    load.kv_events.removed.extend(mine[1])
-                else:
-                    self._events.pop(router, None)
-                return load
-
-            return await asyncio.wrap_future(self.loop.submit(snap))
+            load, stored, removed = await self.call("load", self.cfg.name, self.cfg.address, self.role_proto, first,
+                                                    self.draining)
+            if stored or removed:
+                for addr in self.cfg.cluster.addresses("router"):
+                    s, r = self._events.setdefault(addr, ([], []))
+                    s.extend(stored)
+                    r.extend(removed)
+            if not first:
+                mine = self._events.pop(router, ([], []))
+                load.kv_events.stored.extend(mine[0])
+                load.kv_events.removed.extend(mine[1])
+            else:
+                self._events.pop(router, None)
+            return load
 
         return snapshot
-
-    def _fan_out_events(self, e: LLMEngine) -> None:
-        """Move the block manager's new events into every router's queue (engine thread)."""
-        stored, removed = e.block_manager.drain_events()
-        if not stored and not removed:
-            return
-        for addr in self.cfg.cluster.addresses("router"):
-            s, r = self._events.setdefault(addr, ([], []))
-            s.extend(stored)
-            r.extend(removed)
 
     async def begin_drain(self) -> None:
         """SIGTERM: tell every router at once that no new work should come here."""
         self.draining = True
-        if self.loop is not None and self.engine is not None:
+        if self.info is not None and self.failed is None:
             await asyncio.gather(*(self._send_one(addr) for addr in self.cfg.cluster.addresses("router")),
                                  return_exceptions=True)
 
@@ -300,14 +271,11 @@ class WorkerBase:
                 await asyncio.wait_for(task, 2.0)
             except (TimeoutError, Exception):
                 task.cancel()
-        if self.loop is not None:
-            await asyncio.to_thread(self.loop.stop)
-        if self.engine is not None:
-            self.engine.close()  # the engine thread has ended: stop the other tensor-parallel ranks, if any
-        if self.agent is not None:
-            self.agent.close()
+        if self.core is not None:
+            await asyncio.to_thread(self.core.stop)
 
     def call_in_aio(self, fn: Any, *args: Any) -> None:
-        """Run ``fn(*args)`` on the asyncio loop (from the engine or detok thread)."""
+        """Run ``fn(*args)`` on the asyncio loop (from the engine thread, the core's pipe reader or the detok
+        thread)."""
         assert self.aio is not None
         self.aio.call_soon_threadsafe(fn, *args)

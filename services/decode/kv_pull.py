@@ -1,11 +1,13 @@
 """A decode worker's KV pulls: a prompt computed by a prefill worker comes here over NIXL, under that worker's lease.
 
-``KvPulls`` has two sides. On the asyncio loop (a request's handler, before the request reaches the engine): the
-handshake with each prefill worker (``ensure_peer``), then the claim of the request's lease (``Prefill.Claim``: the
-prefill worker holds the blocks for a stated time from then), and ``Prefill.Release`` for a lease no READ of ours ran
-under. On the engine thread: ``admit`` adds the prefilled request (its first token streams at once) and posts one
-NIXL READ of the prompt's blocks; ``on_tick`` checks every READ once per step while the running batch goes on, and a
-landed READ makes the sequence join the batch. A refused claim, a READ that fails or cannot be posted, or a READ still
+Two halves. ``KvPeers``, in the worker's front (asyncio, a request's handler, before the request reaches the engine):
+the handshake with each prefill worker (``ensure_peer``, through the engine core's agent), then the claim of the
+request's lease (``Prefill.Claim``: the prefill worker holds the blocks for a stated time from then), and
+``Prefill.Release`` for a lease no READ of ours ran under. ``KvPulls``, in the engine core (engine thread): ``admit``
+adds the prefilled request (its first token streams at once) and posts one NIXL READ of the prompt's blocks;
+``on_tick`` checks every READ once per step while the running batch goes on, and a landed READ makes the sequence
+join the batch. What the front must do about a pull, KvPulls sends it as an event (``emit``): ``first_token``,
+``release_lease``, ``span``, ``recompute`` and ``transfer`` (services/decode/server.py takes them). A refused claim, a READ that fails or cannot be posted, or a READ still
 running ``LEASE_SAFETY_S`` before the claim's hold ends (timed on this worker's monotonic clock from before the Claim
 was sent) is given up and the prompt recomputed here, so no READ ever runs past the hold. An aborted request's
 blocks are freed only when its READ is over, never under it.
@@ -25,20 +27,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from tokenmill.v1 import common_pb2, decode_pb2, prefill_pb2, prefill_pb2_grpc
 
-from common import rpc, telemetry
-from common.engine import LLMEngine, RequestOutput, TokenLogprob
+from common import rpc
+from common.engine import LLMEngine, TokenLogprob
 from common.kv_transfer import KvCompat, KvIncompatibleError, KvReadHandle, KvTransferAgent, KvTransferError
 from common.leases import release_lease
 from common.sampling import SamplingParams
 from common.sequence import Tenancy
-from common.worker import WorkerMetrics, compat_proto
+from common.worker import compat_proto
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class Lease:
 
     kv: common_pb2.KvHandle
     deadline: float | None = None  # time.monotonic() by which the READ must be over; None: not claimed (recompute)
+    peer: str = ""  # the prefill worker's agent, once the handshake is done
 
 
 @dataclass
@@ -80,41 +83,24 @@ class _Pull:
     post_at: float = 0.0  # time.monotonic(): post the READ then (fault injection ``before``)
     observe_after: float = 0.0  # time.monotonic(): count it in flight until then (fault injection ``after``)
     aborted: bool = False
-    started_ns: int = 0  # tracing: READ started (its span is made on the asyncio loop when it ends)
-    trace_ctx: Any = None  # the request's ``decode`` span: the parent of ``kv_transfer``
+    started_ns: int = 0  # tracing: READ started (its span is made in the front when it ends)
 
 
 class KvPulls:
-    """The pulls in flight (engine thread) and the handshakes, claims and releases with prefill workers (asyncio).
+    """The pulls in flight (engine thread, in the engine core). ``emit(kind, *args)`` sends the front an event;
+    ``agent`` is set once the engine thread has made it, before any request comes."""
 
-    ``first_token`` takes a prefilled request's first output (engine thread), which streams before its pull;
-    ``call_in_aio`` runs a function on the asyncio loop. ``agent`` is set once the engine thread has made it, before
-    any request comes."""
-
-    def __init__(self, name: str, metrics: WorkerMetrics, call_in_aio: Callable[..., None],
-                 first_token: Callable[[RequestOutput], None], fault: str | None = None) -> None:
-        self.name = name
-        self.metrics = metrics
+    def __init__(self, emit: Callable[..., None], fault: str | None = None) -> None:
         self.agent: KvTransferAgent | None = None
-        self._call_in_aio = call_in_aio
-        self._first_token = first_token
-        self._pulls: dict[str, _Pull] = {}  # engine thread only
-        self._peers: dict[str, str] = {}  # prefill address → its agent name (handshake done)
-        self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._prefills = rpc.StubCache()  # Claim, Release and KvHandshake, one channel per prefill worker
-        self._background = rpc.Background()
+        self.emit = emit
+        self._pulls: dict[str, _Pull] = {}
         self._delay_before, self._delay_after = fault_delays(fault)
 
-    async def close(self) -> None:
-        await self._background.drain(timeout=2)  # the releases in flight, before their channels close
-        await self._prefills.close()
-
-    # -- engine thread -----------------------------------------------------------------------------------
     def busy(self) -> bool:
         return bool(self._pulls)
 
     def admit(self, engine: LLMEngine, rid: str, req: decode_pb2.DecodeRequest, params: SamplingParams,
-              tenancy: Tenancy, lease: Lease, trace_ctx: Any = None) -> None:
+              tenancy: Tenancy, lease: Lease) -> None:
         """Add the prefilled request and start its pull; the lease is the pull's from here. With no claim
         (``lease.deadline`` None) the prompt is recomputed here."""
         meta = req.meta
@@ -130,15 +116,14 @@ class KvPulls:
         except Exception:  # refused before it took a block (its first token breaks its grammar): the lease goes back
             self.end_unadmitted(lease)
             raise
-        self._first_token(out)  # the first token streams before the pull
+        self.emit("first_token", out)  # the first token streams before the pull
         kv, deadline = lease.kv, lease.deadline
-        peer = self._peers.get(kv.address, kv.worker_id)
-        pull = _Pull(None, peer, kv, deadline or 0.0, [], [], trace_ctx=trace_ctx)
+        pull = _Pull(None, lease.peer or kv.worker_id, kv, deadline or 0.0, [], [])
         if plan is None:  # finished already, or no room: recomputed here; the prefill worker can free its blocks
             if deadline is not None:
                 self._give_back(pull)
             if not out.finished:
-                self.metrics.kv_recomputes.labels("no_room").inc()
+                self.emit("recompute", "no_room")
             return
         if deadline is None:
             self._recompute(engine, rid, "claim_refused")
@@ -189,11 +174,11 @@ class KvPulls:
             self.agent.release(pull.handle)
             del self._pulls[rid]
             h = pull.handle
-            self._call_in_aio(telemetry.record_span, "kv_transfer", pull.started_ns, time.time_ns(), pull.trace_ctx,
-                              {"bytes": h.nbytes, "blocks": h.num_blocks, "runs": h.runs, "peer": pull.peer},
-                              None if state == "DONE" else f"KV pull {state}: {h.error}")
+            self.emit("span", rid, "kv_transfer", pull.started_ns, time.time_ns(),
+                      {"bytes": h.nbytes, "blocks": h.num_blocks, "runs": h.runs, "peer": pull.peer},
+                      None if state == "DONE" else f"KV pull {state}: {h.error}")
             if state == "DONE":
-                self.metrics.observe_transfer(h.seconds, h.nbytes, h.num_blocks)
+                self.emit("transfer", h.seconds, h.nbytes, h.num_blocks)
             else:
                 self._give_back(pull)  # the READ failed: no completion notification frees the lease
             if pull.aborted:
@@ -205,12 +190,12 @@ class KvPulls:
                 self._recompute(engine, rid, "read_failed")
 
     def _recompute(self, engine: LLMEngine, rid: str, reason: str) -> None:
-        self.metrics.kv_recomputes.labels(reason).inc()
+        self.emit("recompute", reason)
         engine.kv_failed(rid)
 
     def _give_back(self, pull: _Pull) -> None:
         """No READ of ours runs under the pull's lease (none was posted, or it is over without its notification)."""
-        self._call_in_aio(self.release_lease, pull.kv)
+        self.emit("release_lease", pull.kv)
 
     def _give_up(self, engine: LLMEngine, rid: str, pull: _Pull) -> None:
         """The READ outlived its claim's hold (less LEASE_SAFETY_S): cancel it and recompute here."""
@@ -243,9 +228,25 @@ class KvPulls:
     def end_unadmitted(self, lease: Lease) -> None:
         """The lease's stream ended before its admission (engine thread, so ``admit`` will not run): no READ of
         ours runs under the lease: release it."""
-        self._call_in_aio(self.release_lease, lease.kv)
+        self.emit("release_lease", lease.kv)
 
-    # -- leases and handshakes with prefill workers (asyncio) -------------------------------------------
+
+class KvPeers:
+    """The handshakes, claims and releases with prefill workers (the front's asyncio loop). ``call(method, *args)``
+    awaits a call of the engine core (its agent's handshake, peers)."""
+
+    def __init__(self, name: str, call: Callable[..., Awaitable[Any]]) -> None:
+        self.name = name
+        self._call = call
+        self._peers: dict[str, str] = {}  # prefill address → its agent name (handshake done)
+        self._peer_locks: dict[str, asyncio.Lock] = {}
+        self._prefills = rpc.StubCache()  # Claim, Release and KvHandshake, one channel per prefill worker
+        self._background = rpc.Background()
+
+    async def close(self) -> None:
+        await self._background.drain(timeout=2)  # the releases in flight, before their channels close
+        await self._prefills.close()
+
     async def claim(self, lease: Lease) -> None:
         """Handshake with the lease's prefill worker if need be, then claim the lease: sets ``lease.deadline``
         (left None when the worker is gone or the claim refused: the prompt is recomputed here). Raises
@@ -257,6 +258,7 @@ class KvPulls:
                         e.details())
             return
         lease.deadline = await self._claim(lease.kv)
+        lease.peer = self._peers.get(lease.kv.address, lease.kv.worker_id)
 
     async def _claim(self, kv: common_pb2.KvHandle) -> float | None:
         """Claim the lease: the monotonic time by which our READ must be over (LEASE_SAFETY_S inside the hold,
@@ -280,18 +282,17 @@ class KvPulls:
     async def ensure_peer(self, kv: common_pb2.KvHandle) -> None:
         """Handshake with a prefill worker once; again when the handle names another agent at that address (the
         worker restarted: an agent's name is unique to its process) or the agent dropped the peer (it died)."""
-        assert self.agent is not None
         known = self._peers.get(kv.address)
-        if known == kv.worker_id and self.agent.has_peer(known):
+        if known == kv.worker_id and await self._call("has_peer", known):
             return
         lock = self._peer_locks.setdefault(kv.address, asyncio.Lock())
         async with lock:
             known = self._peers.get(kv.address)
-            if known == kv.worker_id and self.agent.has_peer(known):
+            if known == kv.worker_id and await self._call("has_peer", known):
                 return
             if known is not None:
-                self.agent.remove_peer(known)  # a restarted worker's old agent: never READ through it again
-            hs = self.agent.handshake_payload()
+                await self._call("remove_peer", known)  # a restarted worker's old agent: never READ through it again
+            hs = await self._call("handshake")
             resp = await self._prefills.get(kv.address, prefill_pb2_grpc.PrefillStub).KvHandshake(
                 prefill_pb2.KvHandshakeRequest(
                     peer_agent=hs.agent_name, peer_metadata=hs.agent_metadata, compat=compat_proto(hs.compat)
@@ -299,8 +300,8 @@ class KvPulls:
                 timeout=10,
             )
             try:
-                self.agent.add_peer(resp.agent_name, resp.agent_metadata, resp.kv_descriptors,
-                                    KvCompat.from_message(resp.compat))
+                await self._call("add_peer", resp.agent_name, resp.agent_metadata, resp.kv_descriptors,
+                                 KvCompat.from_message(resp.compat))
             except KvIncompatibleError as e:
                 raise PeerRefused(f"{self.name} refuses prefill worker {resp.agent_name}: {e}") from e
             self._peers[kv.address] = resp.agent_name

@@ -1,8 +1,9 @@
 """The Decode service: one engine in continuous batching, KV pulled over NIXL, text beside the loop.
 
-Threads: the asyncio loop (gRPC), the engine loop (``EngineLoop``: steps, NIXL polls), and the detokenizer
-(``OutputProcessor``: token ids → text, stop strings, the output filter of the request's tenant or model from the
-config's ``output_filter``; a stream it blocks is aborted in the engine, its blocks freed, and its last message
+The engine, its steps and its NIXL polls are the engine core's (``DecodeCore``, services/decode/core.py), in a
+process of its own by default (common/engine_core.py). This front has the asyncio loop (gRPC) and the detokenizer
+thread (``OutputProcessor``: token ids → text, stop strings, the output filter of the request's tenant or model from
+the config's ``output_filter``; a stream it blocks is aborted in the engine, its blocks freed, and its last message
 carries ``FINISH_REASON_CONTENT_FILTER`` and ``filter_reason``). The detokenizer takes typed messages from one queue
 (``_Add`` … ``_Stop``), drains everything queued at once and wakes the asyncio loop once per drain.
 
@@ -13,16 +14,15 @@ sequences costs one gRPC message instead of 64. Both share the request's set-up 
 (``DecodeWorker._prepare`` / ``_begin`` / ``_end``).
 
 A request with a KV handle (its prompt computed by a prefill worker) first claims its lease, streams its first
-token, then pulls the prompt's blocks while the running batch goes on: ``KvPulls`` (services/decode/kv_pull.py) does
-the handshakes, claims and releases on the asyncio loop and the pulls on the engine thread, and says when the lease
-changes hands (``Lease``). Fault injection for its tests: ``KV_PULL_FAULT`` (see there).
+token, then pulls the prompt's blocks while the running batch goes on (services/decode/kv_pull.py): ``KvPeers`` does
+the handshakes, claims and releases here, ``KvPulls`` the pulls in the engine core, and ``Lease`` says when the lease
+changes hands. Fault injection for its tests: ``KV_PULL_FAULT`` (see there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
@@ -36,20 +36,22 @@ from tokenmill.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2
 
 from common import rpc, telemetry
 from common.cluster_config import ServiceConfig
-from common.engine import LLMEngine, RequestOutput, TokenLogprob
+from common.engine import RequestOutput, TokenLogprob
 from common.output_filter import OutputPolicy, PolicySet
 from common.output_processor import OutputProcessor, TextDelta
 from common.sampling import SamplingParams
 from common.sequence import Tenancy
 from common.wire import sampling_params_from_proto, tenancy_from_meta
 from common.worker import FINISH_TO_PROTO, WorkerBase, logprob_proto
-from services.decode.kv_pull import KvPulls, Lease
+from services.decode.core import DecodeCore
+from services.decode.kv_pull import KvPeers, Lease
 
 log = logging.getLogger(__name__)
 
-# The detokenizer gives the GIL up after every this many outputs of a step: an engine thread that waits for it to
-# launch its next step takes it then, instead of after the whole step's text (a Python thread that works after each
-# step stretches the engine's steps: docs/benchmarks.md, the served cluster on a GPU).
+# The detokenizer gives the GIL up after every this many outputs of a step: an engine thread of this process
+# (``worker_engine_process`` false) that waits for it to launch its next step takes it then, instead of after the
+# whole step's text (a Python thread that works after each step stretches the engine's steps: docs/benchmarks.md,
+# the served cluster on a GPU).
 DETOK_YIELD_EVERY = 8
 
 
@@ -74,14 +76,14 @@ class _Discard:
 
 @dataclass(frozen=True, slots=True)
 class _Out:
-    """One output outside a step: a prefilled request's first token (engine thread)."""
+    """One output outside a step: a prefilled request's first token (the core's event)."""
 
     output: RequestOutput
 
 
 @dataclass(frozen=True, slots=True)
 class _Outs:
-    """Everything one engine step produced (engine thread): one hand-off per step, not per token."""
+    """Everything one engine step produced (the core's event): one hand-off per step, not per token."""
 
     outputs: list[RequestOutput]
 
@@ -92,13 +94,6 @@ class _Stop:
 
 
 _DetokMsg = _Add | _Discard | _Out | _Outs | _Stop
-
-
-@dataclass
-class _Admission:
-    """Whether a stream's request reached the engine: set by ``_admit`` on the engine thread."""
-
-    admitted: bool = False
 
 
 @dataclass
@@ -123,7 +118,7 @@ class _Req:
     prior: list[int]
     tenancy: Tenancy
     lease: Lease | None
-    admission: _Admission
+    admitted: bool = False  # its ``admit`` call was made (it runs before any later call)
     span: Any = None
     finished: bool = False
 
@@ -185,14 +180,15 @@ _Sink = asyncio.Queue[_Item | BaseException] | _StreamSink
 
 class DecodeWorker(WorkerBase):
     role_proto = router_pb2.WORKER_ROLE_DECODE
+    core_class = DecodeCore
 
     def __init__(self, cfg: ServiceConfig) -> None:
         super().__init__(cfg)
         self.streams: dict[str, _Sink] = {}
         self._detok_q: queue.SimpleQueue[_DetokMsg] = queue.SimpleQueue()
         self._detok_thread: threading.Thread | None = None
-        self.pulls = KvPulls(cfg.name, self.metrics, self.call_in_aio, lambda out: self._detok_q.put(_Out(out)),
-                             os.environ.get("KV_PULL_FAULT"))
+        self.peers = KvPeers(cfg.name, self.call)
+        self._trace: dict[str, Any] = {}  # request id → its ``decode`` span's context, for its KV pull's span
         self.policies = PolicySet(cfg.cluster.output_filter, cfg.cluster.model)
 
     def register(self, server: grpc.aio.Server) -> list[str]:
@@ -201,61 +197,50 @@ class DecodeWorker(WorkerBase):
 
     async def start(self) -> None:
         await super().start()
-        assert self.engine is not None
-        self.pulls.agent = self.agent  # made on the engine thread; no request has come yet
         self._detok_thread = threading.Thread(
-            target=self._detok_run, args=(OutputProcessor(self.engine.tokenizer),), name="detok", daemon=True
+            target=self._detok_run, args=(OutputProcessor(self.tokenizer),), name="detok", daemon=True
         )
         self._detok_thread.start()
 
     async def stop(self) -> None:
         await super().stop()
         self._detok_q.put(_Stop())
-        await self.pulls.close()
+        await self.peers.close()
 
     def fail_requests(self, exc: Exception) -> None:
         for q in self.streams.values():
             q.put_nowait(exc)
 
-    # -- engine thread -----------------------------------------------------------------------------------
-    def on_outputs(self, outs: list[RequestOutput]) -> None:
+    # -- the core's events (engine thread or the core's pipe reader) ------------------------------------
+    def ev_outputs(self, outs: list[RequestOutput]) -> None:
         self._detok_q.put(_Outs(outs))  # one hand-off per step, not per token
         self.metrics.generation_tokens.inc(len(outs))
 
-    def busy(self) -> bool:
-        return self.pulls.busy()
+    def ev_first_token(self, out: RequestOutput) -> None:
+        self._detok_q.put(_Out(out))  # a prefilled request's first token, before its pull
 
-    def on_tick(self, engine: LLMEngine) -> None:
-        self.pulls.on_tick(engine)
+    def ev_release_lease(self, kv: common_pb2.KvHandle) -> None:
+        self.call_in_aio(self.peers.release_lease, kv)
 
-    def _admit(self, engine: LLMEngine, rid: str, req: decode_pb2.DecodeRequest, params: SamplingParams,
-               tenancy: Tenancy, lease: Lease | None, admission: _Admission, trace_ctx: Any = None) -> None:
-        """Add the request (engine thread); one with a lease goes to ``KvPulls``, which owns the lease from here."""
-        admission.admitted = True
-        if lease is not None:
-            self.pulls.admit(engine, rid, req, params, tenancy, lease, trace_ctx)
-            return
-        meta = req.meta
-        engine.add_request(rid, list(req.prompt_token_ids), params, meta.priority, meta.cache_salt,
-                           prior_output_ids=list(req.prior_output_ids), tenancy=tenancy)
+    def ev_span(self, rid: str, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
+                error: str | None) -> None:
+        self.call_in_aio(self._record_span, rid, name, start_ns, end_ns, attributes, error)
 
-    def _end_stream(self, engine: LLMEngine, rid: str, lease: Lease | None, admission: _Admission) -> None:
-        """The stream ended unfinished (engine thread, after its ``_admit`` ran or was cancelled before running)."""
-        if admission.admitted:
-            self._abort(engine, rid)
-        elif lease is not None:  # never admitted, so no READ of ours runs under the lease: give it back
-            self.pulls.end_unadmitted(lease)
+    def _record_span(self, rid: str, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
+                     error: str | None) -> None:
+        telemetry.record_span(name, start_ns, end_ns, self._trace.pop(rid, None), attributes, error)
 
-    def _abort(self, engine: LLMEngine, rid: str) -> None:
-        if not self.pulls.abort(rid):  # a pull in flight aborts the request when its READ is over
-            engine.abort(rid)
+    def ev_recompute(self, reason: str) -> None:
+        self.metrics.kv_recomputes.labels(reason).inc()
+
+    def ev_transfer(self, seconds: float, nbytes: int, blocks: int) -> None:
+        self.metrics.observe_transfer(seconds, nbytes, blocks)
 
     # -- a request's set-up and clean-up (asyncio loop), shared by Decode and DecodeStream --------------------
-    def _prepare(self, request: decode_pb2.DecodeRequest) -> _Req:
+    async def _prepare(self, request: decode_pb2.DecodeRequest) -> _Req:
         """Check the request (raises before anything is held)."""
         if self.draining:
             raise rpc.Unavailable(f"{self.cfg.name} is draining; send the request to another decode worker")
-        assert self.engine is not None and self.loop is not None
         rid = request.meta.request_id or uuid.uuid4().hex
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} is already streaming on {self.cfg.name}")
@@ -264,23 +249,24 @@ class DecodeWorker(WorkerBase):
         prior = list(request.prior_output_ids)
         if prior and request.HasField("kv"):
             raise ValueError("prior_output_ids and kv cannot come together: a moved stream recomputes its context")
-        self.engine.validate(prompt, params)  # reads only config: safe off the engine thread
+        await self.validate(prompt, params)
+        if rid in self.streams:  # came in while this one was checked
+            raise ValueError(f"request id {rid!r} is already streaming on {self.cfg.name}")
         lease = Lease(request.kv) if request.HasField("kv") else None
-        return _Req(rid, request, params, prompt, prior, tenancy_from_meta(request.meta), lease, _Admission())
+        return _Req(rid, request, params, prompt, prior, tenancy_from_meta(request.meta), lease)
 
     async def _begin(self, r: _Req, sink: _Sink, parent: Any = None) -> None:
         """Register the request's sink, claim its lease, and hand it to the detokenizer and the engine."""
-        assert self.loop is not None
         self.streams[r.rid] = sink
         self.metrics.prompt_tokens.inc(len(r.prompt))
         r.span = telemetry.start_span("decode", parent=parent,
                                       attributes={"request_id": r.rid, "prompt_tokens": len(r.prompt)})
-        trace_ctx = telemetry.context_with(r.span)
         if r.lease is not None:
-            await self.pulls.claim(r.lease)  # before the first token; no claim: the prompt is recomputed here
+            self._trace[r.rid] = telemetry.context_with(r.span)
+            await self.peers.claim(r.lease)  # before the first token; no claim: the prompt is recomputed here
         self._detok_q.put(_Add(r.rid, r.prompt, r.params, r.prior, self.policies.for_request(r.request.meta.tenant_id)))
-        await asyncio.wrap_future(self.loop.submit(
-            lambda e: self._admit(e, r.rid, r.request, r.params, r.tenancy, r.lease, r.admission, trace_ctx)))
+        r.admitted = True
+        await self.call("admit", r.rid, r.request, r.params, r.tenancy, r.lease)
 
     def _finished(self, r: _Req, last: _Item) -> None:
         r.finished = True
@@ -290,14 +276,13 @@ class DecodeWorker(WorkerBase):
     def _end(self, r: _Req, error: BaseException | None) -> None:
         """The request's stream is over; unfinished (cancelled, failed), its blocks and lease are freed within a
         step."""
-        assert self.loop is not None
         if not r.finished and r.span is not None:
             telemetry.finish(r.span, attributes={"finish_reason": "abort"}, error=error)
         self.streams.pop(r.rid, None)
+        self._trace.pop(r.rid, None)
         if not r.finished:
-            rid, lease, admission = r.rid, r.lease, r.admission
-            self.loop.submit(lambda e: self._end_stream(e, rid, lease, admission))
-            self._detok_q.put(_Discard(rid))
+            self.cast("end_stream", r.rid, r.lease, r.admitted)
+            self._detok_q.put(_Discard(r.rid))
 
     # -- detokenizer thread ------------------------------------------------------------------------------
     def _detok_run(self, proc: OutputProcessor) -> None:
@@ -341,9 +326,7 @@ class DecodeWorker(WorkerBase):
         if d is None:
             return
         if d.stopped_by_string or d.filter_reason:
-            assert self.loop is not None  # outputs come from the running loop
-            rid = o.request_id
-            self.loop.submit(lambda e: self._abort(e, rid))
+            self.cast("abort", o.request_id)
         if d.finished:
             self.metrics.requests.labels(d.finish_reason.value if d.finish_reason else "abort").inc()
         ready.append((o.request_id, _Item(d, d.logprobs, o.num_prompt_tokens, o.num_output_tokens,
@@ -387,7 +370,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @rpc.translate_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context: grpc.aio.ServicerContext):
         w = self.w
-        r = w._prepare(request)
+        r = await w._prepare(request)
         q: asyncio.Queue[_Item | BaseException] = asyncio.Queue()
         error: BaseException | None = None
         try:
@@ -422,7 +405,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
         async def one(m: decode_pb2.DecodeStreamRequest, rid: str) -> None:
             try:
-                r = w._prepare(m.request)
+                r = await w._prepare(m.request)
                 sink = _StreamSink(out, rid)
                 error: BaseException | None = None
                 try:

@@ -46,7 +46,8 @@ async def _first_delta_of(call, rid: str) -> None:
 def test_many_requests_share_one_decode_stream():
     async def body() -> None:
         port = free_port()
-        cfg = cluster(**{"decode.port": port, "engine.kv_cache_memory": "256MiB", "engine.dtype": "float32"})
+        cfg = cluster(**{"decode.port": port, "engine.kv_cache_memory": "256MiB", "engine.dtype": "float32",
+                         "worker_engine_process": False})  # the test reads the engine on its thread
         worker = DecodeWorker(cfg.service("decode", 0, port=port))
         async with serving(worker, cfg, "decode", port), grpc.aio.insecure_channel(f"{HOST}:{port}") as ch:
             stub = decode_pb2_grpc.DecodeStub(ch)

@@ -32,7 +32,8 @@ def test_a_dead_engine_fails_its_streams_and_stops_the_worker():
     async def body() -> DecodeWorker:
         port, mport = free_port(), free_port()
         svc = cluster(**{"decode.port": port, "decode.metrics_port": mport, "grace_s": 1,
-                         "engine.kv_cache_memory": "256MiB", "engine.dtype": "float32"}).service("decode")
+                         "engine.kv_cache_memory": "256MiB", "engine.dtype": "float32",
+                         "worker_engine_process": False}).service("decode")  # the fault goes into its engine
         worker = DecodeWorker(svc)
         served = asyncio.ensure_future(rpc.serve_until_signalled(worker, svc))
         async with grpc.aio.insecure_channel(f"{HOST}:{port}") as ch:

@@ -19,6 +19,7 @@ def test_a_second_prefill_under_a_request_id_in_flight_is_refused_and_the_first_
     async def body():
         ports = {r: free_port() for r in ("router", "prefill")}
         cfg = cluster(**{"model": "dummy:tiny-llama", "engine.kv_cache_memory": 8 << 20, "tokenizer.count": 1,
+                         "worker_engine_process": False,  # the test holds the engine thread
                          **{f"{r}.port": p for r, p in ports.items()}})
         worker = PrefillWorker(cfg.service("prefill", 0))
         async with contextlib.AsyncExitStack() as es:

@@ -1,0 +1,117 @@
+"""The engine core in a process of its own (common/engine_core.py): calls run there and answer here, results and
+errors keep their types, events come back in order, and a core that dies fails what waits on it. The core is the
+decode worker's (services/decode/core.py) on a real engine (a tiny dummy Llama on the CPU) in a spawned process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+import pytest
+from tokenmill.v1 import common_pb2, decode_pb2
+
+from common.config import EngineConfig
+from common.engine import LLMEngine, RequestError, RequestOutput
+from common.engine_core import ProcessCore, ThreadCore
+from common.sampling import SamplingParams
+from common.sequence import Tenancy
+from services.decode.core import DecodeCore
+from tests.services.harness import cluster
+
+MODEL = "dummy:tiny-llama"
+PROMPT = [3, 4, 5, 6, 7]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class _Front:
+    """What a worker's front does with the core's events: keeps them, in order, and wakes the test."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, threading.Event] = {}
+        self.stats: dict[str, float] = {}
+        self.kinds: list[str] = []
+        self.failures: list[BaseException] = []
+        self.failed = threading.Event()
+
+    def on_event(self, kind: str, *args: Any) -> None:
+        self.kinds.append(kind)
+        if kind == "stats":
+            self.stats = args[0]
+        elif kind == "outputs":
+            outs: list[RequestOutput] = args[0]
+            for o in outs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    self.finished.setdefault(o.request_id, threading.Event()).set()
+
+    def done(self, rid: str) -> threading.Event:
+        return self.finished.setdefault(rid, threading.Event())
+
+    def on_failure(self, e: BaseException) -> None:
+        self.failures.append(e)
+        self.failed.set()
+
+
+def _request(rid: str) -> decode_pb2.DecodeRequest:
+    return decode_pb2.DecodeRequest(meta=common_pb2.RequestMeta(request_id=rid), prompt_token_ids=PROMPT)
+
+
+@pytest.fixture(scope="module")
+def want() -> list[int]:
+    engine = LLMEngine.from_spec(MODEL, EngineConfig(kv_cache_memory=8 << 20))
+    return list(engine.generate([PROMPT], PARAMS)[0].token_ids)
+
+
+@pytest.mark.parametrize("handle", [ProcessCore, ThreadCore])
+def test_calls_results_errors_and_events_cross_to_the_core(handle: type[ProcessCore] | type[ThreadCore],
+                                                           want: list[int]) -> None:
+    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
+    front = _Front()
+    core = handle(DecodeCore, cfg, front.on_event, front.on_failure)
+    core.start()
+    try:
+        info = core.ready.result(timeout=120)
+        assert info.num_blocks > 0 and info.agent_name.startswith(cfg.name)
+        if handle is ProcessCore:
+            assert not info.agent_name.endswith(f".{os.getpid()}")  # the agent lives in the child
+        assert core.validate(PROMPT, PARAMS).result(timeout=30) == PARAMS.max_tokens
+        with pytest.raises(RequestError, match="outside the vocabulary"):  # the type survives the pipe
+            core.validate([10**9], PARAMS).result(timeout=30)
+
+        core.call("admit", "a", _request("a"), PARAMS, Tenancy(), None).result(timeout=30)
+        assert front.done("a").wait(60)
+        assert front.tokens["a"] == want  # the same greedy tokens as the engine in this process
+
+        with pytest.raises(ValueError, match="already running"):  # an engine error comes back to the caller
+            core.call("admit", "b", _request("b"), SamplingParams(max_tokens=2000, temperature=0.0,
+                                                                  ignore_eos=True), Tenancy(), None).result(30)
+            core.call("admit", "b", _request("b"), PARAMS, Tenancy(), None).result(timeout=30)
+        core.call("end_stream", "b", None, True).result(timeout=30)  # the stream ended: its blocks come back
+        load, _stored, _removed = core.call("load", cfg.name, cfg.address, 0, True, False).result(timeout=30)
+        assert load.free_blocks == load.total_blocks == info.num_blocks and load.running == 0
+        assert front.stats["steps"] >= len(want) and front.stats["kv_free"] == info.num_blocks
+        assert front.kinds.index("outputs") < len(front.kinds) - 1 and not front.failures
+    finally:
+        core.stop()
+
+
+def test_a_core_process_that_dies_fails_its_calls_and_the_front() -> None:
+    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
+    front = _Front()
+    core = ProcessCore(DecodeCore, cfg, front.on_event, front.on_failure)
+    core.start()
+    try:
+        core.ready.result(timeout=120)
+        long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+        core.call("admit", "long", _request("long"), long, Tenancy(), None).result(timeout=30)
+        assert core._proc.pid is not None
+        os.kill(core._proc.pid, signal.SIGKILL)  # a device fault that takes the process down
+        assert front.failed.wait(30)
+        assert "engine process exited" in str(front.failures[0])
+        with pytest.raises(RuntimeError, match="not running"):  # later calls fail at once, never hang
+            core.call("abort", "long").result(timeout=5)
+    finally:
+        core.stop()
