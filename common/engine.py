@@ -138,6 +138,7 @@ class LLMEngine:
             self.sample_vocab = 1  # its logits have one column
         self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs)
         self.num_generated_tokens = 0
+        self.track_latencies = False  # keep each queue time and time to first token for ``drain_latencies``
         self.reset_step_counters()
 
     @classmethod
@@ -375,6 +376,22 @@ class LLMEngine:
         self.step_seconds = 0.0
         self.step_decode_rows = 0
         self.step_prompt_tokens = 0
+        # requests: arrival to the first step that computes their prompt (``queued``), and arrival to a first token
+        # computed here (prefilled elsewhere: not counted); sums and counts, and with ``track_latencies`` each one
+        # kept until ``drain_latencies`` (/metrics: tokenmill:request_queue_time_seconds,
+        # tokenmill:engine_time_to_first_token_seconds)
+        self.queue_seconds = 0.0
+        self.num_queued = 0
+        self.first_token_seconds = 0.0
+        self.num_first_tokens = 0
+        self._queue_times: list[float] = []
+        self._first_token_times: list[float] = []
+
+    def drain_latencies(self) -> tuple[list[float], list[float]]:
+        """The queue times and times to first token since the last call (``track_latencies``)."""
+        out = self._queue_times, self._first_token_times
+        self._queue_times, self._first_token_times = [], []
+        return out
 
     # -- the loop --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -385,6 +402,14 @@ class LLMEngine:
             return []
         if self._grammars is not None:
             self._grammars.flush()  # matchers made since the last step: their first masks fill beside the forward
+        for it in out.prefills:
+            seq = it.seq
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now = time.monotonic()
+                self.queue_seconds += now - seq.arrival
+                self.num_queued += 1
+                if self.track_latencies:
+                    self._queue_times.append(now - seq.arrival)
         logits = self.runner.execute(out)
         self.num_steps += 1
         outputs = self._update(out, logits)
@@ -420,6 +445,11 @@ class LLMEngine:
             s.output_ids.append(tok)
             if s.first_token_time is None:
                 s.first_token_time = now
+                if len(s.output_ids) == 1:  # computed here (a prefilled or moved stream came with its first)
+                    self.first_token_seconds += now - s.arrival
+                    self.num_first_tokens += 1
+                    if self.track_latencies:
+                        self._first_token_times.append(now - s.arrival)
             o = self._token_output(s, tok, TokenLogprob(tok, lp[0], lp[1]) if lp is not None else None)
             if broken and not o.finished:
                 s.status, s.finish_reason = SequenceStatus.FINISHED, FinishReason.STOP

@@ -138,6 +138,7 @@ class WorkerCore:
     def setup(self) -> LLMEngine:
         """Build the engine and the agent (on the engine thread: the process's only torch thread)."""
         self.engine = build_engine(self.cfg)
+        self.engine.track_latencies = True  # each request's queue time and TTFT go to the front's histograms
         self.agent = make_agent(self.cfg, self.engine)
         return self.engine
 
@@ -161,6 +162,10 @@ class WorkerCore:
         """Before a step (``end`` False) and at the end of each loop iteration: the front's view of the counters
         is renewed at the end."""
         if end:
+            assert self.engine is not None
+            queued, first = self.engine.drain_latencies()
+            if queued or first:
+                self.emit("latencies", queued, first)
             self.emit("stats", self.stats())
 
     def stats(self) -> dict[str, float]:
@@ -173,7 +178,8 @@ class WorkerCore:
             "step_prompt_tokens": e.step_prompt_tokens, "idle_seconds": self.loop.idle_seconds if self.loop else 0.0,
             "running": e.num_running, "waiting": e.num_waiting, "kv_used": bm.usage(),
             "kv_free": bm.num_free_blocks, "kv_total": bm.num_blocks, "prefix_queries": bm.stats.queries,
-            "prefix_hits": bm.stats.hits,
+            "prefix_hits": bm.stats.hits, "queue_seconds": e.queue_seconds, "queued": e.num_queued,
+            "first_token_seconds": e.first_token_seconds, "first_tokens": e.num_first_tokens,
         }
         for klass in PriorityClass:
             waiting, running = e.num_by_class(klass)

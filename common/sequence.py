@@ -79,6 +79,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None
+    first_scheduled: float | None = None  # time.monotonic() of its first prompt chunk in a step
     admitted: bool = False
     # a constrained request: its grammar, advanced past every output token (outputs survive preemption, so it does)
     matcher: GrammarMatcher | None = None

@@ -55,8 +55,12 @@ class WorkerMetrics:
         self.prefix_hits = Gauge("tokenmill:prefix_cache_hits", "Prompt tokens served from the cache", registry=r)
         self.prompt_tokens = Counter("tokenmill:prompt_tokens", "Prompt tokens received", registry=r)
         self.generation_tokens = Counter("tokenmill:generation_tokens", "Tokens generated", registry=r)
-        self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "Arrival to first schedule",
-                                    registry=r)
+        latency = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+        self.queue_time = Histogram("tokenmill:request_queue_time_seconds", "A request's arrival in the engine to "
+                                    "the first step that computes its prompt", registry=r, buckets=latency)
+        self.engine_ttft = Histogram("tokenmill:engine_time_to_first_token_seconds", "A request's arrival in the "
+                                     "engine to its first token (computed on this worker)", registry=r,
+                                     buckets=latency)
         self.nixl_bytes = Gauge("tokenmill:nixl_xfer_bytes", "KV bytes moved over NIXL", registry=r)
         self.nixl_seconds = Gauge("tokenmill:nixl_xfer_seconds", "Seconds spent in NIXL transfers, summed over "
                                   "transfers (overlapping ones each count)", registry=r)
@@ -171,6 +175,12 @@ class WorkerBase:
 
     def ev_stats(self, stats: dict[str, float]) -> None:
         self.stats = stats
+
+    def ev_latencies(self, queued: list[float], first_tokens: list[float]) -> None:
+        for v in queued:
+            self.metrics.queue_time.observe(v)
+        for v in first_tokens:
+            self.metrics.engine_ttft.observe(v)
 
     def fail_requests(self, exc: Exception) -> None:
         """Every request waiting on the engine ends with ``exc`` (asyncio loop; the engine failed)."""

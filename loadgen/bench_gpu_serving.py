@@ -175,7 +175,17 @@ def engine_closed_loop(eng: Any, specs: list[RequestSpec], sampling: Sampling, c
 def engine_counters(eng: Any) -> dict[str, float]:
     """The engine's step counters under the names the workers' /metrics deltas get (loadgen/server_metrics.py)."""
     return {"engine_steps": eng.num_steps, "engine_step_seconds": eng.step_seconds,
-            "engine_step_decode_rows": eng.step_decode_rows, "engine_step_prompt_tokens": eng.step_prompt_tokens}
+            "engine_step_decode_rows": eng.step_decode_rows, "engine_step_prompt_tokens": eng.step_prompt_tokens,
+            "engine_queue_sum": eng.queue_seconds, "engine_queue_count": eng.num_queued,
+            "engine_ttft_sum": eng.first_token_seconds, "engine_ttft_count": eng.num_first_tokens}
+
+
+def _mean_ms(e: dict[str, Any], key: str) -> str:
+    """A histogram's mean over a run, ms, from a /metrics report (``KEY_mean_ms``) or engine counters (sum, count)."""
+    if f"{key}_mean_ms" in e:
+        return f"{e[f'{key}_mean_ms']:.1f}"
+    n = e.get(f"{key}_count")
+    return f"{1000 * e[f'{key}_sum'] / n:.1f}" if n else "—"
 
 
 def time_decode_steps(eng: Any, specs: list[RequestSpec], sampling: Sampling, steps: int, device: str) -> dict:
@@ -305,7 +315,7 @@ def _serve_args(a: argparse.Namespace, backend: str, state: str | None) -> argpa
     argv = ["--backend", backend, "--random-input-len", str(a.input_len), "--random-output-len",
             str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.max_concurrency),
             "--ignore-eos", "--seed", str(a.seed), "--cache-salt", "auto", "--num-warmups", "0", "--disable-tqdm",
-            "--no-plots"]
+            "--no-plots", "--client-processes", str(a.client_processes)]
     if a.tokenizer:
         argv += ["--tokenizer", a.tokenizer]
     if state:
@@ -393,13 +403,15 @@ def _x(v: float | None, fmt: str = ".2f", suffix: str = "×") -> str:
 
 def build_table(result: dict[str, Any]) -> str:
     lines = ["| model | sampling | client | output tok/s | TPOT p50 ms | TTFT p50 ms | ÷ engine, same sampling "
-             "| ÷ engine greedy | TPOT p50 ÷ limit |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| ÷ engine greedy | TPOT p50 ÷ limit | client CPU |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         failed = f" ({r['failed']} FAILED)" if r["failed"] else ""
+        share = r["summary"].get("client_cpu_share")
+        cpu = "" if share is None else f"{share:.0%} × {r['summary'].get('client_processes', 1)}"
         lines.append(f"| {r['model']} | {r['sampling']} | {r['client']}{failed} | {r['output_tok_s']:,.1f} | "
                      f"{_x(r['tpot_p50_ms'], '.2f', '')} | {_x(r['ttft_p50_ms'], '.1f', '')} | "
                      f"{_x(r['vs_engine_same_sampling'])} | {_x(r['vs_engine_greedy'])} | "
-                     f"{_x(r['tpot_p50_vs_limit'])} |")
+                     f"{_x(r['tpot_p50_vs_limit'])} | {cpu} |")
     for model, m in result["models"].items():
         lim, st = m.get("limit"), m.get("step")
         if lim:
@@ -409,10 +421,14 @@ def build_table(result: dict[str, Any]) -> str:
         if st:
             lines.append(f"{model}: engine step at batch {st['batch']}: greedy {st['greedy_ms']:.2f} ms, sampled "
                          f"{st['sampled_ms']:.2f} ms, sampled ÷ greedy {st['ratio']:.2f}× (target ≤ 1.1×)")
-    lines += ["", "Engine steps over each run (the decode workers' /metrics for the served runs): busy = seconds in "
+    lines += ["", "Client CPU: the busiest client process's CPU seconds ÷ the run's duration, × the processes; near "
+              "100%, the client's own delays count in its figures.", "", "Engine steps over each run (the decode workers' /metrics for the served runs): busy = seconds in "
               "steps ÷ the run's duration, idle = seconds the engine waited with nothing to run ÷ the duration.", "",
+              "Queue and TTFT are the engine's (a request's arrival in the engine to its first prompt step, and to "
+              "its first token), as means; the gateway's TTFT mean beside them.", "",
               "| model | sampling | client | steps | step ms mean | decode rows / step | prompt tokens / step | "
-              "busy | idle |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+              "busy | idle | engine queue ms | engine TTFT ms | gateway TTFT ms |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         e, dur = r.get("server") or {}, r["summary"].get("duration_s") or 0.0
         n = e.get("engine_steps")
@@ -421,7 +437,8 @@ def build_table(result: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['sampling']} | {r['client']} | {n:,.0f} | "
                      f"{1000 * e['engine_step_seconds'] / n:.2f} | {e['engine_step_decode_rows'] / n:.1f} | "
                      f"{e['engine_step_prompt_tokens'] / n:.0f} | {e['engine_step_seconds'] / dur:.0%} | "
-                     f"{e.get('engine_idle_seconds', 0.0) / dur:.0%} |")
+                     f"{e.get('engine_idle_seconds', 0.0) / dur:.0%} | {_mean_ms(e, 'engine_queue')} | "
+                     f"{_mean_ms(e, 'engine_ttft')} | {_mean_ms(e, 'ttft')} |")
     heads = [f"{r['model']} {r['client']} {r['vs_engine_greedy']:.2f}×" for r in result["rows"]
              if r["client"] != "engine" and r["sampling"] == "sampled" and r["vs_engine_greedy"]]
     if heads:
@@ -635,6 +652,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backends", default="grpc,openai", help=f"served clients, of {','.join(BACKENDS)} "
                                                              "(default grpc,openai)")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per sampling (default 20)")
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="client processes for the served runs (default 4: one reading every token message of 64 "
+                        "streams spends a whole core, and its delays would count as the server's)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_items",
                    help="passed to `tokenmill up --set` (repeatable), e.g. tokenizer.count=1")

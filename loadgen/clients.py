@@ -53,6 +53,10 @@ class Target(Protocol):
 
     async def close(self) -> None: ...
 
+    def clone(self) -> Target:
+        """The same target, not opened (to send from another process)."""
+        ...
+
     async def send(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
         """Send ``spec``; fill ``rec`` (start relative to ``t0``, chunk times, usage, outcome). Never raises for a
         failed request; re-raises CancelledError after recording ``cancelled``."""
@@ -99,6 +103,9 @@ class GrpcTarget:
     async def close(self) -> None:
         for ch in self._channels:
             await ch.close()
+
+    def clone(self) -> GrpcTarget:
+        return GrpcTarget(self.address, self.model, self.opts, self.n_channels)
 
     def request(self, spec: RequestSpec) -> Any:
         from tokenmill.v1 import common_pb2, frontend_pb2
@@ -167,6 +174,9 @@ class OpenAITarget:
         self.name = "openai-chat" if endpoint == "chat" else "openai"
         self.url = f"{self.base_url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
         self._session: aiohttp.ClientSession | None = None
+
+    def clone(self) -> OpenAITarget:
+        return OpenAITarget(self.base_url, self.endpoint, self.model, self.opts, self.models_key, self.prompt_ids)
 
     def headers(self, spec: RequestSpec | None = None) -> dict[str, str]:
         h = {"Content-Type": "application/json"}

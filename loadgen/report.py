@@ -43,7 +43,9 @@ def format_run(run: dict[str, Any], backend: str, where: str) -> str:
         ("tokens in / out", f"{s['input_tokens']} / {s['output_tokens']}"),
     ]
     if "client_cpu_s" in s:
-        rows.append(("client CPU", f"{s['client_cpu_s']:.2f} s ({_f(100 * s['client_cpu_share'])} % of one core)"))
+        n = s.get("client_processes", 1)
+        rows.append(("client CPU", f"{s['client_cpu_s']:.2f} s ({_f(100 * s['client_cpu_share'])} % of one core"
+                                   + (f" in the busiest of {n} processes)" if n > 1 else ")")))
     if "goodput" in s:
         rows.append((f"goodput (SLO {s['slo']})",
                      f"{_f(s['goodput'], '.2f')} req/s, attainment {_f(100 * s['slo_attainment'], '.1f')} %"))

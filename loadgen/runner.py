@@ -7,15 +7,21 @@ and collect one record per request.
   is reached (no new request starts after the duration; those in flight finish).
 - Warm-up: ``num_warmups`` requests (from their own seed) run to completion before the clock starts, and requests
   due in the first ``warmup_s`` seconds are sent but marked ``warmup`` and left out of the summary.
+- Several client processes (``run_load_processes``): one Python process reading ~10,000 token messages a second
+  spends a whole core on them, and its own delays then show in TTFT and throughput as if they were the server's.
+  The requests are dealt out to N processes, each with 1/N of the rate and of the concurrency cap, on one clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import multiprocessing
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 from loadgen.arrivals import arrival_times
 from loadgen.clients import Target
@@ -71,10 +77,11 @@ async def run_warmups(target: Target, warmups: Iterator[RequestSpec], load: Load
 
 async def run_load(target: Target, requests: Iterator[RequestSpec], load: LoadConfig,
                    on_done: Callable[[RequestRecord], None] | None = None,
-                   into: list[RequestRecord] | None = None) -> list[RequestRecord]:
+                   into: list[RequestRecord] | None = None, t0: float | None = None) -> list[RequestRecord]:
     """Drive ``target`` with the measured load; return the records in send order (those due inside
     ``warmup_s`` flagged ``warmup``), appended to ``into`` as they are sent when given: if the run is cancelled
-    (Ctrl-C), the requests in flight are cancelled (outcome ``cancelled``) and ``into`` holds what was sent."""
+    (Ctrl-C), the requests in flight are cancelled (outcome ``cancelled``) and ``into`` holds what was sent.
+    ``t0``: the run's start on ``time.perf_counter`` (default: now), shared by the processes of one run."""
     if (load.num_requests is None) == (load.duration_s is None):
         raise ValueError("give a request count or a duration")
     closed = math.isinf(load.request_rate)
@@ -122,7 +129,7 @@ async def run_load(target: Target, requests: Iterator[RequestSpec], load: LoadCo
             tasks.append(asyncio.create_task(one(spec, rec, t0)))
 
     try:
-        await dispatch(time.perf_counter())
+        await dispatch(time.perf_counter() if t0 is None else t0)
         await asyncio.gather(*tasks)
     except asyncio.CancelledError:
         for t in tasks:
@@ -130,3 +137,76 @@ async def run_load(target: Target, requests: Iterator[RequestSpec], load: LoadCo
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     return records
+
+
+def split_load(load: LoadConfig, counts: list[int]) -> list[LoadConfig]:
+    """One process's share of ``load`` for each of ``counts`` (its requests): 1/N of the rate and of the cap."""
+    n = len(counts)
+    cap = load.max_concurrency
+    if cap is not None and cap < n:
+        raise ValueError(f"{n} client processes need a concurrency cap of at least {n}; got {cap}")
+    return [dataclasses.replace(load, request_rate=load.request_rate / n, num_requests=k, num_warmups=0,
+                                max_concurrency=None if cap is None else cap // n + (i < cap % n),
+                                seed=load.seed + 7919 * i)
+            for i, k in enumerate(counts)]
+
+
+def _client_process(conn: Connection, target: Target, specs: list[RequestSpec], load: LoadConfig) -> None:
+    """One client process: open, say ready, wait for the run's start, run, send the records and CPU seconds."""
+    async def main() -> None:
+        await target.open()
+        try:
+            conn.send("ready")
+            t0 = conn.recv()
+            cpu0 = time.process_time()
+            recs = await run_load(target, iter(specs), load, lambda r: conn.send(("done", r.ok)), t0=t0)
+            conn.send(("records", recs, time.process_time() - cpu0))
+        finally:
+            await target.close()
+
+    asyncio.run(main())
+
+
+async def run_load_processes(target: Target, specs: list[RequestSpec], load: LoadConfig, processes: int,
+                             on_done: Callable[[bool], None] | None = None) -> tuple[list[RequestRecord], list[float]]:
+    """``run_load`` from ``processes`` client processes: the requests dealt out in turn, each process with its share
+    of the load (``split_load``), one start time for all. Returns the records in send order and each process's CPU
+    seconds; ``on_done(ok)`` is called as requests end. Needs a request list (a count, not a duration)."""
+    if load.duration_s is not None:
+        raise ValueError("several client processes need a request count, not a duration")
+    shares = [specs[i::processes] for i in range(processes)]
+    loads = split_load(load, [len(s) for s in shares])
+    ctx = multiprocessing.get_context("spawn")
+    conns, procs = [], []
+    for share, sub in zip(shares, loads):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_client_process, args=(theirs, target.clone(), share, sub), daemon=True)
+        p.start()
+        theirs.close()
+        conns.append(mine)
+        procs.append(p)
+    try:
+        for c in conns:
+            if await asyncio.to_thread(c.recv) != "ready":
+                raise RuntimeError("a client process failed to start")
+        t0 = time.perf_counter() + 0.05
+        for c in conns:
+            c.send(t0)
+
+        async def collect(c: Connection) -> tuple[list[RequestRecord], float]:
+            while True:
+                msg = await asyncio.to_thread(c.recv)
+                if msg[0] == "done":
+                    if on_done is not None:
+                        on_done(msg[1])
+                else:
+                    return msg[1], msg[2]
+
+        got = await asyncio.gather(*(collect(c) for c in conns))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    records = sorted((r for recs, _ in got for r in recs), key=lambda r: (r.start, r.index))
+    return records, [cpu for _, cpu in got]

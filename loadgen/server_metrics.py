@@ -40,12 +40,18 @@ _COUNTERS = {
     "engine_step_decode_rows": ("tokenmill:engine_step_decode_rows",),
     "engine_step_prompt_tokens": ("tokenmill:engine_step_prompt_tokens",),
     "engine_idle_seconds": ("tokenmill:engine_idle_seconds",),
+    # the workers' engines: arrival to the first prompt step, and to a first token computed there
+    "engine_queue_sum": ("tokenmill:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_sum"),
+    "engine_queue_count": ("tokenmill:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count"),
+    "engine_ttft_sum": ("tokenmill:engine_time_to_first_token_seconds_sum",),
+    "engine_ttft_count": ("tokenmill:engine_time_to_first_token_seconds_count",),
     # the gateway's own latency histograms (vLLM's server has the same names): the server's view of TTFT and e2e
     "ttft_sum": ("tokenmill:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_sum"),
     "ttft_count": ("tokenmill:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
     "e2e_sum": ("tokenmill:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_sum"),
     "e2e_count": ("tokenmill:e2e_request_latency_seconds_count", "vllm:e2e_request_latency_seconds_count"),
 }
+_MEANS = ("ttft", "e2e", "engine_queue", "engine_ttft")  # histograms reported as their mean over the run
 _KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
@@ -190,7 +196,7 @@ class MetricsWatcher:
             out["prefix_cache_hit_rate"] = h / q if q > 0 else math.nan
         if self.kv_peak is not None:
             out["kv_usage_peak"] = self.kv_peak
-        for k in ("ttft", "e2e"):  # mean over the run, ms: the client's figure minus this is the client's share
+        for k in _MEANS:  # mean over the run, ms: the client's figure minus the gateway's is the client's share
             n, total = out.pop(f"{k}_count", 0.0), out.pop(f"{k}_sum", 0.0)
             if n > 0:
                 out[f"{k}_mean_ms"] = 1000 * total / n
@@ -198,7 +204,7 @@ class MetricsWatcher:
         for u in both:  # per process: prefill and decode workers each look prompts up in their own cache
             d = {k: sum(self.after[u][n] - self.before[u].get(n, 0.0) for n in names if n in self.after[u])
                  for k, names in _COUNTERS.items()
-                 if any(n in self.after[u] for n in names) and not k.startswith(("ttft", "e2e"))}
+                 if any(n in self.after[u] for n in names) and not k.startswith(_MEANS)}
             if any(d.values()):
                 if d.get("prefix_cache_queries"):
                     d["prefix_cache_hit_rate"] = d.get("prefix_cache_hits", 0.0) / d["prefix_cache_queries"]

@@ -83,6 +83,36 @@ def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tm
     assert "==== sweep ====" in text and "concurrency 3" in text and "FAILED" not in text
 
 
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_several_client_processes_share_the_load_on_one_clock(cluster, capsys, tmp_path, backend):
+    out = tmp_path / "p.json"
+    url = cluster["grpc"] if backend == "grpc" else cluster["http"]
+    code, text = bench(capsys, "serve", "--backend", backend, "--base-url", url, *KEY, "--num-prompts", "7",
+                       "--max-concurrency", "4", "--client-processes", "3", "--random-input-len", "40",
+                       "--random-output-len", "5", "--ignore-eos", "--num-warmups", "0", "--result-file", str(out),
+                       "--disable-tqdm", "--fail-on-error")
+    assert code == 0, text
+    [run] = json.loads(out.read_text())["runs"]
+    s, recs = run["summary"], run["records"]
+    assert (s["requests"], s["completed"], s["failed"]) == (7, 7, 0) and s["client_processes"] == 3
+    assert sorted(r["index"] for r in recs) == list(range(7))  # every request once, from one process or another
+    assert [r["start"] for r in recs] == sorted(r["start"] for r in recs) and recs[0]["start"] >= 0
+    assert all(r["output_tokens"] == 5 for r in recs)
+    assert _in_flight_max(recs) <= 4  # the cap, split 2 + 1 + 1, holds across the processes
+    assert s["client_cpu_s"] > 0 and 0 < s["client_cpu_share"] < 1
+    assert "busiest of 3 processes" in text
+
+
+def test_split_load_deals_out_the_rate_and_the_cap():
+    from loadgen.runner import LoadConfig, split_load
+
+    parts = split_load(LoadConfig(request_rate=9.0, max_concurrency=10, num_requests=20), [7, 7, 6])
+    assert [p.max_concurrency for p in parts] == [4, 3, 3] and [p.num_requests for p in parts] == [7, 7, 6]
+    assert all(p.request_rate == 3.0 for p in parts) and len({p.seed for p in parts}) == 3
+    with pytest.raises(ValueError, match="at least 3"):
+        split_load(LoadConfig(max_concurrency=2, num_requests=4), [2, 1, 1])
+
+
 def test_http_chat_open_loop_tenants_and_shared_prefix(cluster, capsys, tmp_path):
     out = tmp_path / "b.json"
     code, text = bench(capsys, "serve", "--backend", "openai-chat", "--base-url", cluster["http"] + "/v1",

@@ -306,6 +306,13 @@ def test_metrics_count_requests(cluster):
             rows = metric(p, "tokenmill:engine_step_decode_rows")
             assert rows <= metric(p, "tokenmill:generation_tokens_total"), p["name"]
             assert (rows > 0) == (role == "decode"), (p["name"], rows)
+            # each request's queue time in the engine, and its first token's time there: a prefill worker computes
+            # the first token of each prompt it takes (all but the cancelled ones)
+            queued = metric(p, "tokenmill:request_queue_time_seconds_count")
+            firsts = metric(p, "tokenmill:engine_time_to_first_token_seconds_count")
+            assert metric(p, "tokenmill:request_queue_time_seconds_sum") >= 0 and firsts <= queued, p["name"]
+            if role == "prefill":
+                assert 0 < firsts, p["name"]
 
 
 def test_killed_decode_worker_mid_stream_moves_its_streams_and_loses_nothing(cluster, engine):
