@@ -168,11 +168,16 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
 
     watcher = MetricsWatcher(urls, interval=a.metrics_interval)  # no API key: /metrics may be anyone's
     started = time.time()
-    await watcher.start()
     records = list(warm_recs)
     interrupted = False
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    children: list[float] = []  # each client process's CPU seconds (--client-processes)
+    children: list[tuple[float, float]] = []  # each client process's CPU and wall seconds (--client-processes)
+
+    async def begin() -> None:  # the server's counters and the client's clocks start with the run
+        nonlocal started, cpu0, wall0, begun
+        await watcher.start()
+        started, cpu0, wall0, begun = time.time(), time.process_time(), time.perf_counter(), True
+
+    cpu0, wall0, begun = time.process_time(), time.perf_counter(), False
 
     def ended(ok: bool) -> None:
         nonlocal errors
@@ -182,23 +187,26 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
             bar.set_postfix(errors=errors)
 
     try:
-        if a.client_processes > 1:
-            recs, children = await run_load_processes(target, list(reqs), load, a.client_processes, ended)
+        if a.client_processes > 1:  # the processes start before the run: it begins once they are ready
+            recs, children = await run_load_processes(target, list(reqs), load, a.client_processes, ended, begin)
             records += recs
         else:
+            await begin()
             await run_load(target, reqs, load, done, into=records)
     except asyncio.CancelledError:  # Ctrl-C: keep what was measured, say so
         interrupted = True
     finally:
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         bar.close()
-        await watcher.stop()
+        if begun:
+            await watcher.stop()
     slo = Slo.parse(a.goodput)
     summary = summarize(records, slo)
     # the client's own CPU over the run: on a machine it shares with the server, this much was not the server's.
     # The share is the busiest client process's (1.0: a whole core, and the client's delays are in its figures)
-    summary["client_cpu_s"] = cpu + sum(children)
-    summary["client_cpu_share"] = max([cpu, *children]) / wall if wall > 0 else math.nan
+    summary["client_cpu_s"] = cpu + sum(c for c, _ in children)
+    shares = [cpu / wall if wall > 0 else math.nan, *(c / w for c, w in children if w > 0)]
+    summary["client_cpu_share"] = max(shares)
     summary["client_processes"] = a.client_processes
     if tenants:
         summary["by_tenant"] = {t.name: summarize([r for r in records if r.tenant == t.name], slo) for t in tenants}

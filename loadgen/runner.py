@@ -19,7 +19,7 @@ import dataclasses
 import math
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -158,9 +158,9 @@ def _client_process(conn: Connection, target: Target, specs: list[RequestSpec], 
         try:
             conn.send("ready")
             t0 = conn.recv()
-            cpu0 = time.process_time()
+            cpu0, wall0 = time.process_time(), time.perf_counter()
             recs = await run_load(target, iter(specs), load, lambda r: conn.send(("done", r.ok)), t0=t0)
-            conn.send(("records", recs, time.process_time() - cpu0))
+            conn.send(("records", recs, time.process_time() - cpu0, time.perf_counter() - wall0))
         finally:
             await target.close()
 
@@ -168,10 +168,14 @@ def _client_process(conn: Connection, target: Target, specs: list[RequestSpec], 
 
 
 async def run_load_processes(target: Target, specs: list[RequestSpec], load: LoadConfig, processes: int,
-                             on_done: Callable[[bool], None] | None = None) -> tuple[list[RequestRecord], list[float]]:
+                             on_done: Callable[[bool], None] | None = None,
+                             on_ready: Callable[[], Awaitable[None]] | None = None,
+                             ) -> tuple[list[RequestRecord], list[tuple[float, float]]]:
     """``run_load`` from ``processes`` client processes: the requests dealt out in turn, each process with its share
     of the load (``split_load``), one start time for all. Returns the records in send order and each process's CPU
-    seconds; ``on_done(ok)`` is called as requests end. Needs a request list (a count, not a duration)."""
+    and wall seconds over its run; ``on_done(ok)`` is called as requests end, ``on_ready`` once every process has
+    started, before the clock (what measures the run starts there). Needs a request list (a count, not a
+    duration)."""
     if load.duration_s is not None:
         raise ValueError("several client processes need a request count, not a duration")
     shares = [specs[i::processes] for i in range(processes)]
@@ -189,18 +193,20 @@ async def run_load_processes(target: Target, specs: list[RequestSpec], load: Loa
         for c in conns:
             if await asyncio.to_thread(c.recv) != "ready":
                 raise RuntimeError("a client process failed to start")
+        if on_ready is not None:
+            await on_ready()
         t0 = time.perf_counter() + 0.05
         for c in conns:
             c.send(t0)
 
-        async def collect(c: Connection) -> tuple[list[RequestRecord], float]:
+        async def collect(c: Connection) -> tuple[list[RequestRecord], tuple[float, float]]:
             while True:
                 msg = await asyncio.to_thread(c.recv)
                 if msg[0] == "done":
                     if on_done is not None:
                         on_done(msg[1])
                 else:
-                    return msg[1], msg[2]
+                    return msg[1], (msg[2], msg[3])
 
         got = await asyncio.gather(*(collect(c) for c in conns))
     finally:
@@ -209,4 +215,4 @@ async def run_load_processes(target: Target, specs: list[RequestSpec], load: Loa
             if p.is_alive():
                 p.kill()
     records = sorted((r for recs, _ in got for r in recs), key=lambda r: (r.start, r.index))
-    return records, [cpu for _, cpu in got]
+    return records, [times for _, times in got]
