@@ -243,7 +243,7 @@ class CoreHandle:
     def validate(self, prompt: list[int], params: SamplingParams) -> Future[int]:
         raise NotImplementedError
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         raise NotImplementedError
 
 
@@ -285,7 +285,7 @@ class ThreadCore(CoreHandle):
             out.set_exception(e)
         return out
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         self.loop.stop(timeout)
         self.core.close()
 
@@ -411,7 +411,7 @@ class ProcessCore(CoreHandle):
         elif error is not None and not self._stopping:
             self._on_failure(error)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
         self._stopping = True
         if self._proc.pid is None:  # never started
             return
