@@ -13,7 +13,7 @@ made, runs even if its caller stops waiting. The core tells the front what happe
 (``WorkerCore.emit(kind, *args)``), which the front's ``on_core_event`` takes: ``outputs`` (a step's outputs),
 ``stats`` (the engine's counters, after every loop iteration: what ``/metrics`` reads) and the role's own (a KV
 pull's first token, a lease to give back, a transfer's figures). ``validate`` is the one call that runs off the
-engine thread (it reads only the engine's configuration, and may compile a grammar).
+engine thread, on a thread of its own (it reads only the engine's configuration, and may compile a grammar).
 
 Two handles, one interface:
 - ``ProcessCore`` (``worker_engine_process``, the default): the core in a spawned child process, its calls and
@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -415,7 +415,8 @@ class ProcessCore(CoreHandle):
         self._stopping = True
         if self._proc.pid is None:  # never started
             return
-        self._send(("stop",), None)
+        with self._send_lock, contextlib.suppress(OSError, ValueError):  # also after a failure closed the calls
+            self._conn.send(("stop",))
         self._proc.join(timeout)
         if self._proc.is_alive():
             log.warning("%s: the engine process did not stop within %.0f s; killing it", self.name, timeout)
@@ -462,6 +463,8 @@ def _child_main(conn: Connection, core_cls: type[WorkerCore], cfg: ServiceConfig
 
     def failed(e: BaseException) -> None:  # the engine loop died: the front fails its requests and exits
         with contextlib.suppress(OSError, ValueError):
+            if out:  # what the iteration produced before it died still leaves
+                send(("batch", out[:]))
             send(("failed", _picklable(e)))
 
     loop = EngineLoop(core.setup, core.on_outputs, core.on_tick, core.busy, idle_tick_s=0.005, on_failure=failed,
@@ -486,6 +489,15 @@ def _child_main(conn: Connection, core_cls: type[WorkerCore], cfg: ServiceConfig
                 out.append(("result", call_id, False, _picklable(e)))
         return run
 
+    def check(call_id: int, args: tuple[Any, ...]) -> None:
+        try:
+            value: Any = (True, core.validate(*args))
+        except BaseException as e:
+            value = (False, _picklable(e))
+        with contextlib.suppress(OSError, ValueError):
+            send(("batch", [("result", call_id, *value)]))
+
+    checks = ThreadPoolExecutor(2, thread_name_prefix="validate")
     try:
         while True:
             msg = conn.recv()
@@ -493,17 +505,13 @@ def _child_main(conn: Connection, core_cls: type[WorkerCore], cfg: ServiceConfig
             if kind == "call":
                 _, call_id, method, args = msg
                 loop.submit(runner(call_id, getattr(core, method), args))
-            elif kind == "validate":
-                _, call_id, args = msg
-                try:
-                    value: Any = (True, core.validate(*args))
-                except BaseException as e:
-                    value = (False, _picklable(e))
-                send(("batch", [("result", call_id, *value)]))
+            elif kind == "validate":  # beside the reader: a grammar's compile must not hold up the calls behind it
+                checks.submit(check, msg[1], msg[2])
             elif kind == "stop":
                 break
     except (EOFError, OSError):
         log.warning("%s: the worker's front went away; the engine process stops", cfg.name)
+    checks.shutdown(wait=False, cancel_futures=True)
     loop.stop(timeout=30)
     core.close()
     conn.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -115,3 +116,34 @@ def test_a_core_process_that_dies_fails_its_calls_and_the_front() -> None:
             core.call("abort", "long").result(timeout=5)
     finally:
         core.stop()
+
+
+class _FailingCore(DecodeCore):
+    """A decode core whose engine loop dies at the tick after ``break_engine`` (as a device error would)."""
+
+    broken = False
+
+    def break_engine(self) -> None:
+        self.broken = True
+
+    def on_tick(self, engine: Any) -> None:
+        if self.broken:
+            raise RuntimeError("simulated device fault")
+        super().on_tick(engine)
+
+
+def test_an_engine_loop_that_dies_in_the_core_process_fails_the_front_and_stops_at_once() -> None:
+    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
+    front = _Front()
+    core = ProcessCore(_FailingCore, cfg, front.on_event, front.on_failure)
+    core.start()
+    try:
+        core.ready.result(timeout=120)
+        core.call("break_engine").result(timeout=30)
+        assert front.failed.wait(30)
+        assert "simulated device fault" in str(front.failures[0])  # the child's exception, over the pipe
+    finally:
+        t = time.monotonic()
+        core.stop()
+        assert time.monotonic() - t < 20 and not core._proc.is_alive()  # told to stop, not killed after 30 s
+
