@@ -172,10 +172,13 @@ class _Slots:
         self._fills: list[tuple[int, int]] = []  # (slot, its column-0 token): a row's padding repeats column 0
 
     def _grow(self, rows: int, width: int) -> None:
+        """Room for ``rows`` slots and ``width`` columns. The width at least doubles when it grows: a row gains a
+        column with each new distinct token, and a copy of the tables every step would cost more than the step's
+        penalties."""
         r, w = self.ids.shape
         if rows <= r and width <= w:
             return
-        r2, w2 = max(r, rows), max(w, width)
+        r2, w2 = max(r, rows), (max(width, 2 * w) if width > w else w)
         ids = self.ids.new_zeros(r2, w2)
         counts = self.counts.new_zeros(r2, w2)
         ids[:r, :w], counts[:r, :w] = self.ids, self.counts

@@ -308,16 +308,20 @@ def test_logprobs_of_mixed_rows_come_back_per_row(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_long_history_grows_the_kept_state(device):
-    """More distinct tokens than the kept state's first width (1,024): penalties still equal the reference."""
+    """More distinct tokens than the kept state's first width (1,024), then than its doubled width: penalties still
+    equal the reference."""
     rng = random.Random(3)
     vocab = 5000
     prompt = rng.sample(range(vocab), 1800)
+    fresh = [t for t in range(vocab) if t not in set(prompt)]
     p = SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.2)
     r = SampleRow(p, 11, 0, prompt, [], eos_ids=(2,), key="long")
     sampler = Sampler(vocab, device)
-    for _ in range(3):
+    for step in range(4):
         logits = torch.randn(1, vocab) * 3
         got = sampler.processed_logits(logits.to(device), [r]).cpu()
         torch.testing.assert_close(got[0], _reference(logits[0], r), rtol=1e-6, atol=1e-5)
-        r.output_ids += [*sampler.sample(logits.to(device), [r]).token_ids, prompt[0]]
-        r.position += 2
+        new = fresh[150 * step : 150 * (step + 1)]  # 2,250 distinct tokens by the last step: past 2 × 1,024
+        r.output_ids += [*sampler.sample(logits.to(device), [r]).token_ids, prompt[0], *new]
+        r.position += 2 + len(new)
+    assert sampler._slots.ids.shape[1] == 4096 and len(sampler._slots.cols[1]) > 2048  # 1,024 → 2,048 → 4,096
