@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +63,13 @@ class RequestOutput:
     num_cached_tokens: int
     leased: bool = False
     kv_block_ids: list[int] | None = None  # leased only: the blocks holding the prompt's KV
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its fields in order: a step's outputs cross from the engine core's process to its front every
+        step, and this takes a third of the default's time (slotted dataclasses pickle through ``__getstate__``)."""
+        return RequestOutput, (self.request_id, self.new_token_ids, self.logprobs, self.finished, self.finish_reason,
+                               self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens, self.leased,
+                               self.kv_block_ids)
 
 
 @dataclass(slots=True)

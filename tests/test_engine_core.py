@@ -4,7 +4,9 @@ decode worker's (services/decode/core.py) on a real engine (a tiny dummy Llama o
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import pickle
 import signal
 import threading
 import time
@@ -14,10 +16,10 @@ import pytest
 from tokenmill.v1 import common_pb2, decode_pb2
 
 from common.config import EngineConfig
-from common.engine import LLMEngine, RequestError, RequestOutput
+from common.engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
 from common.engine_core import ProcessCore, ThreadCore
 from common.sampling import SamplingParams
-from common.sequence import Tenancy
+from common.sequence import FinishReason, Tenancy
 from services.decode.core import DecodeCore
 from tests.services.harness import cluster
 
@@ -146,4 +148,14 @@ def test_an_engine_loop_that_dies_in_the_core_process_fails_the_front_and_stops_
         t = time.monotonic()
         core.stop()
         assert time.monotonic() - t < 20 and not core._proc.is_alive()  # told to stop, not killed after 30 s
+
+
+def test_a_request_output_crosses_the_pipe_whole() -> None:
+    """Outputs pickle through ``RequestOutput.__reduce__`` (every step's outputs cross to the front): every field,
+    none left at its default, comes back, and a field added later without it fails here."""
+    o = RequestOutput("r", [5, 6], [TokenLogprob(5, -0.5, [(5, -0.5), (9, -1.0)])], True, FinishReason.LENGTH, 7, 2,
+                      3, leased=True, kv_block_ids=[4, 8])
+    defaults = RequestOutput("", [], None, False, None, 0, 0, 0)
+    assert all(getattr(o, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(RequestOutput))
+    assert pickle.loads(pickle.dumps(o)) == o and len(o.__reduce__()[1]) == len(dataclasses.fields(RequestOutput))
 
