@@ -36,6 +36,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ from tokenmill.v1 import router_pb2
 from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine, RequestOutput
 from common.engine_loop import EngineLoop
-from common.gc_watch import freeze_startup_heap
+from common.gc_watch import GcTimer, freeze_startup_heap
 from common.kv_transfer import KvCompat, KvHandshake, KvTransferAgent
 from common.load_report import engine_load
 from common.loader import load_model_source
@@ -442,7 +443,8 @@ def _child_main(conn: Connection, core_cls: type[WorkerCore], cfg: ServiceConfig
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if cfg.cluster.worker_switch_interval_ms is not None:
         sys.setswitchinterval(cfg.cluster.worker_switch_interval_ms / 1000)
-    out: list[tuple[Any, ...]] = []  # this iteration's results and events (engine thread)
+    # this iteration's results and events: the engine thread's, and a collection's from whichever thread ran it
+    out: deque[tuple[Any, ...]] = deque()
     send_lock = threading.Lock()
 
     def send(msg: tuple[Any, ...]) -> None:
@@ -452,19 +454,23 @@ def _child_main(conn: Connection, core_cls: type[WorkerCore], cfg: ServiceConfig
     def emit(kind: str, *args: Any) -> None:
         out.append(("event", kind, args))
 
+    def drain() -> list[tuple[Any, ...]]:
+        batch = []
+        while out:
+            batch.append(out.popleft())
+        return batch
+
     core = core_cls(cfg, emit)
 
     def after(end: bool) -> None:
         core.after(end)
         if out:
-            batch = out[:]
-            out.clear()
-            send(("batch", batch))
+            send(("batch", drain()))
 
     def failed(e: BaseException) -> None:  # the engine loop died: the front fails its requests and exits
         with contextlib.suppress(OSError, ValueError):
             if out:  # what the iteration produced before it died still leaves
-                send(("batch", out[:]))
+                send(("batch", drain()))
             send(("failed", _picklable(e)))
 
     loop = EngineLoop(core.setup, core.on_outputs, core.on_tick, core.busy, idle_tick_s=0.005, on_failure=failed,
@@ -478,6 +484,8 @@ def _child_main(conn: Connection, core_cls: type[WorkerCore], cfg: ServiceConfig
         return
     if cfg.cluster.gc_freeze:
         freeze_startup_heap()
+    # this process's collections stand the engine still: the front's /metrics shows them (engine_gc_pause_seconds)
+    GcTimer(f"{cfg.name} (engine)", lambda generation, pause: emit("engine_gc", generation, pause))
     send(("ready", core.info()))
 
     def runner(call_id: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Callable[[LLMEngine], None]:

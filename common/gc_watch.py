@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -21,16 +22,16 @@ from prometheus_client import CollectorRegistry, Histogram
 log = logging.getLogger(__name__)
 
 LONG_PAUSE_S = 0.05  # a collection that stood the process still this long is logged
-_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
-class GcWatch:
-    """Times every collection through ``gc.callbacks`` into ``tokenmill:gc_pause_seconds{generation}``."""
+class GcTimer:
+    """Times every collection through ``gc.callbacks``: ``observe(generation, seconds)``, and a log line for one of
+    ``LONG_PAUSE_S`` or more."""
 
-    def __init__(self, registry: CollectorRegistry, name: str) -> None:
+    def __init__(self, name: str, observe: Callable[[int, float], None]) -> None:
         self.name = name
-        self.pauses = Histogram("tokenmill:gc_pause_seconds", "Garbage collection pauses, by generation collected",
-                                ["generation"], registry=registry, buckets=_BUCKETS)
+        self._observe = observe
         self.longest = 0.0
         self._t0 = 0.0
         gc.callbacks.append(self._callback)
@@ -40,7 +41,7 @@ class GcWatch:
             self._t0 = time.perf_counter()
             return
         pause = time.perf_counter() - self._t0
-        self.pauses.labels(str(info["generation"])).observe(pause)
+        self._observe(info["generation"], pause)
         if pause >= LONG_PAUSE_S:
             self.longest = max(self.longest, pause)
             log.warning("%s: garbage collection of generation %d stood the process still %.0f ms (%d objects "
@@ -49,6 +50,15 @@ class GcWatch:
     def close(self) -> None:
         if self._callback in gc.callbacks:
             gc.callbacks.remove(self._callback)
+
+
+class GcWatch(GcTimer):
+    """Every collection of this process into ``tokenmill:gc_pause_seconds{generation}``."""
+
+    def __init__(self, registry: CollectorRegistry, name: str) -> None:
+        self.pauses = Histogram("tokenmill:gc_pause_seconds", "Garbage collection pauses, by generation collected",
+                                ["generation"], registry=registry, buckets=BUCKETS)
+        super().__init__(name, lambda generation, pause: self.pauses.labels(str(generation)).observe(pause))
 
 
 def freeze_startup_heap() -> int:

@@ -13,6 +13,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmill.v1 import common_pb2, prefill_pb2, router_pb2
 
+from common import gc_watch
 from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine
 from common.engine_core import CoreHandle, CoreInfo, ProcessCore, ThreadCore, WorkerCore
@@ -74,6 +75,9 @@ class WorkerMetrics:
                                       "÷ engine_steps is the mean decode batch", registry=r)
         self.step_prompt_tokens = Gauge("tokenmill:engine_step_prompt_tokens", "Prompt tokens computed over all "
                                         "steps, summed", registry=r)
+        self.engine_gc_pause = Histogram("tokenmill:engine_gc_pause_seconds", "Garbage collection pauses in the "
+                                         "engine core's process, by generation collected", ["generation"],
+                                         registry=r, buckets=gc_watch.BUCKETS)
         self.idle_seconds = Gauge("tokenmill:engine_idle_seconds", "Seconds the engine thread waited for work with "
                                   "no sequence to run", registry=r)
         self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
@@ -175,6 +179,9 @@ class WorkerBase:
 
     def ev_stats(self, stats: dict[str, float]) -> None:
         self.stats = stats
+
+    def ev_engine_gc(self, generation: int, seconds: float) -> None:
+        self.metrics.engine_gc_pause.labels(str(generation)).observe(seconds)
 
     def ev_latencies(self, queued: list[float], first_tokens: list[float]) -> None:
         for v in queued:

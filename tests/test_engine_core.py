@@ -5,6 +5,7 @@ decode worker's (services/decode/core.py) on a real engine (a tiny dummy Llama o
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import pickle
 import signal
@@ -38,9 +39,12 @@ class _Front:
         self.kinds: list[str] = []
         self.failures: list[BaseException] = []
         self.failed = threading.Event()
+        self.collections: list[tuple[int, float]] = []
 
     def on_event(self, kind: str, *args: Any) -> None:
         self.kinds.append(kind)
+        if kind == "engine_gc":
+            self.collections.append(args)
         if kind == "stats":
             self.stats = args[0]
         elif kind == "outputs":
@@ -158,4 +162,22 @@ def test_a_request_output_crosses_the_pipe_whole() -> None:
     defaults = RequestOutput("", [], None, False, None, 0, 0, 0)
     assert all(getattr(o, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(RequestOutput))
     assert pickle.loads(pickle.dumps(o)) == o and len(o.__reduce__()[1]) == len(dataclasses.fields(RequestOutput))
+
+
+class _CollectingCore(DecodeCore):
+    def collect(self) -> None:
+        gc.collect()
+
+
+def test_the_core_process_times_its_garbage_collections_for_the_front() -> None:
+    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
+    front = _Front()
+    core = ProcessCore(_CollectingCore, cfg, front.on_event, front.on_failure)
+    core.start()
+    try:
+        core.ready.result(timeout=120)
+        core.call("collect").result(timeout=30)  # its pause leaves with the call's result
+        assert any(g == 2 and 0 < secs < 10 for g, secs in front.collections), front.collections
+    finally:
+        core.stop()
 
