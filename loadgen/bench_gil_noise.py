@@ -1,6 +1,7 @@
 """``python -m loadgen.bench_gil_noise``: how much a second Python thread of the engine's process lengthens its steps.
 
-A decode worker runs its engine on one thread and its gRPC loop and detokenizer on others; all take the GIL. This
+With its engine on a thread (``worker_engine_process: false``; by default the engine has a process of its own), a
+decode worker runs its gRPC loop and detokenizer on other threads of the engine's process; all take the GIL. This
 runs the engine alone in a closed loop (``--concurrency`` requests of ``--input-len`` / ``--output-len`` tokens,
 sampled: temperature 1, top_p 0.9, top_k 50, repetition_penalty 1.1, as ``tokenmill bench gpu-serving``), then the
 same beside one thread that, after every step, runs Python for a set time (as the detokenizer does with a step's
