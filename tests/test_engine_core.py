@@ -4,6 +4,7 @@ decode worker's (services/decode/core.py) on a real engine (a tiny dummy Llama o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -11,14 +12,16 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from tokenmill.v1 import common_pb2, decode_pb2
 
+from common.cluster_config import ServiceConfig
 from common.config import EngineConfig
 from common.engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
-from common.engine_core import ProcessCore, ThreadCore
+from common.engine_core import CoreInfo, ProcessCore, ThreadCore
 from common.sampling import SamplingParams
 from common.sequence import FinishReason, Tenancy
 from services.decode.core import DecodeCore
@@ -62,6 +65,28 @@ class _Front:
         self.failed.set()
 
 
+@dataclasses.dataclass
+class _Running:
+    core: ProcessCore | ThreadCore
+    front: _Front
+    info: CoreInfo
+    cfg: ServiceConfig
+
+
+@contextlib.contextmanager
+def _running(handle: type[ProcessCore] | type[ThreadCore] = ProcessCore,
+             core_cls: type[DecodeCore] = DecodeCore) -> Iterator[_Running]:
+    """A decode core of ``core_cls`` on the tiny model, started and ready; stopped afterwards."""
+    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
+    front = _Front()
+    core = handle(core_cls, cfg, front.on_event, front.on_failure)
+    core.start()
+    try:
+        yield _Running(core, front, core.ready.result(timeout=120), cfg)
+    finally:
+        core.stop()
+
+
 def _request(rid: str) -> decode_pb2.DecodeRequest:
     return decode_pb2.DecodeRequest(meta=common_pb2.RequestMeta(request_id=rid), prompt_token_ids=PROMPT)
 
@@ -75,12 +100,8 @@ def want() -> list[int]:
 @pytest.mark.parametrize("handle", [ProcessCore, ThreadCore])
 def test_calls_results_errors_and_events_cross_to_the_core(handle: type[ProcessCore] | type[ThreadCore],
                                                            want: list[int]) -> None:
-    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
-    front = _Front()
-    core = handle(DecodeCore, cfg, front.on_event, front.on_failure)
-    core.start()
-    try:
-        info = core.ready.result(timeout=120)
+    with _running(handle) as r:
+        core, front, info, cfg = r.core, r.front, r.info, r.cfg
         assert info.num_blocks > 0 and info.agent_name.startswith(cfg.name)
         if handle is ProcessCore:
             assert not info.agent_name.endswith(f".{os.getpid()}")  # the agent lives in the child
@@ -101,17 +122,12 @@ def test_calls_results_errors_and_events_cross_to_the_core(handle: type[ProcessC
         assert load.free_blocks == load.total_blocks == info.num_blocks and load.running == 0
         assert front.stats["steps"] >= len(want) and front.stats["kv_free"] == info.num_blocks
         assert front.kinds.index("outputs") < len(front.kinds) - 1 and not front.failures
-    finally:
-        core.stop()
 
 
 def test_a_core_process_that_dies_fails_its_calls_and_the_front() -> None:
-    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
-    front = _Front()
-    core = ProcessCore(DecodeCore, cfg, front.on_event, front.on_failure)
-    core.start()
-    try:
-        core.ready.result(timeout=120)
+    with _running() as r:
+        core, front = r.core, r.front
+        assert isinstance(core, ProcessCore)
         long = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
         core.call("admit", "long", _request("long"), long, Tenancy(), None).result(timeout=30)
         assert core._proc.pid is not None
@@ -120,8 +136,6 @@ def test_a_core_process_that_dies_fails_its_calls_and_the_front() -> None:
         assert "engine process exited" in str(front.failures[0])
         with pytest.raises(RuntimeError, match="not running"):  # later calls fail at once, never hang
             core.call("abort", "long").result(timeout=5)
-    finally:
-        core.stop()
 
 
 class _FailingCore(DecodeCore):
@@ -139,19 +153,13 @@ class _FailingCore(DecodeCore):
 
 
 def test_an_engine_loop_that_dies_in_the_core_process_fails_the_front_and_stops_at_once() -> None:
-    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
-    front = _Front()
-    core = ProcessCore(_FailingCore, cfg, front.on_event, front.on_failure)
-    core.start()
-    try:
-        core.ready.result(timeout=120)
-        core.call("break_engine").result(timeout=30)
-        assert front.failed.wait(30)
-        assert "simulated device fault" in str(front.failures[0])  # the child's exception, over the pipe
-    finally:
+    with _running(core_cls=_FailingCore) as r:
+        r.core.call("break_engine").result(timeout=30)
+        assert r.front.failed.wait(30)
+        assert "simulated device fault" in str(r.front.failures[0])  # the child's exception, over the pipe
         t = time.monotonic()
-        core.stop()
-        assert time.monotonic() - t < 20 and not core._proc.is_alive()  # told to stop, not killed after 30 s
+    assert isinstance(r.core, ProcessCore)
+    assert time.monotonic() - t < 20 and not r.core._proc.is_alive()  # told to stop, not killed after 30 s
 
 
 def test_a_request_output_crosses_the_pipe_whole() -> None:
@@ -170,14 +178,7 @@ class _CollectingCore(DecodeCore):
 
 
 def test_the_core_process_times_its_garbage_collections_for_the_front() -> None:
-    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": 8 << 20}).service("decode")
-    front = _Front()
-    core = ProcessCore(_CollectingCore, cfg, front.on_event, front.on_failure)
-    core.start()
-    try:
-        core.ready.result(timeout=120)
-        core.call("collect").result(timeout=30)  # its pause leaves with the call's result
-        assert any(g == 2 and 0 < secs < 10 for g, secs in front.collections), front.collections
-    finally:
-        core.stop()
+    with _running(core_cls=_CollectingCore) as r:
+        r.core.call("collect").result(timeout=30)  # its pause leaves with the call's result
+        assert any(g == 2 and 0 < secs < 10 for g, secs in r.front.collections), r.front.collections
 
