@@ -170,7 +170,7 @@ class WorkerCore:
             self.emit("stats", self.stats())
 
     def stats(self) -> dict[str, float]:
-        """The numbers ``/metrics`` shows of the engine and the agent (``WorkerMetrics.bind``)."""
+        """The numbers ``/metrics`` shows of the engine and the agent (``WorkerMetrics.bind``, ``STATS_GAUGES``)."""
         e, a = self.engine, self.agent
         assert e is not None
         bm = e.block_manager
@@ -179,8 +179,7 @@ class WorkerCore:
             "step_prompt_tokens": e.step_prompt_tokens, "idle_seconds": self.loop.idle_seconds if self.loop else 0.0,
             "running": e.num_running, "waiting": e.num_waiting, "kv_used": bm.usage(),
             "kv_free": bm.num_free_blocks, "kv_total": bm.num_blocks, "prefix_queries": bm.stats.queries,
-            "prefix_hits": bm.stats.hits, "queue_seconds": e.queue_seconds, "queued": e.num_queued,
-            "first_token_seconds": e.first_token_seconds, "first_tokens": e.num_first_tokens,
+            "prefix_hits": bm.stats.hits,
         }
         for klass in PriorityClass:
             waiting, running = e.num_by_class(klass)

@@ -105,30 +105,23 @@ class WorkerMetrics:
 
     def bind(self, stats: Callable[[], dict[str, float]]) -> None:
         """Read the engine's and the agent's counters at scrape time from ``stats()``: the engine core's last
-        report, renewed after every loop iteration (``WorkerCore.stats``)."""
+        report, renewed after every loop iteration (``WorkerCore.stats``: a key per gauge of ``STATS_GAUGES``, named
+        as the gauge's attribute here, and the priority classes' ``waiting_CLASS`` / ``running_CLASS``)."""
         def read(key: str) -> Callable[[], float]:
             return lambda: stats().get(key, 0.0)
 
-        self.steps.set_function(read("steps"))
-        self.step_seconds.set_function(read("step_seconds"))
-        self.step_decode_rows.set_function(read("step_decode_rows"))
-        self.step_prompt_tokens.set_function(read("step_prompt_tokens"))
-        self.idle_seconds.set_function(read("idle_seconds"))
-        self.running.set_function(read("running"))
-        self.waiting.set_function(read("waiting"))
+        for key in STATS_GAUGES:
+            getattr(self, key).set_function(read(key))
         for klass in PriorityClass:
             label = klass.name.lower()
             self.class_waiting.labels(label).set_function(read(f"waiting_{label}"))
             self.class_running.labels(label).set_function(read(f"running_{label}"))
-        self.kv_used.set_function(read("kv_used"))
-        self.kv_free.set_function(read("kv_free"))
-        self.kv_total.set_function(read("kv_total"))
-        self.prefix_queries.set_function(read("prefix_queries"))
-        self.prefix_hits.set_function(read("prefix_hits"))
-        self.nixl_bytes.set_function(read("nixl_bytes"))
-        self.nixl_seconds.set_function(read("nixl_seconds"))
-        self.nixl_busy.set_function(read("nixl_busy"))
-        self.nixl_failures.set_function(read("nixl_failures"))
+
+
+# the gauges ``WorkerMetrics.bind`` reads from the engine core's counters, by attribute (= the counter's key)
+STATS_GAUGES = ("steps", "step_seconds", "step_decode_rows", "step_prompt_tokens", "idle_seconds", "running", "waiting",
+                "kv_used", "kv_free", "kv_total", "prefix_queries", "prefix_hits", "nixl_bytes", "nixl_seconds",
+                "nixl_busy", "nixl_failures")
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:

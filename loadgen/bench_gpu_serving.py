@@ -53,6 +53,7 @@ from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions
 from loadgen.metrics import RequestRecord, summarize
 from loadgen.runner import LoadConfig, run_warmups
+from loadgen.server_metrics import fold_means
 from loadgen.workloads import PromptBuilder, RequestSpec, build_requests
 
 DEFAULT_MODELS = ("dummy:llama-3.1-8b", "dummy:llama-3.2-1b")
@@ -181,11 +182,9 @@ def engine_counters(eng: Any) -> dict[str, float]:
 
 
 def _mean_ms(e: dict[str, Any], key: str) -> str:
-    """A histogram's mean over a run, ms, from a /metrics report (``KEY_mean_ms``) or engine counters (sum, count)."""
-    if f"{key}_mean_ms" in e:
-        return f"{e[f'{key}_mean_ms']:.1f}"
-    n = e.get(f"{key}_count")
-    return f"{1000 * e[f'{key}_sum'] / n:.1f}" if n else "—"
+    """A histogram's mean over a run, ms (``KEY_mean_ms``, ``server_metrics.fold_means``)."""
+    v = e.get(f"{key}_mean_ms")
+    return "—" if v is None else f"{v:.1f}"
 
 
 def time_decode_steps(eng: Any, specs: list[RequestSpec], sampling: Sampling, steps: int, device: str) -> dict:
@@ -532,7 +531,7 @@ def engine_phase(a: argparse.Namespace, model: str, dtype: str, specs: list[Requ
             with res.phase(f"{model}: engine {s.name} load"):
                 c0 = engine_counters(eng)
                 summary = summarize(engine_closed_loop(eng, specs, s, a.max_concurrency, f"run-{s.name}"))
-                steps = {k: v - c0[k] for k, v in engine_counters(eng).items()}
+                steps = fold_means({k: v - c0[k] for k, v in engine_counters(eng).items()})
                 res.doc["rows"].append(_row(model, s.name, "engine", summary, steps))
                 _say(f"{model}: engine {s.name}: {summary['output_throughput']:.1f} output tok/s, TPOT p50 "
                      f"{summary['tpot_ms']['p50'] or 0:.2f} ms, TTFT p50 {summary['ttft_ms']['p50'] or 0:.1f} ms")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions, Target
-from loadgen.metrics import RequestRecord, Slo, summarize
+from loadgen.metrics import Slo, summarize
 from loadgen.report import format_run, format_sweep
 from loadgen.runner import LoadConfig, run_load, run_load_processes, run_warmups
 from loadgen.server_metrics import MetricsWatcher, endpoints_from_state, local_cluster_endpoints
@@ -159,25 +159,18 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
                dynamic_ncols=True)
     errors = 0
 
-    def done(rec: RequestRecord) -> None:
-        nonlocal errors
-        bar.update(1)
-        if not rec.ok:
-            errors += 1
-            bar.set_postfix(errors=errors)
-
     watcher = MetricsWatcher(urls, interval=a.metrics_interval)  # no API key: /metrics may be anyone's
     started = time.time()
     records = list(warm_recs)
     interrupted = False
     children: list[tuple[float, float]] = []  # each client process's CPU and wall seconds (--client-processes)
 
+    cpu0, wall0, begun = time.process_time(), time.perf_counter(), False
+
     async def begin() -> None:  # the server's counters and the client's clocks start with the run
         nonlocal started, cpu0, wall0, begun
         await watcher.start()
         started, cpu0, wall0, begun = time.time(), time.process_time(), time.perf_counter(), True
-
-    cpu0, wall0, begun = time.process_time(), time.perf_counter(), False
 
     def ended(ok: bool) -> None:
         nonlocal errors
@@ -192,7 +185,7 @@ async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder
             records += recs
         else:
             await begin()
-            await run_load(target, reqs, load, done, into=records)
+            await run_load(target, reqs, load, lambda rec: ended(rec.ok), into=records)
     except asyncio.CancelledError:  # Ctrl-C: keep what was measured, say so
         interrupted = True
     finally:

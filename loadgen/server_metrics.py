@@ -55,6 +55,17 @@ _MEANS = ("ttft", "e2e", "engine_queue", "engine_ttft")  # histograms reported a
 _KV_USAGE = ("tokenmill:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 
 
+def fold_means(d: dict[str, Any]) -> dict[str, Any]:
+    """Each ``_MEANS`` histogram's ``KEY_sum`` (seconds) in ``d`` becomes ``KEY_mean_ms``, the mean over its
+    ``KEY_count`` observations (kept); in place, and returned."""
+    for k in _MEANS:
+        total = d.pop(f"{k}_sum", 0.0)
+        n = d.get(f"{k}_count", 0.0)
+        if n > 0:
+            d[f"{k}_mean_ms"] = 1000 * total / n
+    return d
+
+
 def parse(text: str) -> Sample:
     """Prometheus text → {sample name[ {labels}]: value}. Label sets are kept in the key (sorted)."""
     out: Sample = {}
@@ -196,10 +207,7 @@ class MetricsWatcher:
             out["prefix_cache_hit_rate"] = h / q if q > 0 else math.nan
         if self.kv_peak is not None:
             out["kv_usage_peak"] = self.kv_peak
-        for k in _MEANS:  # mean over the run, ms: the client's figure minus the gateway's is the client's share
-            n, total = out.pop(f"{k}_count", 0.0), out.pop(f"{k}_sum", 0.0)
-            if n > 0:
-                out[f"{k}_mean_ms"] = 1000 * total / n
+        fold_means(out)  # the client's TTFT minus the gateway's is the client's share
         by = {}
         for u in both:  # per process: prefill and decode workers each look prompts up in their own cache
             d = {k: sum(self.after[u][n] - self.before[u].get(n, 0.0) for n in names if n in self.after[u])
