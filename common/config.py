@@ -161,6 +161,10 @@ class EngineConfig:
     # max_num_batched_tokens rows, so the default graphs every step of the default budget. Larger prompt steps run
     # eagerly, with flash attention. 0: graphs for decode-only steps
     cuda_graph_prefill_tokens: int = 2048
+    # Async scheduling: the engine launches step N+1 (its decodes' input ids taken from step N's picks on the
+    # device) before it reads step N's tokens, so the host's work on a step's outputs, the next schedule and the
+    # sampler's host side run while the GPU computes. None: on for one rank on CUDA; True: on anywhere with one rank
+    async_scheduling: bool | None = None
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
     # the engine runs its next step; False: inline, on the engine thread
     grammar_process: bool = True
@@ -188,6 +192,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tp_all_reduce not in ("auto", "nccl"):
             raise ValueError(f"tp_all_reduce must be 'auto' or 'nccl', got {self.tp_all_reduce!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1: the other ranks take their input ids "
+                             "from the host")
         if self.noop_model and self.tensor_parallel_size > 1:
             raise ValueError(f"noop_model runs no model: tensor_parallel_size must be 1, got "
                              f"{self.tensor_parallel_size}")

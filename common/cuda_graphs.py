@@ -24,12 +24,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from common.model import AttentionMetadata, LlamaModel
 from common.scheduler import ScheduledSeq
+
+if TYPE_CHECKING:
+    from common.model_runner import TokenFeed
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +152,7 @@ class DecodeStaging:
             s = d.seq
             c = s.num_computed_tokens
             bl = s.block_ids
-            ids[i] = s.token_at(c)
+            ids[i] = s.token_at(c) if c < s.num_tokens else 0  # 0: a token on the device, fed at the replay
             pos[i] = c
             slot[i] = bl[c // bs] * per_block + c % bs
             ctx[i] = c + 1
@@ -296,10 +300,11 @@ class CudaGraphDecoder:
         return (len(decodes) > 0 or len(prefills) > 0) and self.staging.fits(decodes, prefills)
 
     def run(self, decodes: Sequence[ScheduledSeq], send: Callable[[np.ndarray], None] | None = None,
-            prefills: Sequence[ScheduledSeq] = ()) -> torch.Tensor | None:
+            prefills: Sequence[ScheduledSeq] = (), feed: TokenFeed | None = None) -> torch.Tensor | None:
         """Replay for these rows; returns float32 logits ``[sampled rows, vocab]`` on the device, in the engine's
         order (the prompts that end this step, then the decodes): a view of the graph's output, valid until the
-        next replay; None when no row samples. ``send``: hands the staged rows to the other ranks first."""
+        next replay; None when no row samples. ``send``: hands the staged rows to the other ranks first. ``feed``:
+        decodes whose input id is on the device, written into the staged ids before the replay."""
         b = len(decodes) + sum(p.num_tokens for p in prefills)
         padded = padded_size(self.sizes, b)
         assert padded is not None
@@ -307,7 +312,7 @@ class CudaGraphDecoder:
         n = self.staging.fill(decodes, padded, prefills)
         if send is not None:
             send(self.staging.rows(padded))
-        logits = self._replay(padded, n)
+        logits = self._replay(padded, n, feed)
         if prefills:
             self.prompt_replays += 1
         k = self.staging.num_sampled
@@ -319,10 +324,13 @@ class CudaGraphDecoder:
         padded, n = self.staging.load(rows)
         self._replay(padded, n)
 
-    def _replay(self, padded: int, n: int) -> torch.Tensor:
+    def _replay(self, padded: int, n: int, feed: TokenFeed | None = None) -> torch.Tensor:
         key = (padded, self.staging.num_tiles > 0)
         self.dev[:n].copy_(self.staging.host[:n], non_blocking=True)
         self._copied.record()
+        if feed is not None:  # decodes are the first rows
+            mb = self.staging.max_batch
+            feed.apply(self.dev[_IDS * mb : _IDS * mb + padded], 0)
         self.graphs[key].replay()
         self.replays += 1
         return self.logits[key]

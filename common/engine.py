@@ -1,6 +1,15 @@
-"""The engine: ``schedule() → execute() → update()``, plus request intake and output processing.
+"""The engine: ``schedule() → execute() → sample → update``, plus request intake and output processing.
 
 Knows nothing of gRPC or HTTP; services wrap it. Single-threaded: one loop calls ``step``.
+
+With async scheduling (``engine.async_scheduling``, on for one GPU) a step does not wait for its own tokens: it
+schedules step N, launches its forward (a decode whose token step N-1 sampled reads it from the device), then reads
+step N-1's tokens, which the GPU finished before starting step N, and hands them out: appended, stop checks,
+finished requests freed, grammar matchers advanced. Only then does it queue step N's sampling, so the sampler sees
+every row's outputs and matchers as a synchronous engine would, and the same tokens come out. ``step`` returns
+step N-1's outputs; the host's work on them, and the next schedule, run while the GPU computes step N. What it
+costs: a request that step N-1 finished (EOS, a stop token) still ran its row in step N, whose pick is dropped; a
+request whose token ends it whatever it is (``max_tokens``) is not scheduled again.
 """
 
 from __future__ import annotations
@@ -21,9 +30,9 @@ from common.block_manager import BlockManager
 from common.config import EngineConfig
 from common.loader import ModelSource, load_model_source
 from common.model import LlamaModel
-from common.model_runner import ModelRunner
+from common.model_runner import ModelRunner, TokenFeed
 from common.output_processor import OutputProcessor
-from common.sampler import Sampler, SampleRow
+from common.sampler import PendingSample, PinnedUploads, Sampler, SampleRow
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import DEFAULT_TENANCY, FinishReason, PriorityClass, Sequence, SequenceStatus, Tenancy
@@ -98,6 +107,15 @@ class CompletionResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A step whose picks are queued on the device and not read yet: its sampling sequences, in row order."""
+
+    seqs: list[Sequence]
+    picks: PendingSample
+    rows: dict[int, int]  # id(seq) → its row in ``picks.tokens``
+
+
 class LLMEngine:
     """Paged-KV, continuously batched inference over one model. Token ids in, token ids out.
 
@@ -145,6 +163,10 @@ class LLMEngine:
         if self.cfg.noop_model:
             self.sample_vocab = 1  # its logits have one column
         self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs)
+        asked = self.cfg.async_scheduling
+        self.async_scheduling = (self.runner.device.type == "cuda" if asked is None else asked) and self.tp is None
+        self._inflight: _InFlight | None = None  # async scheduling: the last step, its tokens not read yet
+        self._feed_uploads = PinnedUploads(self.runner.device)
         self.num_generated_tokens = 0
         self.track_latencies = False  # keep each queue time and time to first token for ``drain_latencies``
         self.reset_step_counters()
@@ -359,7 +381,10 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Work to schedule, or tokens on the device not handed out yet (of requests not aborted since)."""
+        if self._inflight is not None and not any(self._live(s) for s in self._inflight.seqs):
+            self._inflight = None  # every row was aborted: nothing to hand out
+        return self.scheduler.has_work() or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -403,11 +428,18 @@ class LLMEngine:
 
     # -- the loop --------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: schedule → execute → update. Returns the tokens it produced."""
+        """One engine iteration: schedule → execute → sample → update. Returns the tokens it produced; with async
+        scheduling, those of the step before (its own are read by the next call: ``has_unfinished`` stays true
+        until they are)."""
         t0 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if prev is None:
+                return []
+            outputs = self._resolve(prev)
+            self.step_seconds += time.perf_counter() - t0
+            return outputs
         if self._grammars is not None:
             self._grammars.flush()  # matchers made since the last step: their first masks fill beside the forward
         for it in out.prefills:
@@ -418,34 +450,75 @@ class LLMEngine:
                 self.num_queued += 1
                 if self.track_latencies:
                     self._queue_times.append(now - seq.arrival)
-        logits = self.runner.execute(out)
+        sampling = [it.seq for it in (*out.prefills, *out.decodes) if it.samples]
+        logits = self.runner.execute(out, self._feed(out, prev))
         self.num_steps += 1
-        outputs = self._update(out, logits)
+        outputs = self._resolve(prev) if prev is not None else []
+        self.scheduler.update_after_step(out)
+        picks = self._launch(sampling, logits)
+        if picks is not None:
+            if self.async_scheduling:
+                self._inflight = picks
+            else:
+                outputs = self._resolve(picks)
         self.step_decode_rows += len(out.decodes)
         self.step_prompt_tokens += out.num_tokens - len(out.decodes)
         self.step_seconds += time.perf_counter() - t0
         return outputs
 
-    def _update(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[RequestOutput]:
-        sampling = [it.seq for it in (*out.prefills, *out.decodes) if it.samples]
-        self.scheduler.update_after_step(out)
+    def _feed(self, out: SchedulerOutput, prev: _InFlight | None) -> TokenFeed | None:
+        """The decodes whose input id the previous step sampled and the host has not read yet."""
+        if prev is None:
+            return None
+        pairs = [(i, prev.rows[id(d.seq)]) for i, d in enumerate(out.decodes) if d.seq.pending]
+        if not pairs:
+            return None
+        index = self._feed_uploads.tensor("feed", [[i for i, _ in pairs], [j for _, j in pairs]], torch.long)
+        return TokenFeed(prev.picks.tokens, index, pairs)
+
+    def _launch(self, sampling: list[Sequence], logits: torch.Tensor | None) -> _InFlight | None:
+        """Queue the pick of each sampling sequence that is still live (one finished or aborted since it was
+        scheduled has its row dropped)."""
         if not sampling or logits is None:
-            return []
+            return None
+        live = [i for i, s in enumerate(sampling) if s.status is not SequenceStatus.FINISHED]
+        if len(live) < len(sampling):
+            if not live:
+                return None
+            logits = logits.index_select(0, torch.tensor(live).to(logits.device, non_blocking=True))
+            sampling = [sampling[i] for i in live]
         eos = self.model_cfg.eos_token_ids
         rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos, s.request_id,
                           s.matcher) for s in sampling]
         if logits.shape[1] > self.sample_vocab:
             logits = logits[:, : self.sample_vocab]
         with torch.inference_mode():
-            result = self.sampler.sample(logits, rows)
+            picks = self.sampler.launch(logits, rows)
+        if self.async_scheduling:
+            for s in sampling:
+                s.pending = 1
+                n = len(s.output_ids) + 1
+                s.pending_final = (s.request_id in self._prefill_only or n >= s.max_tokens
+                                   or s.num_tokens + 1 >= self.max_model_len)
+        return _InFlight(sampling, picks, {id(s): j for j, s in enumerate(sampling)})
+
+    def _resolve(self, step: _InFlight) -> list[RequestOutput]:
+        """Read a step's tokens and hand them out: appended, stop checks, finished requests freed."""
+        result = step.picks.result()
+        sampling, toks, lps = step.seqs, result.token_ids, result.logprobs
+        for s in sampling:
+            s.pending, s.pending_final = 0, False
+        if len(sampling) != sum(1 for s in sampling if self._live(s)):  # aborted while its token was on the device
+            keep = [j for j, s in enumerate(sampling) if self._live(s)]
+            sampling, toks, lps = [sampling[j] for j in keep], [toks[j] for j in keep], [lps[j] for j in keep]
         if self._grammars is not None and self._grammars.masks is not None:  # the next masks start before the rows below
-            for s, tok in zip(sampling, result.token_ids):
+            for s, tok in zip(sampling, toks):
                 if s.matcher is not None:
                     s.matcher.send(tok)
             self._grammars.flush()
         now = time.monotonic()
         outputs = []
-        for s, tok, lp in zip(sampling, result.token_ids, result.logprobs):
+        for s, tok, lp in zip(sampling, toks, lps):
             broken = s.matcher is not None and not s.matcher.consume(tok)
             if broken:  # cannot happen while the mask holds; ends the request rather than the engine
                 log.error("request %s: token %d does not follow its grammar; finishing it", s.request_id, tok)
@@ -472,6 +545,10 @@ class LLMEngine:
             outputs.append(o)
         self.num_generated_tokens += len(outputs)
         return outputs
+
+    def _live(self, s: Sequence) -> bool:
+        """Not aborted: still the engine's sequence under its id (a new request may reuse an aborted one's id)."""
+        return self._seqs.get(s.request_id) is s
 
     def _token_output(self, s: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
         """Token-level stop checks (EOS, stop token ids, max_tokens, context) for the token just appended."""

@@ -25,6 +25,7 @@ from common.loader import ModelSource
 from common.model import PORTABLE, AttentionMetadata, LlamaModel, cache_rows
 from common.model_cpu import FusedCpu, prefill_kernel_fits, prepack
 from common.scheduler import SchedulerOutput
+from common.sequence import Sequence
 from common.tensor_parallel import SINGLE, Op, Shard, rank_device, send_step
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,27 @@ class StepPlan:
         dec_ctx = take(b)
         dec_tables = [take(w) for _ in range(b)]
         return cls(ids, positions, slots, q_lens, ctx_lens, tables, dec_ctx, dec_tables, take(s))
+
+
+@dataclass(slots=True)
+class TokenFeed:
+    """Input ids that are still on the device (async scheduling): a decode whose token the previous step sampled
+    reads it from that step's picks. ``index`` [2, k] int64 on the device: decode row i (counted among the step's
+    decodes) takes ``tokens[j]``; ``rows`` the same pairs on the host."""
+
+    tokens: torch.Tensor
+    index: torch.Tensor
+    rows: list[tuple[int, int]]
+
+    def apply(self, ids: torch.Tensor, first_decode: int) -> None:
+        """Write the fed ids into ``ids`` (the step's flat input ids, its decodes from row ``first_decode``)."""
+        rows = self.index[0] + first_decode if first_decode else self.index[0]
+        ids.index_copy_(0, rows, self.tokens.index_select(0, self.index[1]).to(ids.dtype))
+
+
+def _token_or_fed(s: Sequence, i: int) -> int:
+    """Token ``i`` of ``s``, or 0 for the one still on the device (a TokenFeed writes it)."""
+    return s.token_at(i) if i < s.num_tokens else 0
 
 
 @dataclass(slots=True)
@@ -275,7 +297,7 @@ class ModelRunner:
             for d in out.decodes:
                 s = d.seq
                 c = s.num_computed_tokens
-                ids.append(s.token_at(c))
+                ids.append(_token_or_fed(s, c))
                 pos.append(c)
                 slots.append(s.block_ids[c // bs] * per_block + c % bs)
                 dec_tables.append(s.block_ids + [0] * (width - len(s.block_ids)))
@@ -365,21 +387,26 @@ class ModelRunner:
         return self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta, cache)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+    def execute(self, out: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor | None:
         """Run the step; return logits ``[num_sampling_rows, vocab]`` (or None): float32 on the device with the CUDA
         fast path (the sampler then runs there); on the CPU, in the model's dtype (the sampler converts as needed).
         A decode step, or one whose prompt chunks are short (``engine.cuda_graph_prefill_tokens``), replays a CUDA
-        graph. In a tensor-parallel group, rank 0 calls this; the others follow."""
+        graph. In a tensor-parallel group, rank 0 calls this; the others follow. ``feed``: decodes whose input id
+        is on the device (one rank only: the others would need it on the host)."""
+        assert feed is None or self.shard.size == 1, "a tensor-parallel group takes its input ids from the host"
         if self.cfg.noop_model:
             # a one-entry vocabulary: every sampled token is id 0, and sampling costs nothing per vocab entry
             n = sum(1 for it in (*out.prefills, *out.decodes) if it.samples)
             return torch.zeros(n, 1) if n else None
         if self.graphs is not None and self.graphs.can_run(out.decodes, out.prefills):
-            return self.graphs.run(out.decodes, self._send_graph_rows if self.shard.size > 1 else None, out.prefills)
+            return self.graphs.run(out.decodes, self._send_graph_rows if self.shard.size > 1 else None, out.prefills,
+                                   feed)
         plan = self.plan(out)
         if self.shard.size > 1:
             send_step(self.shard, Op.STEP, plan.pack())
         inp = self.inputs(plan)
+        if feed is not None:
+            feed.apply(inp.input_ids, len(plan.ids) - len(out.decodes))
         hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
         if not inp.sample_indices:
             return None

@@ -22,7 +22,10 @@ the device as it is: an all-greedy batch takes one Triton kernel, each row's arg
 without a constraint over all of them); otherwise one kernel sets the constrained rows' disallowed logits to -inf
 (``common/triton_ops.py``). Rows without a constraint take no part in it.
 
-One device→host copy per step returns the picked ids (and the asked logprobs with them).
+One device→host copy per step returns the picked ids (and the asked logprobs with them). ``Sampler.launch`` queues
+the pick and that copy and returns at once (:class:`PendingSample`): the picked ids stay on the device too, where
+the engine's next step reads its input ids from them before the host has seen them (async scheduling,
+``common/engine.py``); ``Sampler.sample`` waits for the copy.
 """
 
 from __future__ import annotations
@@ -68,6 +71,54 @@ class SampleResult:
     token_ids: list[int]
     # per row: (sampled logprob, [(token id, logprob) × top-n]) or None
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+class PendingSample:
+    """A step's picks, queued on the logits' device: ``tokens`` ([rows] int64 there) can feed the next step before
+    the host reads them; :meth:`result` waits for the step's one device→host copy and decodes it."""
+
+    __slots__ = ("_decode", "_event", "_flat", "_result", "tokens")
+
+    def __init__(self, tokens: torch.Tensor, flat: torch.Tensor | None = None, event: torch.cuda.Event | None = None,
+                 decode: Any = None, result: SampleResult | None = None) -> None:
+        self.tokens = tokens
+        self._flat, self._event, self._decode, self._result = flat, event, decode, result
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            assert self._flat is not None
+            self._result = self._decode(self._flat.tolist())
+            self._flat = None
+        return self._result
+
+
+class _Readback:
+    """The per-step device→host copy into pinned memory, queued (``non_blocking``) with an event to wait on. Two
+    buffers per dtype, used in turn: a step's copy is read (``PendingSample.result``) before the step after the
+    next one launches its own."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[torch.dtype, list[tuple[torch.Tensor, torch.cuda.Event]]] = {}
+        self._turn = 0
+
+    def __call__(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if flat.device.type != "cuda":
+            return flat, None
+        bufs = self._bufs.setdefault(flat.dtype, [])
+        self._turn ^= 1
+        n = flat.numel()
+        while len(bufs) < 2:
+            bufs.append((torch.empty(0, dtype=flat.dtype, pin_memory=True), torch.cuda.Event()))
+        buf, event = bufs[self._turn]
+        if buf.numel() < n:
+            buf = torch.empty(max(n, 256), dtype=flat.dtype, pin_memory=True)
+            bufs[self._turn] = (buf, event)
+        host = buf[:n]
+        host.copy_(flat, non_blocking=True)
+        event.record()
+        return host, event
 
 
 def _mix64(z: int) -> int:
@@ -123,8 +174,8 @@ def _needs_counts(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
-class _Uploads:
-    """The sampler's small per-step host → device copies, through pinned buffers on CUDA: a copy from pageable
+class PinnedUploads:
+    """Small per-step host → device copies (the sampler's, the engine's token feed), through pinned buffers on CUDA: a copy from pageable
     memory waits for everything queued on the stream first (the step's forward), so the sampler's host work could
     not overlap the forward; from pinned memory it is queued like a kernel. A buffer is reused once the copy out of
     it has been done (an event per buffer; the step's token read has waited for it already)."""
@@ -160,7 +211,7 @@ class _Slots:
     and scatters only those columns, never a pass over the vocabulary. Slot 0 stays empty: rows without penalties
     use it. The host keeps each slot's token → column map and folds in new outputs with one batched write a step."""
 
-    def __init__(self, vocab: int, device: torch.device, capacity: int, uploads: _Uploads, width: int = 1024) -> None:
+    def __init__(self, vocab: int, device: torch.device, capacity: int, uploads: PinnedUploads, width: int = 1024) -> None:
         self.vocab, self.device, self.uploads = vocab, device, uploads
         self.ids = torch.zeros(capacity + 1, width, dtype=torch.long, device=device)
         self.counts = torch.zeros(capacity + 1, width, dtype=torch.float32, device=device)
@@ -285,7 +336,7 @@ class Sampler:
     penalties between steps: call :meth:`release` when a request ends (a forgotten one is only evicted later)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str, max_rows: int = 64) -> None:
-        self._uploads = _Uploads(torch.device(device))
+        self._uploads = PinnedUploads(torch.device(device))
         self._slots = _Slots(vocab_size, torch.device(device), max_rows, self._uploads)
         self._ws = _Workspace(torch.device(device))
         self._static: dict[str, _RowStatic] = {}  # by request id
@@ -293,6 +344,7 @@ class Sampler:
         self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host: the constrained rows' masks
         self._byte_bias: torch.Tensor | None = None  # [256, 8] float32: a bitmask byte's 8 tokens as 0 / -inf
         self._bitmask_read: torch.cuda.Event | None = None  # the device's copy out of the pinned bitmask is done
+        self._readback = _Readback()
 
     def release(self, key: str) -> None:
         self._slots.release(key)
@@ -305,6 +357,11 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         """Pick one token per row of ``logits`` ([N, V], V the vocab given at construction; float32, or the
         model's dtype: an all-greedy batch is picked from it as is). Does not modify ``logits``."""
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+        """:meth:`sample`, without waiting for the device: the picks are queued behind ``logits``' producer. The
+        rows' state (outputs, grammar matchers) must be current; the kept penalty state is updated here."""
         plain = all(_plain_greedy(r) for r in rows)
         constrained = any(r.grammar is not None for r in rows)
         ops = _mask_kernels(logits.device) if constrained else None
@@ -317,8 +374,10 @@ class Sampler:
                 mask_rows[i] = j
             masks = self._to_device(bitmask, logits.device)
             toks_t = ops.masked_argmax(logits, masks, self._uploads.tensor("mask_rows", mask_rows, torch.int32))
-            return SampleResult(toks_t.tolist(), [None] * logits.shape[0])
-        if plain and (logits.device.type == "cpu" or not constrained):
+            return self._tokens_only(toks_t)
+        if plain and logits.device.type != "cpu" and not constrained:
+            return self._tokens_only(logits.argmax(dim=-1))
+        if plain and logits.device.type == "cpu":
             toks = _argmax(logits)
             filled = self._fill(rows)
             if filled is not None:  # a constrained row whose argmax its grammar disallows is picked again, masked
@@ -328,7 +387,8 @@ class Sampler:
                 if redo:
                     for j, t in zip(redo, self._masked_argmax(logits, [idx[j] for j in redo], bitmask[redo])):
                         toks[idx[j]] = t
-            return SampleResult(toks, [None] * logits.shape[0])
+            return PendingSample(torch.tensor(toks, dtype=torch.long),
+                                 result=SampleResult(toks, [None] * logits.shape[0]))
         x, prm, spec = self._process(logits, rows)
         tok: torch.Tensor | None = None
         if spec.any_greedy:
@@ -339,7 +399,14 @@ class Sampler:
         assert tok is not None
         for slot in spec.temp_slots:
             self._slots.drop(slot)
-        return _fetch(tok, spec.raw_lp, spec)
+        flat, decode = _fetch(tok, spec.raw_lp, spec)
+        host, event = self._readback(flat)
+        return PendingSample(tok, host, event, decode)
+
+    def _tokens_only(self, tok: torch.Tensor) -> PendingSample:
+        n = tok.shape[0]
+        host, event = self._readback(tok)
+        return PendingSample(tok, host, event, lambda ids: SampleResult(ids, [None] * n))
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The float32 logits the pick sees (penalties, logit_bias, min_tokens masks applied); samples nothing and
@@ -586,24 +653,29 @@ def _inverse_cdf(probs: torch.Tensor, prm: torch.Tensor, cdf: torch.Tensor) -> t
     return torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
 
 
-def _fetch(tok: torch.Tensor, raw_lp: torch.Tensor | None, spec: _StepSpec) -> SampleResult:
-    """One device→host copy: the picked ids, then the asked rows' sampled logprob and top-k ids and logprobs."""
+def _fetch(tok: torch.Tensor, raw_lp: torch.Tensor | None, spec: _StepSpec) -> tuple[torch.Tensor, Any]:
+    """What the step's one device→host copy carries: the picked ids, then the asked rows' sampled logprob and
+    top-k ids and logprobs, as one flat tensor; and the function that turns its values into the SampleResult."""
     n = tok.shape[0]
     if raw_lp is None:
-        return SampleResult(tok.tolist(), [None] * n)
+        return tok, lambda ids: SampleResult(ids, [None] * n)
     sel = raw_lp.gather(1, tok[spec.lp_index(tok.device)].unsqueeze(1)).squeeze(1)
     parts = [tok.double(), sel.double()]
     k = max(spec.lp_k)
     if k:
         tv, ti = torch.topk(raw_lp, k, dim=-1)
         parts += [ti.double().flatten(), tv.double().flatten()]
-    flat = torch.cat(parts).tolist()
     m = len(spec.lp_rows)
-    top_i, top_v = flat[n + m : n + m + m * k], flat[n + m + m * k :]
-    lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
-    for j, (i, own) in enumerate(zip(spec.lp_rows, spec.lp_k)):
-        lps[i] = (flat[n + j], [(int(top_i[j * k + t]), top_v[j * k + t]) for t in range(own)])
-    return SampleResult([int(t) for t in flat[:n]], lps)
+    lp_rows, lp_k = list(spec.lp_rows), list(spec.lp_k)
+
+    def decode(flat: list[float]) -> SampleResult:
+        top_i, top_v = flat[n + m : n + m + m * k], flat[n + m + m * k :]
+        lps: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
+        for j, (i, own) in enumerate(zip(lp_rows, lp_k)):
+            lps[i] = (flat[n + j], [(int(top_i[j * k + t]), top_v[j * k + t]) for t in range(own)])
+        return SampleResult([int(t) for t in flat[:n]], lps)
+
+    return torch.cat(parts), decode
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:

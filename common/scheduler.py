@@ -34,8 +34,9 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the end of the sequence's known tokens, so a new token is sampled."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        """True when this step reaches the end of the sequence's tokens (with one still on the device: that one),
+        so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens + self.seq.pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,9 +194,9 @@ class Scheduler:
             seq = self.running[i]
             if urgent_only and seq.tenancy.klass == PriorityClass.BATCH:
                 break
-            n = self._limit(st, seq, min(seq.num_tokens - seq.num_computed_tokens, st.budget))
-            if n == 0:  # a batch prompt that waits for a step without urgent work
-                i += 1
+            n = self._limit(st, seq, min(seq.num_tokens + seq.pending - seq.num_computed_tokens, st.budget))
+            if n == 0 or seq.pending_final:  # a batch prompt that waits for a step without urgent work, or a
+                i += 1  # sequence whose token on the device ends it
                 continue
             while not self.bm.can_allocate(self.bm.num_new_blocks(seq, seq.num_computed_tokens + n)):
                 victim = self._victim(self.running[i:])  # never what this step already runs
@@ -206,7 +207,7 @@ class Scheduler:
                     break
             else:
                 self.bm.allocate(seq, seq.num_computed_tokens + n)
-                self._scheduled(st, ScheduledSeq(seq, n), prefill=not (n == 1 and seq.output_ids))
+                self._scheduled(st, ScheduledSeq(seq, n), prefill=not (n == 1 and (seq.output_ids or seq.pending)))
                 i += 1
                 continue
             if victim is seq:
@@ -220,6 +221,8 @@ class Scheduler:
                 break
             if urgent_only and seq.tenancy.klass == PriorityClass.BATCH:
                 break
+            if seq.pending:  # preempted with a token still on the device: admitted once that token is known (the
+                break  # next step; the queue's head is only passed over by admitting it)
             hit = self.bm.match_prefix(seq) if not seq.block_ids else []
             computed = len(hit) * self.bm.block_size
             remaining = seq.num_tokens - computed
@@ -239,7 +242,11 @@ class Scheduler:
             self._scheduled(st, ScheduledSeq(seq, n), prefill=True)
 
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance ``num_computed_tokens`` for everything that ran, and register newly full blocks."""
+        """Advance ``num_computed_tokens`` for everything that ran, and register newly full blocks. A sequence
+        that finished meanwhile (async scheduling: its last token was known only after this step was scheduled) is
+        left as it is: its blocks are freed."""
         for item in (*out.prefills, *out.decodes):
+            if item.seq.status is SequenceStatus.FINISHED:
+                continue
             item.seq.num_computed_tokens += item.num_tokens
             self.bm.commit_full_blocks(item.seq)

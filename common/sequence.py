@@ -84,6 +84,11 @@ class Sequence:
     # a constrained request: its grammar, advanced past every output token (outputs survive preemption, so it does)
     matcher: GrammarMatcher | None = None
     num_charged_tokens: int = 0  # tokens billed to the tenant's fair-share counter (a recompute is not billed again)
+    # async scheduling: a token sampled on the device and not yet appended to output_ids (0 or 1). A running
+    # sequence with one decodes it in the next step (its input id comes from the device); ``pending_final``: that
+    # token ends the sequence whatever it is (max_tokens, the context, a prefill-only request), so it is not scheduled
+    pending: int = 0
+    pending_final: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -189,7 +189,8 @@ def _mean_ms(e: dict[str, Any], key: str) -> str:
 
 def time_decode_steps(eng: Any, specs: list[RequestSpec], sampling: Sampling, steps: int, device: str) -> dict:
     """``eng.step()`` with ``len(specs)`` sequences all decoding: the median of ``steps`` steps after 3 warm-up
-    steps. The sequences are aborted afterwards."""
+    steps, each from the return of the one before (no device sync between them: an async engine's host work on a
+    step overlaps the device's next one, as it does serving). The sequences are aborted afterwards."""
     salt = uuid.uuid4().hex
     batch = len(specs)
     # every prompt is prefilled before the clock; the first ones decode meanwhile: room for that, then the steps
@@ -206,12 +207,13 @@ def time_decode_steps(eng: Any, specs: list[RequestSpec], sampling: Sampling, st
     for _ in range(3):
         eng.step()
     times, rows = [], []
+    _sync(device)
+    t0 = time.perf_counter()
     for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
         rows.append(len(eng.step()))
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
     for rid in rids:
         eng.abort(rid)
     return {"sampling": sampling.name, "batch": batch, "steps": steps, "step_ms_p50": statistics.median(times) * 1e3,
@@ -503,7 +505,7 @@ class BenchResult:
 def engine_phase(a: argparse.Namespace, model: str, dtype: str, specs: list[RequestSpec], builder: PromptBuilder,
                  res: BenchResult) -> None:
     """The engine alone: load, warm-up, the decode step timed greedy and sampled, the load with each sampling."""
-    from common.cluster_config import ClusterConfig
+    from common.cluster_config import load_cluster_config, parse_set_option
     from common.engine import LLMEngine
     from common.loader import load_model_source
 
@@ -511,8 +513,10 @@ def engine_phase(a: argparse.Namespace, model: str, dtype: str, specs: list[Requ
     eng = None
     try:
         with res.phase(f"{model}: engine load"):
-            cfg = dataclasses.replace(ClusterConfig().engine, device=a.device, dtype=dtype,
-                                      max_num_seqs=a.max_concurrency)  # as the cluster's decode worker runs
+            # as the cluster's decode worker runs: the defaults and the run's `--set engine.*` items
+            given = {k: v for k, v in parse_set_option(a.set_items).items() if k.startswith("engine.")}
+            cfg = dataclasses.replace(load_cluster_config(overrides=given, env={}).engine, device=a.device,
+                                      dtype=dtype, max_num_seqs=a.max_concurrency)
             eng = LLMEngine(load_model_source(model, a.tokenizer), cfg)
             _sync(a.device)
             mres["engine_config"], mres["kv_blocks"] = dataclasses.asdict(cfg), eng.runner.num_blocks
@@ -656,7 +660,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "streams spends a whole core, and its delays would count as the server's)")
     p.add_argument("--seed", type=int, default=0, help="prompt seed (default 0)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_items",
-                   help="passed to `tokenmill up --set` (repeatable), e.g. tokenizer.count=1")
+                   help="passed to `tokenmill up --set` (repeatable), e.g. tokenizer.count=1; the engine.* items "
+                        "apply to the engine alone too")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the cluster to be ready (600)")
     p.add_argument("--request-timeout", type=float, help="cancel a served request after this many seconds")
     p.add_argument("--result-file", help="write every number here as JSON (rewritten after each phase)")

@@ -1,6 +1,7 @@
-"""The engine alone on CUDA, SmolLM2 in float32: the fast path (Triton kernels, CUDA graphs for decode) gives
-transformers' greedy tokens; decode through CUDA graphs gives the eager fast path's tokens; seeded sampled rows give
-the same tokens in a batch of 32, in another batch composition, and one at a time (the device sampler)."""
+"""The engine alone on CUDA, SmolLM2 in float32: the fast path (Triton kernels, CUDA graphs for decode, async
+scheduling) gives transformers' greedy tokens; decode through CUDA graphs gives the eager fast path's tokens; seeded
+sampled rows give the same tokens in a batch of 32, in another batch composition, and one at a time (the device
+sampler); the async engine gives the synchronous one's tokens."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def graph_outputs(graphs_engine, gpu_prompts) -> tuple[list[list[int]], int]:
     eng = graphs_engine
     assert eng.runner.fast_cuda and eng.runner.model.backend.name == "cuda", "the CUDA fast path is off"
     assert eng.runner.graphs is not None, "no CUDA graphs captured"
+    assert eng.async_scheduling, "async scheduling is not the default on CUDA"
     r0 = eng.runner.graphs.replays
     outs = [r.token_ids for r in eng.generate(gpu_prompts, GREEDY)]
     _assert_no_leak(eng)
@@ -121,6 +123,38 @@ def test_seeded_sampling_same_in_any_batch(source, graphs_engine, gpu_prompts):
     assert not bad, f"seeded rows differ in a reversed batch with unseeded rows (row: first diff): {bad}"
     _assert_no_leak(eng)
     del eng
+    release_cuda()
+
+
+def test_async_scheduling_equals_sync(source, graphs_engine, gpu_prompts):
+    """Decodes fed their input ids from the previous step's picks on the device, in graph replays and eager steps:
+    the tokens of a synchronous engine, for greedy rows that end at EOS or their max_tokens and for seeded sampled
+    rows; a request aborted while its token is on the device frees its blocks."""
+    sync = _engine(source, model=graphs_engine.runner.model, async_scheduling=False)
+    eager = _engine(source, model=graphs_engine.runner.model, cuda_graphs=False)
+    assert not sync.async_scheduling and eager.async_scheduling and graphs_engine.async_scheduling
+    [first] = sync.generate([gpu_prompts[1]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    stop = (first.token_ids[4],)  # greedy row 1 stops there: a stop that the host sees one step late
+    params = [SamplingParams(max_tokens=8 + 5 * i, temperature=0.0, stop_token_ids=stop) if i % 2 else
+              SamplingParams(max_tokens=40, seed=i, temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1)
+              for i in range(len(gpu_prompts))]
+    want = [(r.token_ids, r.finish_reason) for r in sync.generate(gpu_prompts, params)]
+    assert want[1] == (first.token_ids[:5], "stop") and "length" in {f for _, f in want}, want
+    for eng in (graphs_engine, eager):
+        got = [(r.token_ids, r.finish_reason) for r in eng.generate(gpu_prompts, params)]
+        bad = {i: first_diff(g[0], w[0]) for i, (g, w) in enumerate(zip(got, want)) if g != w}
+        assert not bad, f"async engine ({'graphs' if eng is graphs_engine else 'eager'}) diverges from sync: {bad}"
+    eng = graphs_engine
+    for i, p in enumerate(gpu_prompts[:4]):
+        eng.add_request(f"abort-{i}", p, GREEDY)
+    for _ in range(3):
+        eng.step()
+    assert all(eng.abort(f"abort-{i}") for i in range(4))
+    while eng.has_unfinished():
+        assert not eng.step()
+    for e in (sync, eager, eng):
+        _assert_no_leak(e)
+    del sync, eager
     release_cuda()
 
 
