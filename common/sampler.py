@@ -303,10 +303,13 @@ class _Slots:
             f = self.uploads.tensor("fills", self._fills, torch.long)
             self._fills.clear()
             self.ids[f[:, 0]] = f[:, 1:2].expand(-1, self.ids.shape[1])
-        w = self.uploads.tensor("writes", self._writes, torch.long)
+        width = self.ids.shape[1]
+        # (flat index, token, increment): a scatter into the flattened tables; a token's column written twice (a
+        # rebuilt slot) gets the same id, and its increments add up exactly (small integers in float32)
+        w = self.uploads.tensor("writes", [(s * width + c, t, inc) for s, c, t, inc in self._writes], torch.long)
         self._writes.clear()
-        self.ids.index_put_((w[:, 0], w[:, 1]), w[:, 2])
-        self.counts.index_put_((w[:, 0], w[:, 1]), w[:, 3].float(), accumulate=True)
+        self.ids.view(-1).scatter_(0, w[:, 0], w[:, 1])
+        self.counts.view(-1).scatter_add_(0, w[:, 0], w[:, 2].float())
 
 
 class _Workspace:

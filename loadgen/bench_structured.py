@@ -221,7 +221,8 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     # short prompts: the window measures decode steps, and a prefill of 32 long prompts would cost more than it
     prompts = [tok.encode(f"JSON {names[i % 5]} records, batch {i}:") for i in range(BATCH)]
     update_s: list[float] = []
-    real_update = eng._update
+    real_step, real_resolve, real_launch = eng.step, eng._resolve, eng._launch
+    update = [0.0]  # this step's host work on outputs: the last step's tokens handed out, this one's pick queued
     # where a constrained step's extra time goes: the host's mask fill and the matchers' advance, per step
     parts = {"fill": 0.0, "advance": 0.0}
     fill_s: list[float] = []
@@ -250,16 +251,29 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         real_flush(self)
         parts["advance"] += time.perf_counter() - t
 
-    def timed_update(out: Any, logits: Any) -> Any:
-        parts["fill"] = parts["advance"] = 0.0
+    def timed_resolve(*args: Any) -> Any:
         t = time.perf_counter()
-        res = real_update(out, logits)
-        update_s.append(time.perf_counter() - t)
+        res = real_resolve(*args)
+        update[0] += time.perf_counter() - t
+        return res
+
+    def timed_launch(*args: Any) -> Any:
+        t = time.perf_counter()
+        res = real_launch(*args)
+        update[0] += time.perf_counter() - t
+        return res
+
+    def timed_step() -> Any:
+        parts["fill"] = parts["advance"] = update[0] = 0.0
+        res = real_step()
+        update_s.append(update[0])
         fill_s.append(parts["fill"])
         advance_s.append(parts["advance"])
         return res
 
-    eng._update = timed_update  # type: ignore[method-assign]
+    eng.step = timed_step  # type: ignore[method-assign, assignment]
+    eng._resolve = timed_resolve  # type: ignore[method-assign, assignment]
+    eng._launch = timed_launch  # type: ignore[method-assign, assignment]
     sampler_mod.fill_bitmask = timed_fill  # type: ignore[assignment]
     GrammarMatcher.consume = timed_consume  # type: ignore[method-assign]
     GrammarMatcher.send = timed_send  # type: ignore[method-assign]
