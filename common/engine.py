@@ -162,7 +162,8 @@ class LLMEngine:
         self.sample_vocab = min(vocab, self.tokenizer.vocab_size) if self.tokenizer is not None else vocab
         if self.cfg.noop_model:
             self.sample_vocab = 1  # its logits have one column
-        self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs)
+        self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs,
+                               cuda_graphs=self.cfg.cuda_graphs and self.cfg.cuda_fast_path)
         asked = self.cfg.async_scheduling
         self.async_scheduling = (self.runner.device.type == "cuda" if asked is None else asked) and self.tp is None
         self._inflight: _InFlight | None = None  # async scheduling: the last step, its tokens not read yet
