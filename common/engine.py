@@ -9,7 +9,9 @@ finished requests freed, grammar matchers advanced. Only then does it queue step
 every row's outputs and matchers as a synchronous engine would, and the same tokens come out. ``step`` returns
 step N-1's outputs; the host's work on them, and the next schedule, run while the GPU computes step N. What it
 costs: a request that step N-1 finished (EOS, a stop token) still ran its row in step N, whose pick is dropped; a
-request whose token ends it whatever it is (``max_tokens``) is not scheduled again.
+request whose token ends it whatever it is (``max_tokens``) is not scheduled again. A step with a constrained
+row (structured outputs) hands its tokens out before it returns, as a synchronous engine does: the row's next
+grammar mask needs its token, and filling it beside the next schedule and forward is the overlap that step has.
 """
 
 from __future__ import annotations
@@ -458,10 +460,10 @@ class LLMEngine:
         self.scheduler.update_after_step(out)
         picks = self._launch(sampling, logits)
         if picks is not None:
-            if self.async_scheduling:
+            if self.async_scheduling and not any(s.matcher is not None for s in picks.seqs):
                 self._inflight = picks
-            else:
-                outputs = self._resolve(picks)
+            else:  # a constrained row's next mask needs its token: handed out now, the mask fills beside the
+                outputs += self._resolve(picks)  # next schedule and forward
         self.step_decode_rows += len(out.decodes)
         self.step_prompt_tokens += out.num_tokens - len(out.decodes)
         self.step_seconds += time.perf_counter() - t0
@@ -495,7 +497,7 @@ class LLMEngine:
             logits = logits[:, : self.sample_vocab]
         with torch.inference_mode():
             picks = self.sampler.launch(logits, rows)
-        if self.async_scheduling:
+        if self.async_scheduling and not any(s.matcher is not None for s in sampling):
             for s in sampling:
                 s.pending = 1
                 n = len(s.output_ids) + 1

@@ -363,5 +363,5 @@ def test_cuda_graph_picks_equal_eager_picks():
             graphs.release(key)
             eager.release(key)
             del live[key]
-    assert graphs._graphs is not None and graphs._graphs.captures > 0 and graphs._graphs.replays > 20
+    assert graphs._graphs is not None and graphs._graphs.captures > 0 and graphs._graphs.replays > 5
     assert eager._graphs is None
