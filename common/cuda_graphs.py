@@ -152,7 +152,7 @@ class DecodeStaging:
             s = d.seq
             c = s.num_computed_tokens
             bl = s.block_ids
-            ids[i] = s.token_at(c) if c < s.num_tokens else 0  # 0: a token on the device, fed at the replay
+            ids[i] = s.input_token(c)
             pos[i] = c
             slot[i] = bl[c // bs] * per_block + c % bs
             ctx[i] = c + 1

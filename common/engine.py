@@ -477,7 +477,7 @@ class LLMEngine:
         if not pairs:
             return None
         index = self._feed_uploads.tensor("feed", [[i for i, _ in pairs], [j for _, j in pairs]], torch.long)
-        return TokenFeed(prev.picks.tokens, index, pairs)
+        return TokenFeed(prev.picks.tokens, index)
 
     def _launch(self, sampling: list[Sequence], logits: torch.Tensor | None) -> _InFlight | None:
         """Queue the pick of each sampling sequence that is still live (one finished or aborted since it was
@@ -488,7 +488,7 @@ class LLMEngine:
         if len(live) < len(sampling):
             if not live:
                 return None
-            logits = logits.index_select(0, torch.tensor(live).to(logits.device, non_blocking=True))
+            logits = logits.index_select(0, self._feed_uploads.tensor("live", live, torch.long))
             sampling = [sampling[i] for i in live]
         eos = self.model_cfg.eos_token_ids
         rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos, s.request_id,

@@ -25,7 +25,6 @@ from common.loader import ModelSource
 from common.model import PORTABLE, AttentionMetadata, LlamaModel, cache_rows
 from common.model_cpu import FusedCpu, prefill_kernel_fits, prepack
 from common.scheduler import SchedulerOutput
-from common.sequence import Sequence
 from common.tensor_parallel import SINGLE, Op, Shard, rank_device, send_step
 
 log = logging.getLogger(__name__)
@@ -89,21 +88,15 @@ class StepPlan:
 class TokenFeed:
     """Input ids that are still on the device (async scheduling): a decode whose token the previous step sampled
     reads it from that step's picks. ``index`` [2, k] int64 on the device: decode row i (counted among the step's
-    decodes) takes ``tokens[j]``; ``rows`` the same pairs on the host."""
+    decodes) takes ``tokens[j]``."""
 
     tokens: torch.Tensor
     index: torch.Tensor
-    rows: list[tuple[int, int]]
 
     def apply(self, ids: torch.Tensor, first_decode: int) -> None:
         """Write the fed ids into ``ids`` (the step's flat input ids, its decodes from row ``first_decode``)."""
         rows = self.index[0] + first_decode if first_decode else self.index[0]
         ids.index_copy_(0, rows, self.tokens.index_select(0, self.index[1]).to(ids.dtype))
-
-
-def _token_or_fed(s: Sequence, i: int) -> int:
-    """Token ``i`` of ``s``, or 0 for the one still on the device (a TokenFeed writes it)."""
-    return s.token_at(i) if i < s.num_tokens else 0
 
 
 @dataclass(slots=True)
@@ -297,7 +290,7 @@ class ModelRunner:
             for d in out.decodes:
                 s = d.seq
                 c = s.num_computed_tokens
-                ids.append(_token_or_fed(s, c))
+                ids.append(s.input_token(c))
                 pos.append(c)
                 slots.append(s.block_ids[c // bs] * per_block + c % bs)
                 dec_tables.append(s.block_ids + [0] * (width - len(s.block_ids)))

@@ -105,6 +105,11 @@ class Sequence:
         p = len(self.prompt_ids)
         return self.prompt_ids[i] if i < p else self.output_ids[i - p]
 
+    def input_token(self, i: int) -> int:
+        """Token ``i`` as a step's input id: 0 for the one still on the device (async scheduling), which the step's
+        ``TokenFeed`` writes on the device."""
+        return self.token_at(i) if i < self.num_tokens else 0
+
     def tokens_range(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_ids)
         if end <= p:

@@ -70,7 +70,7 @@ def test_decode_num_splits_fills_the_chip():
 
 
 def _decode(seq_id: int, tokens: list[int], computed: int, blocks: list[int]) -> ScheduledSeq:
-    seq = SimpleNamespace(num_computed_tokens=computed, token_at=lambda i: tokens[i], block_ids=blocks, id=seq_id)
+    seq = SimpleNamespace(num_computed_tokens=computed, input_token=lambda i: tokens[i], block_ids=blocks, id=seq_id)
     return ScheduledSeq(seq, 1)  # type: ignore[arg-type]
 
 
