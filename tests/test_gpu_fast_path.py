@@ -97,7 +97,7 @@ def test_decode_staging_rows_and_padding():
 
 
 def _chunk(tokens: list[int], computed: int, n: int, blocks: list[int]) -> ScheduledSeq:
-    seq = SimpleNamespace(num_computed_tokens=computed, num_tokens=len(tokens), block_ids=blocks,
+    seq = SimpleNamespace(num_computed_tokens=computed, num_tokens=len(tokens), block_ids=blocks, pending=0,
                           tokens_range=lambda a, b: tokens[a:b])
     return ScheduledSeq(seq, n)  # type: ignore[arg-type]
 
@@ -171,7 +171,7 @@ def test_fast_forward_matches_portable_in_triton_interpreter():
     Triton's CPU interpreter; chunked prompts (a 32-token step budget) and cached prefixes included. The prompt
     kernel alone against float64 attention too (float32: the interpreter's bfloat16 is wrong in Triton 3.9)."""
     code = r"""
-import os, torch
+import dataclasses, os, torch
 from types import SimpleNamespace
 from unittest import mock
 from common import model_runner, cuda_graphs
@@ -192,8 +192,11 @@ class NoGraphs(cuda_graphs.CudaGraphDecoder):
         self.replays = self.prompt_replays = 0
     def capture(self):
         pass
-    def _replay(self, padded, n):
+    def _replay(self, padded, n, feed=None):
         self.dev[:n].copy_(self.staging.host[:n]); self.replays += 1
+        if feed is not None:
+            mb = self.staging.max_batch
+            feed.apply(self.dev[cuda_graphs._IDS * mb : cuda_graphs._IDS * mb + padded], 0)
         return self._run(padded, self.staging.num_tiles > 0)
 
 from tests.gpu.test_kernels import check_prompt_attention
@@ -209,7 +212,9 @@ for budget in (2048, 32):
     ref2 = [r.token_ids for r in LLMEngine.from_spec("dummy:tiny-llama", cfg).generate([q + [7, 8] for q in ps], p)]
     with mock.patch.object(model_runner, "use_fast_path", lambda d, c: True), \
          mock.patch.object(model_runner, "CudaGraphDecoder", NoGraphs):
-        eng = LLMEngine.from_spec("dummy:tiny-llama", cfg)
+        # async scheduling: the decodes' input ids are fed into the staged rows from the last step's picks
+        eng = LLMEngine.from_spec("dummy:tiny-llama", dataclasses.replace(cfg, async_scheduling=True))
+        assert eng.async_scheduling
         out = [r.token_ids for r in eng.generate(ps, p)]
         again = [r.token_ids for r in eng.generate([q + [7, 8] for q in ps], p)]  # cached prefixes
         # every step of these short prompts fits a graph: the prompts' steps too

@@ -107,8 +107,8 @@ def step_logits(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list
     seen: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def spy(out):
-        logits = execute(out)
+    def spy(out, feed=None):
+        logits = execute(out, feed)
         seen.append(logits.float().clone())
         return logits
 
@@ -188,7 +188,7 @@ def test_step_messages_round_trip():
         def __init__(self, blocks: list[int], n: int) -> None:
             self.block_ids, self.num_computed_tokens = blocks, n
 
-        def token_at(self, i: int) -> int:
+        def input_token(self, i: int) -> int:
             return 100 + i
 
     decodes = [type("D", (), {"seq": Seq([3, 4, 5], 40)})(), type("D", (), {"seq": Seq([9], 2)})()]
