@@ -3,9 +3,10 @@
 For each model (default: the Llama-3.1-8B dummy and the Llama-3.2-1B shape, random weights, SmolLM2's tokenizer):
 
 1. The engine alone: ``common.engine.LLMEngine`` in this process on ``--device``, configured as the cluster's decode
-   worker is (the cluster config's engine defaults, ``--dtype``, ``max_num_seqs`` = ``--max-concurrency``). A short
-   warm-up; one decode step timed at a batch of ``--max-concurrency`` decoding sequences, greedy and sampled (median
-   of ``--steps``); then the load as a closed loop (a request is added as soon as one ends), greedy then sampled.
+   worker is (the cluster config's engine defaults and ``--set engine.*`` items, ``--dtype``, ``max_num_seqs`` =
+   ``--max-concurrency``). A short warm-up; the decode step timed at a batch of ``--max-concurrency`` decoding
+   sequences, greedy and sampled (median of ``--steps``, back to back); then the load as a closed loop (a request is
+   added as soon as one ends), greedy then sampled.
 2. The served cluster: ``tokenmill up`` as a user starts it (``--prefills 0``: the aggregated layout, one device),
    on free ports below 32768, ready when the gateway's ``/health`` answers 200. The same load through each client of
    ``--backends`` (gRPC ``Generate``; OpenAI ``/v1/completions`` with the same prompt token ids), greedy then
