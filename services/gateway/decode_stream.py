@@ -6,6 +6,10 @@ per step (``TokenDeltaBatch``: every delta since its last message, each tagged w
 module hands each delta to its request's queue. vLLM and SGLang batch a step's outputs between their engine and
 their API server the same way.
 
+A request that falls behind its worker (this process busy relaying other streams) gets the deltas waiting in its
+queue merged into one, as a worker merges a slow stream's tokens: each message sent to a client costs this event
+loop about as much as a delta received, so the messages it has to send shrink when it is busiest.
+
 What a request sees is what its own ``Decode`` call would give (``DecodeStreams.decode``): its deltas in order,
 then the end of its iterator at the finish reason, or a ``grpc.aio.AioRpcError`` with the status its call would have
 ended with, so the gateway's re-placement and migration work unchanged. When the stream itself breaks (the worker
@@ -33,6 +37,26 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 def _error(code: grpc.StatusCode, details: str) -> AioRpcError:
     return AioRpcError(code, Metadata(), Metadata(), details=details)
+
+
+def _merge(d: decode_pb2.TokenDelta, q: asyncio.Queue[decode_pb2.TokenDelta | BaseException]
+           ) -> tuple[decode_pb2.TokenDelta, decode_pb2.TokenDelta | BaseException | None]:
+    """``d`` with the plain deltas already waiting in ``q`` appended (tokens, text, logprobs; the last one's finish
+    reason, usage and filter reason), up to the first that ends the stream with a finish reason; an error or an
+    exception is not merged and comes back second, to be handled next."""
+    while d.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED and not q.empty():
+        nxt = q.get_nowait()
+        if isinstance(nxt, BaseException) or nxt.HasField("error"):
+            return d, nxt
+        d.text += nxt.text
+        d.token_ids.extend(nxt.token_ids)
+        d.logprobs.extend(nxt.logprobs)
+        d.finish_reason = nxt.finish_reason
+        if nxt.HasField("usage"):
+            d.usage.CopyFrom(nxt.usage)
+        if nxt.filter_reason:
+            d.filter_reason = nxt.filter_reason
+    return d, None
 
 
 class _Stream:
@@ -96,9 +120,13 @@ class _Stream:
             timer = asyncio.get_running_loop().call_later(
                 timeout, q.put_nowait, _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
         done = False
+        held: decode_pb2.TokenDelta | BaseException | None = None
         try:
             while True:
-                d = await q.get()
+                d = held if held is not None else await q.get()
+                held = None
+                if not isinstance(d, BaseException) and not d.HasField("error"):
+                    d, held = _merge(d, q)
                 if isinstance(d, BaseException):
                     raise d
                 if d.HasField("error"):

@@ -106,3 +106,32 @@ def test_many_requests_share_one_decode_stream():
             await _all_free(worker)
 
     asyncio.run(body())
+
+
+def test_a_request_behind_gets_its_waiting_deltas_in_one_message():
+    """The gateway side (services/gateway/decode_stream.py): deltas already queued for a request merge into one,
+    tokens, text and logprobs in order, the last one's finish reason and usage, up to an error, which comes next."""
+    from services.gateway.decode_stream import _merge
+
+    def delta(ids: list[int], text: str, **kw) -> decode_pb2.TokenDelta:
+        return decode_pb2.TokenDelta(token_ids=ids, text=text,
+                                     logprobs=[common_pb2.TokenLogprob(token_id=i, logprob=-0.5) for i in ids], **kw)
+
+    q: asyncio.Queue = asyncio.Queue()
+    for d in (delta([2], "b"), delta([3, 4], "cd"),
+              delta([5], "e", finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=common_pb2.Usage(completion_tokens=5)),
+              delta([6], "f")):
+        q.put_nowait(d)
+    merged, held = _merge(delta([1], "a"), q)
+    assert held is None and list(merged.token_ids) == [1, 2, 3, 4, 5] and merged.text == "abcde"
+    assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3, 4, 5]
+    assert merged.finish_reason == common_pb2.FINISH_REASON_LENGTH and merged.usage.completion_tokens == 5
+    assert q.qsize() == 1  # nothing after the finish is taken
+    err = decode_pb2.TokenDelta(error=decode_pb2.RequestError(code=3, message="bad"))
+    q = asyncio.Queue()
+    for d in (delta([2], "b"), err, delta([3], "c")):
+        q.put_nowait(d)
+    merged, held = _merge(delta([1], "a"), q)
+    assert list(merged.token_ids) == [1, 2] and held is err and q.qsize() == 1
+    merged, held = _merge(delta([7], "g"), asyncio.Queue())
+    assert list(merged.token_ids) == [7] and held is None
