@@ -579,7 +579,10 @@ class Sampler:
     def processed_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The float32 logits the pick sees (penalties, logit_bias, min_tokens masks applied); samples nothing and
         leaves the kept counts as they were. For checks against a reference."""
-        x, _ = self._process(logits, rows, self._spec(logits, rows))
+        spec = self._spec(logits, rows)
+        x, _ = self._process(logits, rows, spec)
+        for slot in spec.temp_slots:
+            self._slots.drop(slot)
         return x.clone()
 
     def _spec(self, logits: torch.Tensor, rows: list[SampleRow]) -> _StepSpec:
