@@ -116,6 +116,9 @@ class _InFlight:
     seqs: list[Sequence]
     picks: PendingSample
     rows: dict[int, int]  # id(seq) → its row in ``picks.tokens``
+    # left on the device while the next step launches (async scheduling, no constrained row: a constrained row's
+    # next mask needs its token, so the step hands it out now and the mask fills beside the next schedule and forward)
+    overlap: bool
 
 
 class LLMEngine:
@@ -460,10 +463,10 @@ class LLMEngine:
         self.scheduler.update_after_step(out)
         picks = self._launch(sampling, logits)
         if picks is not None:
-            if self.async_scheduling and not any(s.matcher is not None for s in picks.seqs):
+            if picks.overlap:
                 self._inflight = picks
-            else:  # a constrained row's next mask needs its token: handed out now, the mask fills beside the
-                outputs += self._resolve(picks)  # next schedule and forward
+            else:
+                outputs += self._resolve(picks)
         self.step_decode_rows += len(out.decodes)
         self.step_prompt_tokens += out.num_tokens - len(out.decodes)
         self.step_seconds += time.perf_counter() - t0
@@ -497,13 +500,14 @@ class LLMEngine:
             logits = logits[:, : self.sample_vocab]
         with torch.inference_mode():
             picks = self.sampler.launch(logits, rows)
-        if self.async_scheduling and not any(s.matcher is not None for s in sampling):
+        overlap = self.async_scheduling and all(s.matcher is None for s in sampling)
+        if overlap:
             for s in sampling:
                 s.pending = 1
                 n = len(s.output_ids) + 1
                 s.pending_final = (s.request_id in self._prefill_only or n >= s.max_tokens
                                    or s.num_tokens + 1 >= self.max_model_len)
-        return _InFlight(sampling, picks, {id(s): j for j, s in enumerate(sampling)})
+        return _InFlight(sampling, picks, {id(s): j for j, s in enumerate(sampling)}, overlap)
 
     def _resolve(self, step: _InFlight) -> list[RequestOutput]:
         """Read a step's tokens and hand them out: appended, stop checks, finished requests freed."""
@@ -511,8 +515,8 @@ class LLMEngine:
         sampling, toks, lps = step.seqs, result.token_ids, result.logprobs
         for s in sampling:
             s.pending, s.pending_final = 0, False
-        if len(sampling) != sum(1 for s in sampling if self._live(s)):  # aborted while its token was on the device
-            keep = [j for j, s in enumerate(sampling) if self._live(s)]
+        keep = [j for j, s in enumerate(sampling) if self._live(s)]
+        if len(keep) < len(sampling):  # aborted while its token was on the device
             sampling, toks, lps = [sampling[j] for j in keep], [toks[j] for j in keep], [lps[j] for j in keep]
         if self._grammars is not None and self._grammars.masks is not None:  # the next masks start before the rows below
             for s, tok in zip(sampling, toks):

@@ -196,37 +196,35 @@ class PinnedUploads:
         t = torch.tensor(data, dtype=dtype)
         if not self.pinned:
             return t.to(self.device)
-        n = t.numel()
-        got = self._bufs.get(name)
-        if got is None or got[0].numel() < n or got[0].dtype != dtype:
-            size = max(n, 2 * got[0].numel() if got is not None else 256)
-            got = self._bufs[name] = (torch.empty(size, dtype=dtype, pin_memory=True), torch.cuda.Event())
-        else:
-            got[1].synchronize()  # the last copy out of this buffer is done
-        buf, done = got
-        stage = buf[:n].view(t.shape)
-        stage.copy_(t)
+        stage, done = self._stage(name, t)
         out = stage.to(self.device, non_blocking=True)
         done.record()
         return out
 
     def copy_into(self, name: str, data: Any, dst: torch.Tensor) -> None:
         """``dst.copy_(torch.tensor(data))``, queued from a pinned buffer on CUDA."""
-        if not self.pinned:
-            dst.copy_(torch.tensor(data, dtype=dst.dtype))
-            return
         t = torch.tensor(data, dtype=dst.dtype)
+        if not self.pinned:
+            dst.copy_(t)
+            return
+        stage, done = self._stage(name, t)
+        dst.view(-1).copy_(stage.view(-1), non_blocking=True)
+        done.record()
+
+    def _stage(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """``t`` copied into the pinned buffer ``name`` (grown when too small, else first waited for: the last copy
+        out of it is done), and the buffer's event, to record once the copy out of it is queued."""
         n = t.numel()
         got = self._bufs.get(name)
-        if got is None or got[0].numel() < n or got[0].dtype != dst.dtype:
+        if got is None or got[0].numel() < n or got[0].dtype != t.dtype:
             size = max(n, 2 * got[0].numel() if got is not None else 256)
-            got = self._bufs[name] = (torch.empty(size, dtype=dst.dtype, pin_memory=True), torch.cuda.Event())
+            got = self._bufs[name] = (torch.empty(size, dtype=t.dtype, pin_memory=True), torch.cuda.Event())
         else:
             got[1].synchronize()
         buf, done = got
-        buf[:n].copy_(t.view(-1))
-        dst.view(-1).copy_(buf[:n], non_blocking=True)
-        done.record()
+        stage = buf[:n].view(t.shape)
+        stage.copy_(t)
+        return stage, done
 
 
 class _Slots:
@@ -434,10 +432,8 @@ class _PickGraphs:
             self.graphs.clear()
             self.x = torch.zeros(rows, logits.shape[1], dtype=torch.float32, device=logits.device)
             self.prm = torch.zeros(rows, len(_PAD_ROW), dtype=torch.float32, device=logits.device)
-        assert self.x is not None and self.prm is not None
-        self.x[:n].copy_(logits)
-        if n < key.rows:
-            self.x[n : key.rows].zero_()
+        assert self.prm is not None
+        self._load(logits, key.rows)
         self.sampler._uploads.copy_into("graph_params", spec.table + [_PAD_ROW] * (key.rows - n),
                                         self.prm[: key.rows])
         entry = self.graphs.get(key)
@@ -445,13 +441,19 @@ class _PickGraphs:
             entry = self._capture(key)
             if entry is None:
                 return None
-            self.x[:n].copy_(logits)  # the capture's warm-up ran the pick in place
-            if n < key.rows:
-                self.x[n : key.rows].zero_()
+            self._load(logits, key.rows)  # the capture's warm-up ran the pick in place
         graph, out = entry
         graph.replay()
         self.replays += 1
         return out[:n].clone()
+
+    def _load(self, logits: torch.Tensor, rows: int) -> None:
+        """The replay's logits: ``logits``, then zero rows up to ``rows``."""
+        assert self.x is not None
+        n = logits.shape[0]
+        self.x[:n].copy_(logits)
+        if n < rows:
+            self.x[n:rows].zero_()
 
     def _body(self, key: _GraphKey) -> torch.Tensor:
         assert self.x is not None and self.prm is not None
@@ -597,7 +599,9 @@ class Sampler:
         n, vocab = logits.shape
         x = self._ws.get("x", n, vocab).copy_(logits)
         prm = self._uploads.tensor("params", spec.table, torch.float32)
-        spec.raw_lp = torch.log_softmax(x[spec.lp_index(dev)], dim=-1) if spec.lp_rows else None
+        if spec.lp_rows:
+            spec.lp_index = self._uploads.tensor("lp_rows", spec.lp_rows, torch.long)
+            spec.raw_lp = torch.log_softmax(x[spec.lp_index], dim=-1)
         if spec.count_rows:
             _penalize(x, prm, self._slots, spec.max_seen, spec.any_rep, spec.any_freq_pres)
         up = self._uploads
@@ -623,7 +627,7 @@ class Sampler:
                 for j, i in enumerate(idx):
                     x[i].add_(bias[j])
             else:
-                x.index_add_(0, torch.tensor(idx).to(dev), bias)
+                x.index_add_(0, self._uploads.tensor("grammar_rows", idx, torch.long), bias)
         return x, prm
 
     def _fill(self, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor] | None:
@@ -721,6 +725,7 @@ class _StepSpec:
         self.top_ks: list[int] = []
         self.max_seen = 0  # most distinct tokens of a penalized row
         self.raw_lp: torch.Tensor | None = None  # log_softmax of the raw logits of lp_rows
+        self.lp_index: torch.Tensor | None = None  # lp_rows on the device
         in_use: set[int] = set()
         for i, r in enumerate(rows):
             p = r.params
@@ -767,8 +772,6 @@ class _StepSpec:
         self.candidates = max(self.top_ks) if self.top_ks and all(
             0 < k <= _CANDIDATE_CAP for k in self.top_ks) else 0
 
-    def lp_index(self, dev: torch.device) -> torch.Tensor:
-        return torch.tensor(self.lp_rows, dtype=torch.long).to(dev)
 
 
 def _penalize(x: torch.Tensor, prm: torch.Tensor, slots: _Slots, width: int, rep: bool, freq_pres: bool) -> None:
@@ -834,7 +837,8 @@ def _fetch(tok: torch.Tensor, raw_lp: torch.Tensor | None, spec: _StepSpec) -> t
     n = tok.shape[0]
     if raw_lp is None:
         return tok, lambda ids: SampleResult(ids, [None] * n)
-    sel = raw_lp.gather(1, tok[spec.lp_index(tok.device)].unsqueeze(1)).squeeze(1)
+    assert spec.lp_index is not None
+    sel = raw_lp.gather(1, tok[spec.lp_index].unsqueeze(1)).squeeze(1)
     parts = [tok.double(), sel.double()]
     k = max(spec.lp_k)
     if k:
