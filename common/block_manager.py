@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
+
+import numpy as np
 
 from common.hashing import ROOT_HASH, HashKeys, block_hash
 from common.sequence import Sequence
@@ -28,6 +31,11 @@ class PrefixCacheStats:
     hits: int = 0  # of which served from the cache
 
 
+# With find_runs, an allocation of RUN_MIN_BLOCKS or more looks for contiguous runs among the run_window × need
+# least recently freed blocks (docs/performance-notes.md, "KV blocks in runs").
+RUN_MIN_BLOCKS = 4
+
+
 class NoFreeBlocksError(RuntimeError):
     """Raised by ``allocate`` when the pool cannot cover the request (callers check ``can_allocate`` first)."""
 
@@ -35,7 +43,8 @@ class NoFreeBlocksError(RuntimeError):
 class BlockManager:
     """Owns the block pool. Not thread-safe: only the engine loop calls it."""
 
-    def __init__(self, num_blocks: int, block_size: int, model_id: str, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, model_id: str, enable_prefix_caching: bool = True,
+                 run_window: int = 8) -> None:
         if num_blocks <= 0:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -49,6 +58,10 @@ class BlockManager:
         # KV events for the router: (stored?, hash), drained by the worker's load reports
         self._events: list[tuple[bool, int]] = []
         self.track_events = False
+        # set where blocks travel over NIXL (a prefill worker; a decode worker once it pulls): allocations then
+        # look for contiguous runs (_take_free)
+        self.find_runs = False
+        self.run_window = run_window
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,14 +134,45 @@ class BlockManager:
             del self._free[bid]
         b.ref_count += 1
 
+    def _take_free(self, need: int) -> list[int]:
+        """``need`` free blocks in ascending order, taken off the free list: the least recently freed. With
+        ``find_runs`` and ``RUN_MIN_BLOCKS`` or more: the fewest contiguous runs found among the ``run_window ×
+        need`` least recently freed (the shortest run that holds them all, else the longest runs first), so a KV
+        transfer of them is few descriptors (common/kv_transfer.py) however fragmented decoding has left the free
+        list."""
+        window = min(len(self._free), need * self.run_window)
+        if not self.find_runs or need < RUN_MIN_BLOCKS or window <= need:
+            return sorted(self._free.popitem(last=False)[0] for _ in range(need))
+        ids = np.fromiter(islice(self._free, window), dtype=np.int64, count=window)
+        ids.sort()
+        starts = np.flatnonzero(np.diff(ids, prepend=ids[0] - 2) != 1)
+        lengths = np.diff(starts, append=window)
+        fits = np.flatnonzero(lengths >= need)
+        if fits.size:
+            first = starts[fits[np.argmin(lengths[fits])]]
+            taken = ids[first : first + need]
+        else:
+            parts, left = [], need
+            for r in np.argsort(-lengths, kind="stable"):
+                k = min(int(lengths[r]), left)
+                parts.append(ids[starts[r] : starts[r] + k])
+                left -= k
+                if not left:
+                    break
+            taken = np.sort(np.concatenate(parts))
+        out = taken.tolist()
+        for bid in out:
+            del self._free[bid]
+        return out
+
     def allocate(self, seq: Sequence, num_tokens_after: int) -> None:
         """Grow ``seq``'s block table to hold ``num_tokens_after`` tokens. The blocks taken in one call go into the
-        table in ascending id order: neighbours in the table are then neighbours in the pool as often as the free
-        list allows, and a KV transfer posts each such run as one descriptor (common/kv_transfer.py)."""
+        table in ascending id order and in as few runs as :meth:`_take_free` finds: neighbours in the table are then
+        neighbours in the pool, and a KV transfer posts each such run as one descriptor (common/kv_transfer.py)."""
         need = self.blocks_needed(num_tokens_after) - len(seq.block_ids)
         if need > len(self._free):
             raise NoFreeBlocksError(f"need {need} blocks, {len(self._free)} free")
-        taken = sorted(self._free.popitem(last=False)[0] for _ in range(need))  # the least recently freed
+        taken = self._take_free(need) if need > 0 else []
         for bid in taken:
             b = self.blocks[bid]
             if b.hash is not None:

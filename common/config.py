@@ -133,6 +133,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # where blocks travel over NIXL, an allocation of several blocks looks for contiguous runs among this many
+    # times as many of the least recently freed (common/block_manager.py); 0 takes the least recently freed
+    kv_run_window: int = 8
     enable_chunked_prefill: bool = True
     # the most prompt tokens batch-class sequences get in a step that also runs an interactive or standard one: their
     # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit)
@@ -184,6 +187,8 @@ class EngineConfig:
                              f"{self.batch_prefill_tokens_beside_urgent}")
         if self.cuda_graph_prefill_tokens < 0:
             raise ValueError(f"cuda_graph_prefill_tokens must be >= 0, got {self.cuda_graph_prefill_tokens}")
+        if self.kv_run_window < 0:
+            raise ValueError(f"kv_run_window must be >= 0 (0: no search for runs), got {self.kv_run_window}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.device == "cpu" and self.dtype == "float16":

@@ -149,7 +149,8 @@ class LLMEngine:
         self.max_model_len = min(self.cfg.max_model_len or self.model_cfg.max_position_embeddings,
                                  self.model_cfg.max_position_embeddings)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, self.cfg.block_size, source.model_id, self.cfg.enable_prefix_caching
+            self.runner.num_blocks, self.cfg.block_size, source.model_id, self.cfg.enable_prefix_caching,
+            self.cfg.kv_run_window,
         )
         self.scheduler = Scheduler(
             self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs, self.cfg.enable_chunked_prefill,

@@ -187,7 +187,8 @@ class WorkerCore:
             s[f"running_{klass.name.lower()}"] = running
         if a is not None:
             s.update(nixl_bytes=a.bytes_transferred, nixl_seconds=a.transfer_seconds, nixl_busy=a.busy_seconds,
-                     nixl_failures=a.failures)
+                     nixl_failures=a.failures, nixl_reads=a.posted, nixl_descriptors=a.posted_descriptors,
+                     nixl_post=a.post_seconds)
         return s
 
     # -- calls every worker takes -----------------------------------------------------------------------

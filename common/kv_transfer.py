@@ -302,6 +302,11 @@ class KvTransferAgent:
         self._busy_since = 0.0
         self.transfers = 0
         self.failures = 0
+        # READs posted, their descriptors after merging (a descriptor costs UCX a copy of its own) and the time
+        # the posting took (make_prepped_xfer + transfer, on the caller's thread)
+        self.posted = 0
+        self.posted_descriptors = 0
+        self.post_seconds = 0.0
         self.notifications_received = 0
 
         self._lock = threading.RLock()
@@ -431,6 +436,9 @@ class KvTransferAgent:
                 gone = self._forget_if_disconnected(peer, e)
                 raise KvTransferError(f"READ of {n} blocks from {peer!r} could not be posted: {e}"
                                       + ("; peer forgotten, handshake again" if gone else "")) from e
+            self.posted += 1
+            self.posted_descriptors += runs
+            self.post_seconds += time.perf_counter() - h.started
             if not self._inflight:
                 self._busy_since = h.started
             self._inflight.add(h)
@@ -555,7 +563,8 @@ class KvTransferAgent:
         return {"bytes_transferred": self.bytes_transferred, "transfer_seconds": self.transfer_seconds,
                 "busy_seconds": self.busy_seconds,
                 "transfers": self.transfers, "failures": self.failures,
-                "notifications_received": self.notifications_received}
+                "notifications_received": self.notifications_received, "posted": self.posted,
+                "posted_descriptors": self.posted_descriptors, "post_seconds": self.post_seconds}
 
     def _check_open(self) -> None:
         if self._agent is None:

@@ -68,6 +68,12 @@ class WorkerMetrics:
         self.nixl_busy = Gauge("tokenmill:nixl_xfer_busy_seconds", "Seconds with at least one NIXL transfer in "
                                "flight: bytes ÷ this is the bandwidth the link delivered", registry=r)
         self.nixl_failures = Gauge("tokenmill:nixl_xfer_failures", "Failed NIXL transfers", registry=r)
+        self.nixl_reads = Gauge("tokenmill:nixl_xfer_reads", "NIXL READs posted", registry=r)
+        self.nixl_descriptors = Gauge("tokenmill:nixl_xfer_descriptors", "Descriptors of the NIXL READs posted, "
+                                      "after merging the block runs contiguous on both sides: ÷ reads is the "
+                                      "mean per READ (UCX copies each on its own)", registry=r)
+        self.nixl_post = Gauge("tokenmill:nixl_xfer_post_seconds", "Seconds the engine thread spent posting NIXL "
+                               "READs, summed", registry=r)
         self.steps = Gauge("tokenmill:engine_steps", "Engine steps run", registry=r)
         self.step_seconds = Gauge("tokenmill:engine_step_seconds", "Seconds spent in engine steps (schedule, "
                                   "forward, sampling, outputs), summed: ÷ engine_steps is the mean step", registry=r)
@@ -121,7 +127,7 @@ class WorkerMetrics:
 # the gauges ``WorkerMetrics.bind`` reads from the engine core's counters, by attribute (= the counter's key)
 STATS_GAUGES = ("steps", "step_seconds", "step_decode_rows", "step_prompt_tokens", "idle_seconds", "running", "waiting",
                 "kv_used", "kv_free", "kv_total", "prefix_queries", "prefix_hits", "nixl_bytes", "nixl_seconds",
-                "nixl_busy", "nixl_failures")
+                "nixl_busy", "nixl_failures", "nixl_reads", "nixl_descriptors", "nixl_post")
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:

@@ -14,7 +14,9 @@ gives both layouts the same prompts and arrival times.
 Per run: goodput (requests that meet both SLOs, TTFT and TPOT per request, ÷ the run's duration), SLO attainment,
 whether TTFT p90 and TPOT p90 meet the SLOs, TTFT/ITL/TPOT percentiles, throughput, and where a prefill worker ran,
 the KV bandwidth NIXL reached (the decode workers' ``tokenmill:nixl_xfer_bytes`` delta ÷ their
-``tokenmill:nixl_xfer_busy_seconds`` delta: time with a READ in flight) and the share of prompts the router sent to the prefill worker. Before the
+``tokenmill:nixl_xfer_busy_seconds`` delta: time with a READ in flight), per READ its busy time, descriptors and
+posting time (``tokenmill:nixl_xfer_reads``, ``_descriptors``, ``_post_seconds``), and the share of prompts the
+router sent to the prefill worker. Before the
 clusters start, torch's copy from the prefill GPU to the decode GPU (``cuda:0`` → ``cuda:1``) is timed in a
 subprocess, bytes counted once: NIXL's figure ÷ that one is how much of the link the transfers use.
 """
@@ -138,11 +140,38 @@ def run_row(layout: str, workload: str, rate: float, summary: dict[str, Any], sl
             "request_throughput": summary["request_throughput"]}
 
 
-def nixl_figures(nbytes: float, seconds: float, peer_Bps: float | None) -> dict[str, float | None]:
-    """NIXL's bytes and seconds over a span, its bandwidth (None without a transfer) and that ÷ the peer copy's."""
+def nixl_figures(nbytes: float, seconds: float, peer_Bps: float | None, reads: float = 0.0,
+                 descriptors: float = 0.0, post_seconds: float = 0.0) -> dict[str, float | None]:
+    """NIXL's bytes and seconds over a span, its bandwidth (None without a transfer) and that ÷ the peer copy's;
+    with the READs posted, their descriptors and the seconds spent posting them: each per READ."""
     bps = nbytes / seconds if nbytes > 0 and seconds > 0 else None
+    per = (lambda v: v / reads) if reads > 0 else (lambda v: None)
     return {"bytes": nbytes, "seconds": seconds, "Bps": bps,
-            "vs_peer_copy": bps / peer_Bps if bps is not None and peer_Bps else None}
+            "vs_peer_copy": bps / peer_Bps if bps is not None and peer_Bps else None,
+            "reads": reads, "descriptors": descriptors, "post_seconds": post_seconds,
+            "descriptors_per_read": per(descriptors), "busy_ms_per_read": per(1e3 * seconds),
+            "post_ms_per_read": per(1e3 * post_seconds)}
+
+
+NIXL_METRICS = {"bytes": "tokenmill:nixl_xfer_bytes", "seconds": "tokenmill:nixl_xfer_busy_seconds",
+                "reads": "tokenmill:nixl_xfer_reads", "descriptors": "tokenmill:nixl_xfer_descriptors",
+                "post_seconds": "tokenmill:nixl_xfer_post_seconds"}
+
+
+def _nixl_of(v: dict[str, float], peer_Bps: float | None) -> dict[str, float | None]:
+    return nixl_figures(v["bytes"], v["seconds"], peer_Bps, v["reads"], v["descriptors"], v["post_seconds"])
+
+
+def _nixl_line(n: dict[str, Any]) -> str:
+    """A run's or layout's NIXL figures, one line."""
+    if not n.get("Bps"):
+        return "no NIXL READ"
+    vs = f" ({n['vs_peer_copy']:.2f}× the peer copy)" if n.get("vs_peer_copy") else ""
+    per = ""
+    if n.get("reads"):
+        per = (f"; {n['reads']:.0f} READs, {n['busy_ms_per_read']:.2f} ms each with {n['descriptors_per_read']:.1f} "
+               f"descriptors, {n['post_ms_per_read']:.2f} ms of it posting")
+    return f"NIXL {n['Bps'] / 1e9:.2f} GB/s{vs}, {n['bytes'] / 1e9:.2f} GB in {n['seconds']:.3f} s busy{per}"
 
 
 def compare(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -205,9 +234,7 @@ def build_table(doc: dict[str, Any]) -> str:
     for name, lay in doc["layouts"].items():
         n = lay.get("nixl")
         if n and n["Bps"]:
-            lines.append(f"{name}: NIXL {n['Bps'] / 1e9:.2f} GB/s over all runs ({n['bytes'] / 1e9:.2f} GB in "
-                         f"{n['seconds']:.2f} s with a READ in flight)" + (f" = {n['vs_peer_copy']:.2f}× the peer copy"
-                                                                  if n["vs_peer_copy"] else ""))
+            lines.append(f"{name}, over all runs: {_nixl_line(n)}")
     return "\n".join(lines)
 
 
@@ -330,8 +357,7 @@ async def layout_runs(a: argparse.Namespace, layout: Layout, cluster: dict[str, 
                     after = await asyncio.to_thread(scrape, decode + router)
                     row = run_row(layout.name, w.name, rate, run["summary"], slo)
                     # only the decode workers export NIXL figures, only the router its placements
-                    row["nixl"] = nixl_figures(delta(before, after, "tokenmill:nixl_xfer_bytes"),
-                                               delta(before, after, "tokenmill:nixl_xfer_busy_seconds"), peer)
+                    row["nixl"] = _nixl_of({k: delta(before, after, m) for k, m in NIXL_METRICS.items()}, peer)
                     remote, local = (delta(before, after, "tokenmill:router_placements_total", {"prefill": p})
                                      for p in ("remote", "local"))
                     row["placements"] = {"remote": remote, "local": local}
@@ -342,7 +368,7 @@ async def layout_runs(a: argparse.Namespace, layout: Layout, cluster: dict[str, 
                     _say(f"{layout.name}: {w.name} at {rate:g} req/s: goodput {_f(row['goodput'])} req/s "
                          f"({_f(100 * row['slo_attainment'], '.0f')} % met), {row['completed']}/{row['requests']} "
                          f"done, TTFT p90 {_f(row['ttft_ms']['p90'], '.0f')} ms, ITL p99 "
-                         f"{_f(row['itl_ms']['p99'], '.1f')} ms, NIXL {_gbs(row['nixl']['Bps'])} GB/s")
+                         f"{_f(row['itl_ms']['p99'], '.1f')} ms, {_nixl_line(row['nixl'])}")
         finally:
             await target.close()
 
@@ -351,7 +377,7 @@ def _layout_nixl(doc: dict[str, Any]) -> None:
     peer = (doc.get("peer_copy") or {}).get("Bps")
     for name, lay in doc["layouts"].items():
         rs = [r for r in doc["runs"] if r["layout"] == name]
-        lay["nixl"] = nixl_figures(sum(r["nixl"]["bytes"] for r in rs), sum(r["nixl"]["seconds"] for r in rs), peer)
+        lay["nixl"] = _nixl_of({k: sum(r["nixl"].get(k, 0.0) for r in rs) for k in NIXL_METRICS}, peer)
 
 
 def _csv(text: str, what: str) -> list[str]:

@@ -13,6 +13,7 @@ once) of the largest size is timed in the same run, as the ceiling.
     python -m loadgen.bench_kv_transfer                           # the defaults common/kv_transfer.py picks
     python -m loadgen.bench_kv_transfer --compare                 # UCX_TLS / error handling / progress thread
     python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1    # GPU pools (prefill's, decode's)
+    python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1 --busy-decode-gpu both   # and beside HBM copies
     UCX_PROTO_INFO=y python -m loadgen.bench_kv_transfer ...      # UCX prints the transport of each protocol
 
 The numbers behind the defaults are in docs/performance-notes.md.
@@ -117,8 +118,44 @@ def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str)
     agent.close()
 
 
+class _BusyHbm:
+    """Keeps a GPU's memory busy, as a decode worker's steps do (each reads the weights): copies of a 1 GiB buffer
+    on a stream of their own, from a thread, until stopped; ``Bps`` is what the copies reached (read + write)."""
+
+    def __init__(self, device: str) -> None:
+        import threading
+
+        import torch
+
+        self.src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        self.dst = torch.empty_like(self.src)
+        self.stream = torch.cuda.Stream(device)
+        self.stop = threading.Event()
+        self.copies = 0
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import torch
+
+        with torch.cuda.stream(self.stream):
+            t0 = time.perf_counter()
+            while not self.stop.is_set():
+                for _ in range(4):
+                    self.dst.copy_(self.src)
+                self.stream.synchronize()  # gives the GIL up while the copies run
+                self.copies += 4
+            self.seconds = time.perf_counter() - t0
+
+    def close(self) -> float:
+        self.stop.set()
+        self.thread.join()
+        return 2 * self.copies * self.src.numel() / self.seconds
+
+
 def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ...], reps: int,
-            poll_sleep: float, device: str, shape: str, pattern: str) -> None:
+            poll_sleep: float, device: str, shape: str, pattern: str, busy: bool = False) -> None:
     import random
 
     import torch
@@ -132,6 +169,7 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
     t0 = time.perf_counter()
     agent.add_peer(*hs)
     add_peer_s = time.perf_counter() - t0
+    hbm = _BusyHbm(device) if busy else None
     rng = random.Random(0)
     rows = []
     sent = 0
@@ -168,6 +206,7 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
         rows.append({"tokens": tokens, "blocks": n, "runs": h.runs, "bytes": n * agent.bytes_per_block, "median_s": med,
                      "min_s": min(times), "max_s": max(times), "first_s": first_s, "exact": ok,
                      "post_s": statistics.median(posts), "cpu_per_read_s": cpu / reps})
+    busy_Bps = hbm.close() if hbm is not None else None
     conn.send(("notifs", sent))
     notifs = conn.recv()
     conn.send(("idle", 1.0))
@@ -177,20 +216,21 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
     decode_idle = (_cpu_seconds() - c0) / (time.perf_counter() - t0)
     conn.send(("stop", None))
     out.send({"rows": rows, "notifs": notifs, "sent": sent, "add_peer_s": add_peer_s, "ucx_tls": agent.ucx_tls,
-              "prefill_idle_cpu": idle, "decode_idle_cpu": decode_idle, "counters": agent.counters()})
+              "prefill_idle_cpu": idle, "decode_idle_cpu": decode_idle, "counters": agent.counters(),
+              "busy_Bps": busy_Bps})
     agent.close()
 
 
 def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 15,
                poll_sleep: float = 0.0, device: str = "cpu", timeout: float = 120.0, shape: str = "smollm2",
-               pattern: str = "scattered") -> dict[str, Any]:
+               pattern: str = "scattered", busy: bool = False) -> dict[str, Any]:
     """One configuration in a fresh prefill + decode process pair; returns the decode side's measurements."""
     ctx = mp.get_context("spawn")
     num_blocks = 2 * -(-max(sizes) // BLOCK) + 8
     a, b = ctx.Pipe()
     res_r, res_w = ctx.Pipe(duplex=False)
     pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0], shape), daemon=True)
-    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern), daemon=True)
+    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, busy), daemon=True)
     pre.start()
     dec.start()
     try:
@@ -242,19 +282,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="prompt lengths in tokens")
     ap.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the KV block's model shape")
     ap.add_argument("--pattern", choices=[*PATTERNS, "both"], default="both", help="block ids on both sides")
+    ap.add_argument("--busy-decode-gpu", choices=("no", "yes", "both"), default="no",
+                    help="READ while the decode GPU's memory is busy with copies (as a decode step keeps it)")
     args = ap.parse_args(argv)
+    if args.busy_decode_gpu != "no" and not args.device.split(",")[-1].startswith("cuda"):
+        ap.error("--busy-decode-gpu needs the decode pool on a GPU")
+    busies = {"no": (False,), "yes": (True,), "both": (False, True)}[args.busy_decode_gpu]
     names = list(CONFIGS) if args.compare else (args.config or [next(iter(CONFIGS))])
     patterns = PATTERNS if args.pattern == "both" else (args.pattern,)
     results: dict[str, dict[str, Any] | str] = {}
     for name in names:
-        for pattern in patterns:
-            key = f"{name}; {pattern}"
+        for pattern, busy in ((p, b) for p in patterns for b in busies):
+            key = f"{name}; {pattern}" + ("; decode GPU busy" if busy else "")
             try:
                 r = run_config(CONFIGS[name], tuple(args.sizes), args.reps, args.poll_sleep_ms / 1e3, args.device,
-                               shape=args.shape, pattern=pattern)
+                               shape=args.shape, pattern=pattern, busy=busy)
                 if r["notifs"] != r["sent"]:
                     print(f"{key}: prefill saw {r['notifs']} of {r['sent']} notifications")
                 results[key] = r
+                if r["busy_Bps"]:
+                    print(f"{key}: the decode GPU's own copies ran at {r['busy_Bps'] / 1e12:.2f} TB/s (read + write)")
             except Exception as e:
                 results[key] = f"{type(e).__name__}: {e}"[:120]
             print(f"done: {key}", flush=True)
@@ -277,3 +324,7 @@ def _block_bytes(shape: str) -> int:
     for d in dims:
         n *= d
     return n * (4 if dtype == "float32" else 2)
+
+
+if __name__ == "__main__":
+    main()

@@ -113,3 +113,55 @@ def test_blocks_taken_in_one_allocation_ascend():
     bm.admit(b)
     bm.allocate(b, b.num_tokens)
     assert b.block_ids == [0, 1, 2, 3, 4]  # the free list holds them as 4, 3, 2, 1, 0
+
+
+def _fragment(bm: BlockManager, layout: list[int]) -> None:
+    """Leave the free list holding ``layout``'s blocks in that order (least recently freed first)."""
+    bm._free.clear()  # a test's shortcut: every other block held by someone
+    for b in bm.blocks:
+        b.ref_count = 1
+    for bid in layout:
+        bm.blocks[bid].ref_count = 0
+        bm._free[bid] = None
+
+
+def test_a_transferring_pool_takes_one_run_where_the_free_list_has_one():
+    """With ``find_runs`` (prefill workers, decode workers that pull), a multi-block allocation takes the shortest
+    contiguous run that holds it among the least recently freed, not the head of a fragmented free list."""
+    bm = BlockManager(num_blocks=64, block_size=4, model_id="m", enable_prefix_caching=False)
+    # the head alternates (decode growth took every other block), then a run of 6 and a run of 9
+    layout = [0, 2, 4, 6, 8, 10, 12, 14, *range(30, 36), *range(40, 49)]
+    _fragment(bm, layout)
+    plain = seq("plain", list(range(20)))  # 5 blocks, LRU: the alternating head, then 30
+    bm.allocate(plain, plain.num_tokens)
+    assert plain.block_ids == [0, 2, 4, 6, 8]
+    bm.free(plain)
+
+    _fragment(bm, layout)
+    bm.find_runs = True
+    a = seq("a", list(range(20)))
+    bm.allocate(a, a.num_tokens)
+    assert a.block_ids == [30, 31, 32, 33, 34]  # the shortest run that holds 5
+    b = seq("b", list(range(32)))  # 8 blocks: only the run of 9 holds them
+    bm.allocate(b, b.num_tokens)
+    assert b.block_ids == list(range(40, 48))
+    assert bm.num_free_blocks == len(layout) - 13 and not {*a.block_ids, *b.block_ids} & set(bm._free)
+
+
+def test_without_a_run_that_holds_it_the_longest_runs_go_first():
+    bm = BlockManager(num_blocks=64, block_size=4, model_id="m", enable_prefix_caching=False)
+    _fragment(bm, [1, 3, *range(10, 13), *range(20, 25), 50])
+    bm.find_runs = True
+    a = seq("a", list(range(32)))  # 8 blocks: the run of 5, the run of 3
+    bm.allocate(a, a.num_tokens)
+    assert a.block_ids == [10, 11, 12, 20, 21, 22, 23, 24]
+    few = seq("few", list(range(8)))  # 2 blocks: below RUN_MIN_BLOCKS, the least recently freed
+    bm.allocate(few, few.num_tokens)
+    assert few.block_ids == [1, 3]
+    # the window is run_window (8) × need of the least recently freed: a run beyond it is not looked at
+    bm2 = BlockManager(num_blocks=256, block_size=4, model_id="m", enable_prefix_caching=False)
+    _fragment(bm2, [*range(0, 80, 2), *range(100, 110)])
+    bm2.find_runs = True
+    c = seq("c", list(range(16)))  # 4 blocks: a window of 32 alternating blocks
+    bm2.allocate(c, c.num_tokens)
+    assert c.block_ids == [0, 2, 4, 6]

@@ -221,6 +221,9 @@ def test_counters(scenario):
     assert c["bytes_transferred"] == len(REMOTE) * scenario["bytes_per_block"] == 4 * 737_280
     assert c["transfer_seconds"] > 0
     assert c["busy_seconds"] == pytest.approx(c["transfer_seconds"])  # one READ at a time: busy while it ran
+    # one READ posted; remote 5, 9-10, 40 against local 0, 1-2, 3: three runs contiguous on both sides
+    assert c["posted"] == 1 and c["posted_descriptors"] == 3
+    assert 0 < c["post_seconds"] <= c["transfer_seconds"]
 
 
 def test_notification_reaches_prefill(scenario):

@@ -43,6 +43,11 @@ class PrefillCore(WorkerCore):
         self._queued: dict[str, int] = {}
         self._tick_ns = 0  # the last tick, i.e. just before the step that follows it
 
+    def setup(self) -> LLMEngine:
+        engine = super().setup()
+        engine.block_manager.find_runs = True  # every prompt's blocks are READ by a decode worker
+        return engine
+
     def on_outputs(self, outs: list[RequestOutput]) -> None:
         done = []
         for o in outs:

@@ -56,6 +56,10 @@ def test_nixl_bandwidth_and_metric_deltas():
     n = nixl_figures(6e9, 2.0, peer_Bps=1.2e10)
     assert n["Bps"] == 3e9 and n["vs_peer_copy"] == approx(0.25)
     assert nixl_figures(0.0, 0.0, 1e10)["Bps"] is None and nixl_figures(1e9, 1.0, None)["vs_peer_copy"] is None
+    assert n["descriptors_per_read"] is None  # no READ counted
+    n = nixl_figures(6e9, 2.0, 1.2e10, reads=4, descriptors=10, post_seconds=0.002)
+    assert n["busy_ms_per_read"] == approx(500) and n["descriptors_per_read"] == approx(2.5)
+    assert n["post_ms_per_read"] == approx(0.5)
     before = {"d": {"tokenmill:nixl_xfer_bytes": 100.0, 'tokenmill:router_placements_total{"prefill": "remote"}': 2.0,
                     'tokenmill:router_placements_total{"prefill": "local"}': 1.0}}
     after = {"d": {"tokenmill:nixl_xfer_bytes": 350.0, 'tokenmill:router_placements_total{"prefill": "remote"}': 7.0,
@@ -92,7 +96,7 @@ def test_comparison_marks_the_higher_goodput_and_the_itl_ratio():
     assert cmp[1]["itl_p99_1p1d_vs_2agg"] == approx(2.0)  # 3.97 is within 1 % of 4.00: a tie
     doc = {"slo": {"ttft_ms": 500.0, "tpot_ms": 50.0}, "runs": rows, "comparisons": cmp,
            "peer_copy": {"src": "cuda:0", "dst": "cuda:1", "bytes": 2 << 30, "iters": 10, "Bps": 5e10},
-           "layouts": {"1p1d": {"nixl": {"bytes": 8e9, "seconds": 0.32, "Bps": 2.5e10, "vs_peer_copy": 0.5}},
+           "layouts": {"1p1d": {"nixl": nixl_figures(8e9, 0.32, 5e10, reads=16, descriptors=40, post_seconds=0.004)},
                        "2agg": {"nixl": {"bytes": 0.0, "seconds": 0.0, "Bps": None, "vs_peer_copy": None}}}}
     table = build_table(doc)
     assert "| long | 2 | 1p1d | **1.50** | 50 % | yes | no | 1.0 / 2.0 / 30.0 |" in table
@@ -101,7 +105,8 @@ def test_comparison_marks_the_higher_goodput_and_the_itl_ratio():
     assert "| long | 2 | 1.50 | 1.20 | 1p1d | 30.0 | 120.0 | 0.25× |" in table
     assert "| short | 8 | 4.00 | 3.97 | tie | 40.0 | 20.0 | 2.00× |" in table
     assert "peer copy cuda:0 → cuda:1: 50.0 GB/s (2.00 GiB, median of 10, bytes counted once)" in table
-    assert "1p1d: NIXL 25.00 GB/s over all runs (8.00 GB in 0.32 s with a READ in flight) = 0.50× the peer copy" in table
+    assert ("1p1d, over all runs: NIXL 25.00 GB/s (0.50× the peer copy), 8.00 GB in 0.320 s busy; 16 READs, "
+            "20.00 ms each with 2.5 descriptors, 0.25 ms of it posting") in table
 
 
 def test_refuses_without_two_gpus(monkeypatch, capsys):
@@ -142,8 +147,12 @@ def test_both_layouts_end_to_end_on_the_cpu(tmp_path, capsys):
     assert one_p["placements"]["remote"] >= 1 and 0 < one_p["remote_prefill_share"] <= 1
     assert one_p["nixl"]["bytes"] > 0 and one_p["nixl"]["Bps"] > 0 and one_p["nixl"]["vs_peer_copy"] > 0
     assert res["layouts"]["1p1d"]["nixl"]["bytes"] == one_p["nixl"]["bytes"]
+    # every remote prompt is one READ, of at least one descriptor, posted in less time than it was in flight
+    assert one_p["nixl"]["reads"] == one_p["placements"]["remote"]
+    assert one_p["nixl"]["descriptors_per_read"] >= 1
+    assert 0 < one_p["nixl"]["post_ms_per_read"] <= one_p["nixl"]["busy_ms_per_read"]
     assert agg["nixl"]["bytes"] == 0 and agg["remote_prefill_share"] is None
     [c] = res["comparisons"]
     assert c["higher"] in ("1p1d", "2agg", "tie") and c["itl_p99_1p1d_vs_2agg"] > 0
     assert {"1p1d: cluster start", "2agg: cluster start", "1p1d: long at 2 req/s"} <= set(res["phases_s"])
-    assert "| long | 2 | 1p1d" in text and "| long | 2 | 2agg" in text and "1p1d: NIXL" in text
+    assert "| long | 2 | 1p1d" in text and "| long | 2 | 2agg" in text and "1p1d, over all runs: NIXL" in text
