@@ -20,9 +20,10 @@ pool in host memory the copy itself runs inside ``start_read`` (UCX's cma transp
 process_vm_readv; docs/performance-notes.md has its cost). On GPUs the
 copy is asynchronous (cuda_ipc: copies on UCX's own CUDA streams) and ``start_read`` only posts it: its cost is per
 descriptor, so the block pairs are sorted by remote id and NIXL merges every run that is contiguous on both sides
-into one descriptor. A VRAM pool's agent polls its READs in flight from a thread of its own every
-:data:`VRAM_POLL_S`, so a READ's seconds end when the copy ends, not at the engine's next step. Calls are serialized
-by a lock, so the engine thread, the poller and a service thread may share one agent.
+into one descriptor. A VRAM pool's agent polls its READs in flight from a thread of its own, every
+:data:`VRAM_POLL_S` once a READ nears its expected end, so a READ's seconds end when the copy ends, not at the
+engine's next step. Calls are serialized by a lock, so the engine thread, the poller and a service thread may share
+one agent.
 """
 
 from __future__ import annotations
@@ -55,8 +56,13 @@ UCX_ERROR_HANDLING_MODE = "peer"
 ProgressThread = int | Literal["off"]  # the pause between progress rounds in µs, or no thread
 PROGRESS_THREAD_BY_ROLE: dict[str, ProgressThread] = {"prefill": 100, "decode": "off", "both": 100}
 # A VRAM pool's READs complete on the GPU while the engine steps; a step can take tens of ms, so the agent's own
-# thread checks them this often while any is in flight (each check is one short call under the GIL).
-VRAM_POLL_S = 100e-6
+# thread checks them while any is in flight (each check is one short call under the GIL): it sleeps through
+# VRAM_POLL_EARLY of a READ's expected time (its bytes at the rate recent READs reached), then checks every
+# VRAM_POLL_S, with the thread's timer slack at 1 µs so that a sleep this short lasts what it says
+# (docs/performance-notes.md, "Seeing a READ end").
+VRAM_POLL_S = 25e-6
+VRAM_POLL_EARLY = 0.75
+_RATE_MIN_BYTES = 16 << 20  # READs this large or larger set the expected rate (smaller ones are mostly overhead)
 
 _DESC_MAGIC = b"TMKV"
 _DESC_HEADER = struct.Struct("<4sHBxIQQ")  # magic, format version, mem type, pad, device id, count, bytes/desc
@@ -106,6 +112,16 @@ def _new_nixl_agent(name: str, conf: Any, progress_delay_us: int) -> Any:
             return api.nixl_agent(name, conf)
         finally:
             api.nixlBind = real
+
+
+def _fine_timer_slack() -> None:
+    """Let this thread's sleeps end within ~1 µs of their time, not Linux's default 50 µs (per thread; best effort)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, in ns
+    except (OSError, AttributeError):
+        pass
 
 
 def _nvidia_gpu_present() -> bool:
@@ -313,7 +329,9 @@ class KvTransferAgent:
         self._peers: dict[str, _Peer] = {}
         self._inflight: set[KvReadHandle] = set()
         self._poller: threading.Thread | None = None
-        self._poll_wake = threading.Event()
+        self._poll_wake = threading.Event()  # set while READs are in flight
+        self._poll_kick = threading.Event()  # a READ was posted: the poller's sleep ends
+        self._rate = 0.0  # bytes/s of recent large READs (0: none yet), for when to check the next one
         self._stuck: list[Any] = []  # xfer handles NIXL refused to release (retried at close)
         # No listener thread: metadata travels in our own handshake RPC. The progress thread lets UCX serve a
         # peer's READ (tcp emulates RMA on the target), answer connection set-up and deliver notifications
@@ -452,18 +470,30 @@ class KvTransferAgent:
             self._poller = threading.Thread(target=self._poll_inflight, name=f"kv-poll-{self.name}", daemon=True)
             self._poller.start()
         self._poll_wake.set()
+        self._poll_kick.set()
 
     def _poll_inflight(self) -> None:
+        _fine_timer_slack()
         while True:
             self._poll_wake.wait()
             with self._lock:
                 if self._agent is None:
                     return
+                self._poll_kick.clear()
                 for h in list(self._inflight):
                     self.poll(h)
                 if not self._inflight:
                     self._poll_wake.clear()
-            time.sleep(VRAM_POLL_S)
+                    continue
+                pause = self._poll_pause(time.perf_counter())
+            self._poll_kick.wait(pause)
+
+    def _poll_pause(self, now: float) -> float:
+        """Until the next check: VRAM_POLL_S, or longer while every READ in flight is early in its expected time."""
+        if self._rate <= 0:
+            return VRAM_POLL_S
+        due = min(h.started + VRAM_POLL_EARLY * h.nbytes / self._rate for h in self._inflight)
+        return max(VRAM_POLL_S, due - now)
 
     def poll(self, handle: KvReadHandle) -> XferState:
         """Non-blocking state of a READ; call once per engine step. Counters are updated when it finishes."""
@@ -499,6 +529,9 @@ class KvTransferAgent:
             self.transfers += 1
             self.bytes_transferred += h.nbytes
             self.transfer_seconds += h.finished - h.started
+            if h.nbytes >= _RATE_MIN_BYTES:
+                rate = h.nbytes / max(h.finished - h.started, 1e-6)
+                self._rate = rate if self._rate <= 0 else 0.7 * self._rate + 0.3 * rate
         else:
             h.state = "ERR"
             h.error = error or "NIXL reported a transfer error"
@@ -576,6 +609,7 @@ class KvTransferAgent:
             if self._agent is None:
                 return
             self._poll_wake.set()  # the poller sees the agent closed and ends
+            self._poll_kick.set()
             for h in list(self._inflight):
                 self.release(h)
             for xfer in self._stuck:

@@ -17,8 +17,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
 from common.kv_transfer import (  # noqa: E402
+    VRAM_POLL_S,
     KvCompat,
     KvIncompatibleError,
+    KvReadHandle,
+    KvTransferAgent,
     decode_descriptors,
     encode_descriptors,
 )
@@ -313,3 +316,26 @@ def test_descriptor_round_trip_and_garbage():
     for junk in (b"", b"\x80\x04pickle", encode_descriptors(addrs, 4096, "DRAM", 0)[:-1]):
         with pytest.raises(KvTransferError):
             decode_descriptors(junk)
+
+
+def test_the_poller_sleeps_through_most_of_a_reads_expected_time():
+    """A VRAM READ is checked every VRAM_POLL_S only near its expected end: its bytes at the rate the last large
+    READs reached (none yet: from the start)."""
+    kv = torch.zeros(SHAPE)
+    with KvTransferAgent("pause", kv, KvCompat.for_pool(kv, "smollm2"), role="decode") as agent:
+        assert agent._poll_pause(0.0) == VRAM_POLL_S  # no rate known yet
+        done = KvReadHandle("p", 64, 64 << 20, started=time.perf_counter() - 0.01)
+        agent._inflight.add(done)
+        assert agent._settle(done, "DONE") == "DONE"
+        assert agent._rate == pytest.approx((64 << 20) / 0.01, rel=0.2)  # 64 MiB in ~10 ms
+        agent._rate = 1e9
+        h = KvReadHandle("p", 64, 100_000_000, started=10.0)  # 0.1 s at 1 GB/s
+        agent._inflight.add(h)
+        assert agent._poll_pause(10.0) == pytest.approx(0.075)  # VRAM_POLL_EARLY of its 0.1 s
+        assert agent._poll_pause(10.074) == pytest.approx(0.001)
+        assert agent._poll_pause(10.2) == VRAM_POLL_S  # overdue: checked closely
+        agent._inflight.discard(h)
+        small = KvReadHandle("p", 1, 1 << 20, started=time.perf_counter() - 0.01)
+        agent._inflight.add(small)
+        agent._settle(small, "DONE")
+        assert agent._rate == 1e9  # a small READ's rate is mostly overhead: not counted
