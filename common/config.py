@@ -140,6 +140,10 @@ class EngineConfig:
     # the most prompt tokens batch-class sequences get in a step that also runs an interactive or standard one: their
     # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit)
     batch_prefill_tokens_beside_urgent: int | None = None
+    # the most prompt tokens a step takes while sequences are decoding, so a prompt lengthens their next token by a
+    # short step only. None: the step budget, except on a decode worker once it pulls KV from prefill workers
+    # (common/engine.py, LLMEngine.pulls_kv): its own prompts are those the router could not send to one
+    prompt_tokens_beside_decodes: int | None = None
     seed: int = 0
     # Ranks of Megatron-style tensor parallelism (common/tensor_parallel.py): one process each, rank r on cuda:r on
     # CUDA. 1: one process, no torch.distributed. The KV pool's size (kv_cache_memory, the GPU share) is per rank.
@@ -187,6 +191,9 @@ class EngineConfig:
                              f"{self.batch_prefill_tokens_beside_urgent}")
         if self.cuda_graph_prefill_tokens < 0:
             raise ValueError(f"cuda_graph_prefill_tokens must be >= 0, got {self.cuda_graph_prefill_tokens}")
+        if self.prompt_tokens_beside_decodes is not None and self.prompt_tokens_beside_decodes < 1:
+            raise ValueError("prompt_tokens_beside_decodes must be >= 1 (or unset: the step budget), got "
+                             f"{self.prompt_tokens_beside_decodes}")
         if self.kv_run_window < 0:
             raise ValueError(f"kv_run_window must be >= 0 (0: no search for runs), got {self.kv_run_window}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -44,6 +44,10 @@ from common.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
+# a decode worker's own prompts beside its decoding sequences, in a disaggregated layout (LLMEngine.pulls_kv;
+# docs/benchmarks.md, "GPU: prefill and decode on two GPUs")
+DISAGG_PROMPT_TOKENS_BESIDE_DECODES = 512
+
 
 class RequestError(ValueError):
     """A request the engine refuses; the message names the value and the limit."""
@@ -154,7 +158,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs, self.cfg.enable_chunked_prefill,
-            self.cfg.batch_prefill_tokens_beside_urgent,
+            self.cfg.batch_prefill_tokens_beside_urgent, self.cfg.prompt_tokens_beside_decodes,
         )
         self._seqs: dict[str, Sequence] = {}  # waiting or running
         self._pending_kv: dict[str, Sequence] = {}  # prefilled elsewhere, KV on its way
@@ -313,6 +317,15 @@ class LLMEngine:
         if prefill_only:
             self._prefill_only.add(request_id)
         self.scheduler.add(seq)
+
+    def pulls_kv(self) -> None:
+        """This engine receives prompts' KV from prefill workers (a decode worker of a disaggregated layout): its
+        allocations look for contiguous runs (fewer descriptors a READ), and the prompts it still computes itself
+        (those the router could not send to a prefill worker) get at most ``DISAGG_PROMPT_TOKENS_BESIDE_DECODES``
+        tokens a step beside its decoding sequences unless ``prompt_tokens_beside_decodes`` is configured."""
+        self.block_manager.find_runs = True
+        if self.cfg.prompt_tokens_beside_decodes is None:
+            self.scheduler.prompt_tokens_beside_decodes = DISAGG_PROMPT_TOKENS_BESIDE_DECODES
 
     def add_prefilled(
         self,

@@ -7,7 +7,8 @@ chunk never takes an urgent sequence's budget); waiting ones in the order of ``c
 (priority, arrival); a tenant at its per-worker cap waits. With one tenant and one class that is (priority,
 arrival) order. An interactive or standard sequence that finds no free slot (``max_num_seqs``) or no blocks for
 its first chunk preempts batch-class running ones. With ``batch_prefill_tokens_beside_urgent`` set, batch-class prompts get at most that many tokens in a
-step that also runs interactive or standard work. When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
+step that also runs interactive or standard work; with ``prompt_tokens_beside_decodes`` set, all prompts together get
+at most that many in a step while sequences are decoding (their next token then waits for a short step). When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
 class first, then the tenant furthest ahead on its counter, then the lowest priority and latest arrival. Its
 blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting, to be recomputed later with
 its generated tokens — it finishes with the same output.
@@ -62,6 +63,7 @@ class _Step:
 
     budget: int
     batch_prefill: int | None  # batch-class prompt tokens left for a step with urgent work (None: no limit)
+    prompt_left: int | None = None  # prompt tokens left for a step beside decoding sequences (None: no limit)
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -79,14 +81,17 @@ class Scheduler:
         max_num_seqs: int,
         enable_chunked_prefill: bool = True,
         batch_prefill_tokens_beside_urgent: int | None = None,
+        prompt_tokens_beside_decodes: int | None = None,
     ) -> None:
         """``batch_prefill_tokens_beside_urgent``: the most prompt tokens batch-class sequences get in a step that
-        also runs an interactive or standard sequence (None: no limit)."""
+        also runs an interactive or standard sequence (None: no limit). ``prompt_tokens_beside_decodes``: the most
+        prompt tokens a step takes while running sequences are decoding (None: the step budget)."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.batch_prefill_tokens_beside_urgent = batch_prefill_tokens_beside_urgent
+        self.prompt_tokens_beside_decodes = prompt_tokens_beside_decodes
         self.waiting = FairQueue()
         self.running: list[Sequence] = []  # sorted by (class, priority, arrival)
         self.num_running_by_class = [0] * len(PriorityClass)
@@ -152,6 +157,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         st = _Step(self.max_num_batched_tokens, self.batch_prefill_tokens_beside_urgent)
+        if self.prompt_tokens_beside_decodes is not None and any(_decoding(s) for s in self.running):
+            st.prompt_left = self.prompt_tokens_beside_decodes
         # 0. an interactive or standard sequence that finds no free slot or blocks takes them from batch-class ones
         self._make_room(st)
         # 1. running interactive and standard sequences, then those waiting (unless one had to be preempted), then
@@ -166,22 +173,27 @@ class Scheduler:
         return SchedulerOutput(st.prefills, st.decodes, st.preempted)
 
     def _limit(self, st: _Step, seq: Sequence, n: int) -> int:
-        """``n`` tokens for ``seq``, fewer when it is a batch-class prompt chunk beside urgent work."""
+        """``n`` tokens for ``seq``, fewer when it is a prompt chunk beside decoding sequences or a batch-class
+        prompt chunk beside urgent work."""
+        if st.prompt_left is not None and _prompt_chunk(seq):
+            n = min(n, st.prompt_left)
         if self._limited(st, seq):
             assert st.batch_prefill is not None
-            return min(n, st.batch_prefill)
+            n = min(n, st.batch_prefill)
         return n
 
     @staticmethod
     def _limited(st: _Step, seq: Sequence) -> bool:
         return (st.urgent and st.batch_prefill is not None and seq.tenancy.klass == PriorityClass.BATCH
-                and seq.num_computed_tokens < seq.num_tokens - 1)
+                and _prompt_chunk(seq))
 
     def _scheduled(self, st: _Step, item: ScheduledSeq, prefill: bool) -> None:
         seq, n = item.seq, item.num_tokens
         (st.prefills if prefill else st.decodes).append(item)
         self.waiting.charge(seq, n, item.samples)
         st.budget -= n
+        if st.prompt_left is not None and prefill and _prompt_chunk(seq):
+            st.prompt_left -= n
         if self._limited(st, seq):
             assert st.batch_prefill is not None
             st.batch_prefill -= n
@@ -250,3 +262,13 @@ class Scheduler:
                 continue
             item.seq.num_computed_tokens += item.num_tokens
             self.bm.commit_full_blocks(item.seq)
+
+
+def _prompt_chunk(seq: Sequence) -> bool:
+    """``seq``'s next tokens are a prompt chunk (more than its last token left to compute)."""
+    return seq.num_computed_tokens < seq.num_tokens - 1
+
+
+def _decoding(seq: Sequence) -> bool:
+    """A running ``seq`` that has produced a token and goes on (not a prefill-only one whose first token ends it)."""
+    return bool(seq.output_ids or seq.pending) and not seq.pending_final and not _prompt_chunk(seq)

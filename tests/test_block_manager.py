@@ -165,3 +165,36 @@ def test_without_a_run_that_holds_it_the_longest_runs_go_first():
     c = seq("c", list(range(16)))  # 4 blocks: a window of 32 alternating blocks
     bm2.allocate(c, c.num_tokens)
     assert c.block_ids == [0, 2, 4, 6]
+
+
+def test_prompts_beside_decoding_sequences_get_at_most_their_cap():
+    """``prompt_tokens_beside_decodes``: while a sequence decodes, all prompt chunks of a step share the cap; with
+    nothing decoding (or only a prefill-only sequence whose first token ends it) a prompt takes the whole budget."""
+    bm = BlockManager(64, 4, "m", enable_prefix_caching=False)
+    sch = Scheduler(bm, max_num_batched_tokens=40, max_num_seqs=8, prompt_tokens_beside_decodes=12)
+    d, p1, p2 = seq("d", list(range(6))), seq("p1", list(range(100, 150))), seq("p2", list(range(200, 210)))
+    sch.add(d)
+    out = sch.schedule()
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("d", 6)]  # nothing decodes yet
+    sch.update_after_step(out)
+    d.output_ids.append(7)
+    sch.add(p1)
+    sch.add(p2)
+    out = sch.schedule()  # d decodes: p1 gets the 12 prompt tokens, p2 none
+    assert [(i.seq.request_id, i.num_tokens) for i in out.decodes] == [("d", 1)]
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("p1", 12)]
+    sch.update_after_step(out)
+    d.output_ids.append(8)
+    out = sch.schedule()  # the running prompt chunk counts against the cap too
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("p1", 12)]
+    sch.update_after_step(out)
+    sch.remove(d)  # nothing decodes: the budget's 40 again
+    out = sch.schedule()
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("p1", 26), ("p2", 10)]
+    sch.update_after_step(out)
+    p1.output_ids.append(9)
+    p1.pending_final = True  # prefill-only: its first token ends it, it does not decode
+    p3 = seq("p3", list(range(300, 340)))
+    sch.add(p3)
+    out = sch.schedule()
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("p3", 40)]

@@ -119,3 +119,28 @@ def test_output_processor_streams_text_and_stop_strings(source):
     assert finished is not None and finished.stopped_by_string
     assert text == " Héllo wörld 日本語, "
     assert proc.process("a", [5], False, None) is None  # later tokens are dropped
+
+
+def test_a_decode_worker_that_pulls_kv_chunks_its_own_prompts_beside_decodes(make_engine, source):
+    """Once a decode worker pulls KV (``pulls_kv``), the prompts it computes itself (the router's fallbacks) take
+    at most DISAGG_PROMPT_TOKENS_BESIDE_DECODES tokens a step while it decodes; a configured cap wins."""
+    from common.engine import DISAGG_PROMPT_TOKENS_BESIDE_DECODES as CAP
+
+    dec = make_engine(dtype="float32", max_num_batched_tokens=2048)
+    assert dec.scheduler.prompt_tokens_beside_decodes is None and not dec.block_manager.find_runs
+    dec.pulls_kv()
+    assert dec.scheduler.prompt_tokens_beside_decodes == CAP and dec.block_manager.find_runs
+    dec.add_request("short", prompt_ids(source.tokenizer)[0], P)
+    dec.step()
+    dec.step()  # "short" decodes now
+    long_prompt = [(7 * i) % 40_000 + 100 for i in range(CAP + 300)]
+    dec.add_request("long", long_prompt, P)
+    dec.step()
+    assert dec._seqs["long"].num_computed_tokens == CAP  # the cap, not the step budget's 2,048
+    dec.abort("short")
+    dec.abort("long")
+    while dec.has_unfinished():
+        dec.step()
+    mine = make_engine(dtype="float32", prompt_tokens_beside_decodes=64)
+    mine.pulls_kv()
+    assert mine.scheduler.prompt_tokens_beside_decodes == 64

@@ -103,7 +103,7 @@ class KvPulls:
               tenancy: Tenancy, lease: Lease) -> None:
         """Add the prefilled request and start its pull; the lease is the pull's from here. With no claim
         (``lease.deadline`` None) the prompt is recomputed here."""
-        engine.block_manager.find_runs = True  # blocks pulled from now on go in as few runs as the pool allows
+        engine.pulls_kv()
         meta = req.meta
         first_lp = None
         if req.HasField("first_logprob"):
