@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 # a decode worker's own prompts beside its decoding sequences, in a disaggregated layout (LLMEngine.pulls_kv;
 # docs/benchmarks.md, "GPU: prefill and decode on two GPUs")
-DISAGG_PROMPT_TOKENS_BESIDE_DECODES = 512
+DISAGG_PROMPT_TOKENS_BESIDE_DECODES = 1024
 
 
 class RequestError(ValueError):
