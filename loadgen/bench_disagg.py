@@ -235,6 +235,9 @@ def build_table(doc: dict[str, Any]) -> str:
         n = lay.get("nixl")
         if n and n["Bps"]:
             lines.append(f"{name}, over all runs: {_nixl_line(n)}")
+            by = lay.get("nixl_by_workload") or {}
+            if len(by) > 1:
+                lines += [f"{name}, {w} runs: {_nixl_line(m)}" for w, m in by.items() if m["Bps"]]
     return "\n".join(lines)
 
 
@@ -374,10 +377,18 @@ async def layout_runs(a: argparse.Namespace, layout: Layout, cluster: dict[str, 
 
 
 def _layout_nixl(doc: dict[str, Any]) -> None:
+    """Each layout's NIXL figures over all its runs (``nixl``) and over each workload's (``nixl_by_workload``): a
+    READ's fixed costs weigh on short prompts' KV far more than on long ones'."""
     peer = (doc.get("peer_copy") or {}).get("Bps")
+
+    def total(rs: list[dict[str, Any]]) -> dict[str, float | None]:
+        return _nixl_of({k: sum(r["nixl"].get(k, 0.0) for r in rs) for k in NIXL_METRICS}, peer)
+
     for name, lay in doc["layouts"].items():
         rs = [r for r in doc["runs"] if r["layout"] == name]
-        lay["nixl"] = _nixl_of({k: sum(r["nixl"].get(k, 0.0) for r in rs) for k in NIXL_METRICS}, peer)
+        lay["nixl"] = total(rs)
+        lay["nixl_by_workload"] = {w: total([r for r in rs if r["workload"] == w])
+                                   for w in dict.fromkeys(r["workload"] for r in rs)}
 
 
 def _csv(text: str, what: str) -> list[str]:

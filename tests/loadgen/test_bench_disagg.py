@@ -96,7 +96,11 @@ def test_comparison_marks_the_higher_goodput_and_the_itl_ratio():
     assert cmp[1]["itl_p99_1p1d_vs_2agg"] == approx(2.0)  # 3.97 is within 1 % of 4.00: a tie
     doc = {"slo": {"ttft_ms": 500.0, "tpot_ms": 50.0}, "runs": rows, "comparisons": cmp,
            "peer_copy": {"src": "cuda:0", "dst": "cuda:1", "bytes": 2 << 30, "iters": 10, "Bps": 5e10},
-           "layouts": {"1p1d": {"nixl": nixl_figures(8e9, 0.32, 5e10, reads=16, descriptors=40, post_seconds=0.004)},
+           "layouts": {"1p1d": {"nixl": nixl_figures(8e9, 0.32, 5e10, reads=16, descriptors=40, post_seconds=0.004),
+                                "nixl_by_workload": {
+                                    "long": nixl_figures(6e9, 0.2, 5e10, reads=6, descriptors=6, post_seconds=0.001),
+                                    "short": nixl_figures(2e9, 0.12, 5e10, reads=10, descriptors=34,
+                                                          post_seconds=0.003)}},
                        "2agg": {"nixl": {"bytes": 0.0, "seconds": 0.0, "Bps": None, "vs_peer_copy": None}}}}
     table = build_table(doc)
     assert "| long | 2 | 1p1d | **1.50** | 50 % | yes | no | 1.0 / 2.0 / 30.0 |" in table
@@ -107,6 +111,8 @@ def test_comparison_marks_the_higher_goodput_and_the_itl_ratio():
     assert "peer copy cuda:0 → cuda:1: 50.0 GB/s (2.00 GiB, median of 10, bytes counted once)" in table
     assert ("1p1d, over all runs: NIXL 25.00 GB/s (0.50× the peer copy), 8.00 GB in 0.320 s busy; 16 READs, "
             "20.00 ms each with 2.5 descriptors, 0.25 ms of it posting") in table
+    assert "1p1d, long runs: NIXL 30.00 GB/s (0.60× the peer copy)" in table
+    assert "1p1d, short runs: NIXL 16.67 GB/s (0.33× the peer copy)" in table
 
 
 def test_refuses_without_two_gpus(monkeypatch, capsys):
@@ -147,6 +153,7 @@ def test_both_layouts_end_to_end_on_the_cpu(tmp_path, capsys):
     assert one_p["placements"]["remote"] >= 1 and 0 < one_p["remote_prefill_share"] <= 1
     assert one_p["nixl"]["bytes"] > 0 and one_p["nixl"]["Bps"] > 0 and one_p["nixl"]["vs_peer_copy"] > 0
     assert res["layouts"]["1p1d"]["nixl"]["bytes"] == one_p["nixl"]["bytes"]
+    assert res["layouts"]["1p1d"]["nixl_by_workload"]["long"]["reads"] == one_p["nixl"]["reads"]
     # every remote prompt is one READ, of at least one descriptor, posted in less time than it was in flight
     assert one_p["nixl"]["reads"] == one_p["placements"]["remote"]
     assert one_p["nixl"]["descriptors_per_read"] >= 1
