@@ -172,6 +172,11 @@ class EngineConfig:
     # device) before it reads step N's tokens, so the host's work on a step's outputs, the next schedule and the
     # sampler's host side run while the GPU computes. None: on for one rank on CUDA; True: on anywhere with one rank
     async_scheduling: bool | None = None
+    # With async scheduling, a step with constrained rows (structured outputs) leaves its pick to the next step()
+    # call, which queues it once the next step is scheduled and the rows' masks are filled, before that step's
+    # forward: the fill then runs beside the forward and the host's work on the outputs. False: such a step is
+    # handed out synchronously, its masks filled beside the next schedule and forward only
+    async_constrained: bool = False
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
     # the engine runs its next step; False: inline, on the engine thread
     grammar_process: bool = True
@@ -204,6 +209,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tp_all_reduce not in ("auto", "nccl"):
             raise ValueError(f"tp_all_reduce must be 'auto' or 'nccl', got {self.tp_all_reduce!r}")
+        if self.async_constrained and self.async_scheduling is False:
+            raise ValueError("async_constrained needs async_scheduling (unset or true)")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling needs tensor_parallel_size 1: the other ranks take their input ids "
                              "from the host")

@@ -12,6 +12,9 @@ costs: a request that step N-1 finished (EOS, a stop token) still ran its row in
 request whose token ends it whatever it is (``max_tokens``) is not scheduled again. A step with a constrained
 row (structured outputs) hands its tokens out before it returns, as a synchronous engine does: the row's next
 grammar mask needs its token, and filling it beside the next schedule and forward is the overlap that step has.
+With ``engine.async_constrained`` such a step's pick waits instead: the next call schedules step N+1, then queues
+step N's pick (its masks filled meanwhile, beside step N's forward), then step N+1's forward, and reads step N's
+tokens, so the masks of step N+1's pick fill while its forward runs.
 """
 
 from __future__ import annotations
@@ -115,14 +118,17 @@ class CompletionResult:
 
 @dataclass(slots=True)
 class _InFlight:
-    """A step whose picks are queued on the device and not read yet: its sampling sequences, in row order."""
+    """A step whose picks are queued on the device and not read yet, or (``picks`` None) not queued yet: its
+    sampling sequences, in row order."""
 
     seqs: list[Sequence]
-    picks: PendingSample
+    picks: PendingSample | None
     rows: dict[int, int]  # id(seq) → its row in ``picks.tokens``
     # left on the device while the next step launches (async scheduling, no constrained row: a constrained row's
-    # next mask needs its token, so the step hands it out now and the mask fills beside the next schedule and forward)
+    # next mask needs its token, so the step hands it out now and the mask fills beside the next schedule and
+    # forward; with async_constrained the pick itself waits for the next call)
     overlap: bool
+    logits: torch.Tensor | None = None  # a pick not queued yet: its rows' logits
 
 
 class LLMEngine:
@@ -454,6 +460,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
+        if prev is not None and prev.picks is None:  # its masks filled while the host scheduled this step
+            prev = self._pick(prev)
         if out.is_empty:
             if prev is None:
                 return []
@@ -494,37 +502,65 @@ class LLMEngine:
         if not pairs:
             return None
         index = self._feed_uploads.tensor("feed", [[i for i, _ in pairs], [j for _, j in pairs]], torch.long)
+        assert prev.picks is not None  # queued by now (``step``)
         return TokenFeed(prev.picks.tokens, index)
 
     def _launch(self, sampling: list[Sequence], logits: torch.Tensor | None) -> _InFlight | None:
         """Queue the pick of each sampling sequence that is still live (one finished or aborted since it was
-        scheduled has its row dropped)."""
+        scheduled has its row dropped); with async_constrained, a step with a constrained row is only marked
+        pending here, its pick queued by the next call (``_pick``)."""
         if not sampling or logits is None:
             return None
-        live = [i for i, s in enumerate(sampling) if s.status is not SequenceStatus.FINISHED]
-        if len(live) < len(sampling):
-            if not live:
-                return None
-            logits = logits.index_select(0, self._feed_uploads.tensor("live", live, torch.long))
-            sampling = [sampling[i] for i in live]
-        eos = self.model_cfg.eos_token_ids
-        rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos, s.request_id,
-                          s.matcher) for s in sampling]
-        if logits.shape[1] > self.sample_vocab:
-            logits = logits[:, : self.sample_vocab]
-        with torch.inference_mode():
-            picks = self.sampler.launch(logits, rows)
-        overlap = self.async_scheduling and all(s.matcher is None for s in sampling)
-        if overlap:
-            for s in sampling:
+        step = self._live_rows(_InFlight(sampling, None, {}, False, logits))
+        if step is None:
+            return None
+        constrained = any(s.matcher is not None for s in step.seqs)
+        step.overlap = self.async_scheduling and (not constrained or self.cfg.async_constrained)
+        if step.overlap:
+            for s in step.seqs:
                 s.pending = 1
                 n = len(s.output_ids) + 1
                 s.pending_final = (s.request_id in self._prefill_only or n >= s.max_tokens
                                    or s.num_tokens + 1 >= self.max_model_len)
-        return _InFlight(sampling, picks, {id(s): j for j, s in enumerate(sampling)}, overlap)
+            if constrained:
+                return step
+        return self._pick(step)
+
+    def _live_rows(self, step: _InFlight) -> _InFlight | None:
+        """``step`` without the rows finished or aborted since it was scheduled (None: none left)."""
+        live = [i for i, s in enumerate(step.seqs) if s.status is not SequenceStatus.FINISHED and self._live(s)]
+        if len(live) == len(step.seqs):
+            return step
+        for i in set(range(len(step.seqs))) - set(live):
+            step.seqs[i].pending, step.seqs[i].pending_final = 0, False
+        if not live:
+            return None
+        assert step.logits is not None
+        step.logits = step.logits.index_select(0, self._feed_uploads.tensor("live", live, torch.long))
+        step.seqs = [step.seqs[i] for i in live]
+        return step
+
+    def _pick(self, step: _InFlight) -> _InFlight | None:
+        """Queue ``step``'s pick (a deferred one drops the rows finished or aborted since)."""
+        live = self._live_rows(step)
+        if live is None:
+            return None
+        step, logits = live, live.logits
+        assert logits is not None
+        eos = self.model_cfg.eos_token_ids
+        rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos, s.request_id,
+                          s.matcher) for s in step.seqs]
+        if logits.shape[1] > self.sample_vocab:
+            logits = logits[:, : self.sample_vocab]
+        with torch.inference_mode():
+            step.picks = self.sampler.launch(logits, rows)
+        step.rows = {id(s): j for j, s in enumerate(step.seqs)}
+        step.logits = None
+        return step
 
     def _resolve(self, step: _InFlight) -> list[RequestOutput]:
         """Read a step's tokens and hand them out: appended, stop checks, finished requests freed."""
+        assert step.picks is not None
         result = step.picks.result()
         sampling, toks, lps = step.seqs, result.token_ids, result.logprobs
         for s in sampling:

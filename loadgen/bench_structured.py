@@ -198,7 +198,8 @@ def _long_schema(s: dict[str, Any]) -> str:
 
 
 def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, device: str = "cpu",
-                 model: str | None = None, grammar_process: bool = False, threads: int = 0) -> dict[str, Any]:
+                 model: str | None = None, grammar_process: bool = False, threads: int = 0,
+                 async_constrained: bool = False) -> dict[str, Any]:
     import torch
 
     from common import sampler as sampler_mod
@@ -211,7 +212,8 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
 
     t0 = time.perf_counter()
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20,  # type: ignore[arg-type]
-                       grammar_process=grammar_process, grammar_threads=threads)
+                       grammar_process=grammar_process, grammar_threads=threads,
+                       async_scheduling=True if async_constrained else None, async_constrained=async_constrained)
     # a dummy (random weights at a real size) samples SmolLM2's ids under SmolLM2's tokenizer, as the grammars do
     eng = LLMEngine(load_model_source(model, "smollm2" if model and model.startswith("dummy:") else None), cfg)
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -221,7 +223,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     # short prompts: the window measures decode steps, and a prefill of 32 long prompts would cost more than it
     prompts = [tok.encode(f"JSON {names[i % 5]} records, batch {i}:") for i in range(BATCH)]
     update_s: list[float] = []
-    real_step, real_resolve, real_launch = eng.step, eng._resolve, eng._launch
+    real_step, real_resolve, real_launch, real_pick = eng.step, eng._resolve, eng._launch, eng._pick
     update = [0.0]  # this step's host work on outputs: the last step's tokens handed out, this one's pick queued
     # where a constrained step's extra time goes: the host's mask fill and the matchers' advance, per step
     parts = {"fill": 0.0, "advance": 0.0}
@@ -251,17 +253,22 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         real_flush(self)
         parts["advance"] += time.perf_counter() - t
 
-    def timed_resolve(*args: Any) -> Any:
-        t = time.perf_counter()
-        res = real_resolve(*args)
-        update[0] += time.perf_counter() - t
-        return res
+    depth = [0]
 
-    def timed_launch(*args: Any) -> Any:
-        t = time.perf_counter()
-        res = real_launch(*args)
-        update[0] += time.perf_counter() - t
-        return res
+    def timed(fn: Any) -> Any:
+        """``fn`` with its time added to the step's update, unless it runs inside another timed call (``_launch``
+        queues the pick through ``_pick``; with async_constrained ``step`` calls ``_pick`` itself)."""
+        def run(*args: Any) -> Any:
+            if depth[0]:
+                return fn(*args)
+            depth[0] += 1
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                update[0] += time.perf_counter() - t
+                depth[0] -= 1
+        return run
 
     def timed_step() -> Any:
         parts["fill"] = parts["advance"] = update[0] = 0.0
@@ -271,9 +278,10 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         advance_s.append(parts["advance"])
         return res
 
-    eng.step = timed_step  # type: ignore[method-assign, assignment]
-    eng._resolve = timed_resolve  # type: ignore[method-assign, assignment]
-    eng._launch = timed_launch  # type: ignore[method-assign, assignment]
+    eng.step = timed_step  # type: ignore[method-assign]
+    eng._resolve = timed(real_resolve)  # type: ignore[method-assign]
+    eng._launch = timed(real_launch)  # type: ignore[method-assign]
+    eng._pick = timed(real_pick)  # type: ignore[method-assign]
     sampler_mod.fill_bitmask = timed_fill  # type: ignore[assignment]
     GrammarMatcher.consume = timed_consume  # type: ignore[method-assign]
     GrammarMatcher.send = timed_send  # type: ignore[method-assign]
@@ -335,7 +343,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
                 masked += t
                 masked_u += u
     finally:
-        sampler_mod.fill_bitmask = real_fill  # type: ignore[assignment]
+        sampler_mod.fill_bitmask = real_fill
         GrammarMatcher.consume = real_consume  # type: ignore[method-assign]
         GrammarMatcher.send = real_send  # type: ignore[method-assign]
         MaskProcess.flush = real_flush  # type: ignore[method-assign]
@@ -391,7 +399,7 @@ def run(a: argparse.Namespace) -> int:
     for mode in modes:
         print(f"  masks filled {'in the grammar mask process' if mode else 'inline'}", flush=True)
         runs.append(bench_engine(dtype, a.steps, a.rounds, a.temperature, a.device, a.model, grammar_process=mode,
-                                 threads=a.grammar_threads))
+                                 threads=a.grammar_threads, async_constrained=a.async_constrained))
     print()
     print("| batch | dtype | temperature | masks filled | step ms: none constrained | all constrained | "
           "update ms (sample + stop checks): none | all | mask fill (or wait and copy) ms | advance (and send) ms | "
@@ -437,5 +445,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grammar-threads", type=int, default=0,
                    help="threads that fill a step's masks (engine.grammar_threads; default 0: llguidance's, 80%% "
                         "of the cores up to 32)")
+    p.add_argument("--async-constrained", action="store_true",
+                   help="engine.async_constrained (and async scheduling, on the CPU too): a constrained step's pick "
+                        "waits for the next step() call, its masks filling beside the forward (common/engine.py)")
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)

@@ -138,20 +138,41 @@ def test_abort_while_a_token_is_on_the_device(make_engine, prompts):
     assert out == want["r0"]["tokens"][:4]
 
 
-def test_structured_rows_equal_sync(make_engine, prompts):
+@pytest.mark.parametrize("deferred", [False, True], ids=["constrained-sync", "async-constrained"])
+def test_structured_rows_equal_sync(make_engine, prompts, deferred):
+    """Constrained rows beside unconstrained ones, greedy and sampled, masks filled inline or in the mask process;
+    ``async_constrained``: the constrained step's pick waits for the next call."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     so = StructuredOutput("json_schema", json.dumps(schema))
     for grammar_process in (False, True):
-        sync, fast = both(make_engine, grammar_process=grammar_process)
+        sync = make_engine(async_scheduling=False, dtype="float32", max_num_seqs=8, grammar_process=grammar_process)
+        fast = make_engine(async_scheduling=True, dtype="float32", max_num_seqs=8, grammar_process=grammar_process,
+                           async_constrained=deferred)
         reqs = [(f"r{i}", ids, SamplingParams(max_tokens=48, temperature=0.7 if i % 2 else 0, seed=i,
                                               structured=so if i < 4 else None))
                 for i, ids in enumerate(prompts)]
+        launched = []
+        launch = fast._launch
+
+        def spy(sampling, logits, launch=launch, launched=launched):
+            step = launch(sampling, logits)
+            launched.append(None if step is None else step.picks is None)  # True: left for the next call
+            return step
+
+        fast._launch = spy
         want, got = drive(sync, reqs), drive(fast, reqs)
         same(got, want)
+        assert any(launched) is deferred
         for rid in ("r0", "r2"):  # greedy and sampled, both constrained
             assert got[rid]["finish"] == "stop"
             assert set(json.loads(fast.tokenizer.decode(got[rid]["tokens"]))) == {"name", "age"}
+        if deferred and grammar_process:  # aborts of constrained rows whose pick waits, then a new request
+            got = drive(fast, reqs, abort_after={"r1": 2, "r2": 5})
+            assert got["r1"]["finish"] == got["r2"]["finish"] == "aborted"
+            same({k: v for k, v in got.items() if k not in ("r1", "r2")},
+                 {k: v for k, v in want.items() if k not in ("r1", "r2")})
+            assert fast.sampler.num_tracked == 0 and not fast.has_unfinished()
 
 
 def test_prefill_only_requests_lease_after_their_first_token(make_engine, prompts):
