@@ -149,8 +149,11 @@ def check_cancel_during_pull(info: dict[str, Any], prompt_ids: list[int]) -> Non
             call = frontend_pb2_grpc.FrontendStub(ch).Generate(greedy(prompt_ids, n=200))
             async for _ in call:  # the first token streams before the pull
                 break
-            assert role_metric(info, "decode", "tokenmill:kv_blocks_free") < role_metric(
-                info, "decode", "tokenmill:kv_blocks_total"), "no decode blocks held for the pull"
+            # the pull holds its blocks for HELD_S; /metrics shows them once the engine's loop iteration that
+            # admitted it has reported its counters, which may come after the first token
+            await asyncio.to_thread(
+                wait_for, lambda: role_metric(info, "decode", "tokenmill:kv_blocks_free") < role_metric(
+                    info, "decode", "tokenmill:kv_blocks_total"), HELD_S / 2, lambda: "no decode blocks held for the pull")
             call.cancel()
             return 1
 
