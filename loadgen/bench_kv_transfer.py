@@ -13,7 +13,7 @@ once) of the largest size is timed in the same run, as the ceiling.
     python -m loadgen.bench_kv_transfer                           # the defaults common/kv_transfer.py picks
     python -m loadgen.bench_kv_transfer --compare                 # UCX_TLS / error handling / progress thread
     python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1    # GPU pools (prefill's, decode's)
-    python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1 --busy-decode-gpu both   # and beside HBM copies
+    python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1 --busy none,decode,both  # and beside HBM copies
     UCX_PROTO_INFO=y python -m loadgen.bench_kv_transfer ...      # UCX prints the transport of each protocol
 
 The numbers behind the defaults are in docs/performance-notes.md.
@@ -82,7 +82,7 @@ def _pool(num_blocks: int, fill: bool, device: str, shape: str):
     return torch.randn((num_blocks, *dims), generator=g).to(device=device, dtype=getattr(torch, dtype))
 
 
-def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str) -> None:
+def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str, busy: bool = False) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -90,6 +90,7 @@ def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str)
 
     kv = _pool(num_blocks, fill=True, device=device, shape=shape)
     agent = KvTransferAgent("bench-prefill", kv, KvCompat.for_pool(kv, "smollm2", "bench"), **kw)
+    hbm = _BusyHbm(device) if busy else None  # as a prefill worker's own steps keep its GPU busy
     conn.send(agent.handshake_payload())
     notifs: list[bytes] = []
     idle_cpu = None
@@ -115,6 +116,8 @@ def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str)
             conn.send(len(notifs))
         elif cmd == "stop":
             break
+    if hbm is not None:
+        hbm.close()
     agent.close()
 
 
@@ -223,14 +226,15 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
 
 def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 15,
                poll_sleep: float = 0.0, device: str = "cpu", timeout: float = 120.0, shape: str = "smollm2",
-               pattern: str = "scattered", busy: bool = False) -> dict[str, Any]:
-    """One configuration in a fresh prefill + decode process pair; returns the decode side's measurements."""
+               pattern: str = "scattered", busy: str = "none") -> dict[str, Any]:
+    """One configuration in a fresh prefill + decode process pair; returns the decode side's measurements.
+    ``busy``: which GPUs copy memory the whole time (none, decode, prefill or both)."""
     ctx = mp.get_context("spawn")
     num_blocks = 2 * -(-max(sizes) // BLOCK) + 8
     a, b = ctx.Pipe()
     res_r, res_w = ctx.Pipe(duplex=False)
-    pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0], shape), daemon=True)
-    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, busy), daemon=True)
+    pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0], shape, busy in ("prefill", "both")), daemon=True)
+    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, busy in ("decode", "both")), daemon=True)
     pre.start()
     dec.start()
     try:
@@ -282,18 +286,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_SIZES), help="prompt lengths in tokens")
     ap.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the KV block's model shape")
     ap.add_argument("--pattern", choices=[*PATTERNS, "both"], default="both", help="block ids on both sides")
-    ap.add_argument("--busy-decode-gpu", choices=("no", "yes", "both"), default="no",
-                    help="READ while the decode GPU's memory is busy with copies (as a decode step keeps it)")
+    ap.add_argument("--busy", default="none",
+                    help="comma-separated, each a run: none, decode, prefill, both: READ while that GPU's memory is "
+                         "busy with copies of its own (as a serving worker's steps keep it)")
     args = ap.parse_args(argv)
-    if args.busy_decode_gpu != "no" and not args.device.split(",")[-1].startswith("cuda"):
-        ap.error("--busy-decode-gpu needs the decode pool on a GPU")
-    busies = {"no": (False,), "yes": (True,), "both": (False, True)}[args.busy_decode_gpu]
+    busies = [b.strip() for b in args.busy.split(",") if b.strip()]
+    if not busies or set(busies) - {"none", "decode", "prefill", "both"}:
+        ap.error(f"--busy: each of none, decode, prefill, both; got {args.busy!r}")
+    if busies != ["none"] and not all(d.startswith("cuda") for d in args.device.split(",")):
+        ap.error("--busy needs the pools on GPUs")
     names = list(CONFIGS) if args.compare else (args.config or [next(iter(CONFIGS))])
     patterns = PATTERNS if args.pattern == "both" else (args.pattern,)
     results: dict[str, dict[str, Any] | str] = {}
     for name in names:
         for pattern, busy in ((p, b) for p in patterns for b in busies):
-            key = f"{name}; {pattern}" + ("; decode GPU busy" if busy else "")
+            key = f"{name}; {pattern}" + ("" if busy == "none" else f"; busy GPU: {busy}")
             try:
                 r = run_config(CONFIGS[name], tuple(args.sizes), args.reps, args.poll_sleep_ms / 1e3, args.device,
                                shape=args.shape, pattern=pattern, busy=busy)
