@@ -141,8 +141,9 @@ class EngineConfig:
     # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit)
     batch_prefill_tokens_beside_urgent: int | None = None
     # the most prompt tokens a step takes while sequences are decoding, so a prompt lengthens their next token by a
-    # short step only. None: the step budget, except on a decode worker once it pulls KV from prefill workers
-    # (common/engine.py, LLMEngine.pulls_kv): its own prompts are those the router could not send to one
+    # short step only (with chunked prefill: an unsplittable prompt is not held back). None: the step budget, except
+    # on a decode worker once it pulls KV from prefill workers (common/engine.py, LLMEngine.pulls_kv): its own
+    # prompts are those the router could not send to one
     prompt_tokens_beside_decodes: int | None = None
     seed: int = 0
     # Ranks of Megatron-style tensor parallelism (common/tensor_parallel.py): one process each, rank r on cuda:r on

@@ -85,7 +85,8 @@ class Scheduler:
     ) -> None:
         """``batch_prefill_tokens_beside_urgent``: the most prompt tokens batch-class sequences get in a step that
         also runs an interactive or standard sequence (None: no limit). ``prompt_tokens_beside_decodes``: the most
-        prompt tokens a step takes while running sequences are decoding (None: the step budget)."""
+        prompt tokens a step takes while running sequences are decoding (None: the step budget; only with chunked
+        prefill)."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -157,7 +158,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         st = _Step(self.max_num_batched_tokens, self.batch_prefill_tokens_beside_urgent)
-        if self.prompt_tokens_beside_decodes is not None and any(_decoding(s) for s in self.running):
+        # without chunked prefill a prompt cannot be split, so a cap would hold a longer one back while anything
+        # decodes: it applies only with chunks
+        if (self.prompt_tokens_beside_decodes is not None and self.enable_chunked_prefill
+                and any(_decoding(s) for s in self.running)):
             st.prompt_left = self.prompt_tokens_beside_decodes
         # 0. an interactive or standard sequence that finds no free slot or blocks takes them from batch-class ones
         self._make_room(st)

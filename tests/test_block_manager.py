@@ -198,3 +198,18 @@ def test_prompts_beside_decoding_sequences_get_at_most_their_cap():
     sch.add(p3)
     out = sch.schedule()
     assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("p3", 40)]
+
+
+def test_without_chunked_prefill_the_cap_beside_decodes_holds_no_prompt_back():
+    """A prompt that cannot be split would wait for a step with nothing decoding, which a busy worker never has."""
+    bm = BlockManager(64, 4, "m", enable_prefix_caching=False)
+    sch = Scheduler(bm, max_num_batched_tokens=40, max_num_seqs=8, enable_chunked_prefill=False,
+                    prompt_tokens_beside_decodes=12)
+    d, p = seq("d", list(range(6))), seq("p", list(range(100, 130)))
+    sch.add(d)
+    sch.update_after_step(sch.schedule())
+    d.output_ids.append(7)
+    sch.add(p)
+    out = sch.schedule()
+    assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("p", 30)]
+    assert [i.seq.request_id for i in out.decodes] == ["d"]
