@@ -461,7 +461,9 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
         if prev is not None and prev.picks is None:  # its masks filled while the host scheduled this step
-            prev = self._pick(prev)
+            prev = self._live_rows(prev)  # rows aborted since its step() call are dropped
+            if prev is not None:
+                self._queue_pick(prev)
         if out.is_empty:
             if prev is None:
                 return []
@@ -508,7 +510,7 @@ class LLMEngine:
     def _launch(self, sampling: list[Sequence], logits: torch.Tensor | None) -> _InFlight | None:
         """Queue the pick of each sampling sequence that is still live (one finished or aborted since it was
         scheduled has its row dropped); with async_constrained, a step with a constrained row is only marked
-        pending here, its pick queued by the next call (``_pick``)."""
+        pending here, its pick queued by the next call (``step``)."""
         if not sampling or logits is None:
             return None
         step = self._live_rows(_InFlight(sampling, None, {}, False, logits))
@@ -524,15 +526,14 @@ class LLMEngine:
                                    or s.num_tokens + 1 >= self.max_model_len)
             if constrained:
                 return step
-        return self._pick(step)
+        self._queue_pick(step)
+        return step
 
     def _live_rows(self, step: _InFlight) -> _InFlight | None:
-        """``step`` without the rows finished or aborted since it was scheduled (None: none left)."""
-        live = [i for i, s in enumerate(step.seqs) if s.status is not SequenceStatus.FINISHED and self._live(s)]
+        """``step`` without the rows finished (an abort finishes one too) since it was scheduled (None: none left)."""
+        live = [i for i, s in enumerate(step.seqs) if s.status is not SequenceStatus.FINISHED]
         if len(live) == len(step.seqs):
             return step
-        for i in set(range(len(step.seqs))) - set(live):
-            step.seqs[i].pending, step.seqs[i].pending_final = 0, False
         if not live:
             return None
         assert step.logits is not None
@@ -540,12 +541,9 @@ class LLMEngine:
         step.seqs = [step.seqs[i] for i in live]
         return step
 
-    def _pick(self, step: _InFlight) -> _InFlight | None:
-        """Queue ``step``'s pick (a deferred one drops the rows finished or aborted since)."""
-        live = self._live_rows(step)
-        if live is None:
-            return None
-        step, logits = live, live.logits
+    def _queue_pick(self, step: _InFlight) -> None:
+        """Queue the pick of ``step``'s rows on the device (``step.picks``)."""
+        logits = step.logits
         assert logits is not None
         eos = self.model_cfg.eos_token_ids
         rows = [SampleRow(s.params, s.seed, len(s.output_ids), s.prompt_ids, s.output_ids, eos, s.request_id,
@@ -556,7 +554,6 @@ class LLMEngine:
             step.picks = self.sampler.launch(logits, rows)
         step.rows = {id(s): j for j, s in enumerate(step.seqs)}
         step.logits = None
-        return step
 
     def _resolve(self, step: _InFlight) -> list[RequestOutput]:
         """Read a step's tokens and hand them out: appended, stop checks, finished requests freed."""

@@ -773,7 +773,6 @@ class _StepSpec:
             0 < k <= _CANDIDATE_CAP for k in self.top_ks) else 0
 
 
-
 def _penalize(x: torch.Tensor, prm: torch.Tensor, slots: _Slots, width: int, rep: bool, freq_pres: bool) -> None:
     """The penalties, in place, from the kept tables' first ``width`` columns of each row's slot."""
     slot_t = prm[:, _SLOT].long()

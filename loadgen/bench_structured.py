@@ -223,7 +223,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     # short prompts: the window measures decode steps, and a prefill of 32 long prompts would cost more than it
     prompts = [tok.encode(f"JSON {names[i % 5]} records, batch {i}:") for i in range(BATCH)]
     update_s: list[float] = []
-    real_step, real_resolve, real_launch, real_pick = eng.step, eng._resolve, eng._launch, eng._pick
+    real_step, real_resolve, real_launch, real_queue = eng.step, eng._resolve, eng._launch, eng._queue_pick
     update = [0.0]  # this step's host work on outputs: the last step's tokens handed out, this one's pick queued
     # where a constrained step's extra time goes: the host's mask fill and the matchers' advance, per step
     parts = {"fill": 0.0, "advance": 0.0}
@@ -257,7 +257,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
 
     def timed(fn: Any) -> Any:
         """``fn`` with its time added to the step's update, unless it runs inside another timed call (``_launch``
-        queues the pick through ``_pick``; with async_constrained ``step`` calls ``_pick`` itself)."""
+        queues the pick through ``_queue_pick``; with async_constrained ``step`` calls ``_queue_pick`` itself)."""
         def run(*args: Any) -> Any:
             if depth[0]:
                 return fn(*args)
@@ -281,7 +281,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     eng.step = timed_step  # type: ignore[method-assign]
     eng._resolve = timed(real_resolve)  # type: ignore[method-assign]
     eng._launch = timed(real_launch)  # type: ignore[method-assign]
-    eng._pick = timed(real_pick)  # type: ignore[method-assign]
+    eng._queue_pick = timed(real_queue)  # type: ignore[method-assign]
     sampler_mod.fill_bitmask = timed_fill  # type: ignore[assignment]
     GrammarMatcher.consume = timed_consume  # type: ignore[method-assign]
     GrammarMatcher.send = timed_send  # type: ignore[method-assign]
