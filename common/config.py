@@ -175,9 +175,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # With async scheduling, a step with constrained rows (structured outputs) leaves its pick to the next step()
     # call, which queues it once the next step is scheduled and the rows' masks are filled, before that step's
-    # forward: the fill then runs beside the forward and the host's work on the outputs. False: such a step is
-    # handed out synchronously, its masks filled beside the next schedule and forward only
-    async_constrained: bool = False
+    # forward: the fill then runs beside the forward and the host's work on the outputs. None: wherever async
+    # scheduling is on; False: such a step is handed out synchronously, its masks filled beside the next schedule
+    # and forward only
+    async_constrained: bool | None = None
     # Structured outputs: grammar masks are filled in a process beside the engine (common/grammar_proc.py), while
     # the engine runs its next step; False: inline, on the engine thread
     grammar_process: bool = True

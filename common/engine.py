@@ -10,11 +10,12 @@ every row's outputs and matchers as a synchronous engine would, and the same tok
 step N-1's outputs; the host's work on them, and the next schedule, run while the GPU computes step N. What it
 costs: a request that step N-1 finished (EOS, a stop token) still ran its row in step N, whose pick is dropped; a
 request whose token ends it whatever it is (``max_tokens``) is not scheduled again. A step with a constrained
-row (structured outputs) hands its tokens out before it returns, as a synchronous engine does: the row's next
-grammar mask needs its token, and filling it beside the next schedule and forward is the overlap that step has.
-With ``engine.async_constrained`` such a step's pick waits instead: the next call schedules step N+1, then queues
-step N's pick (its masks filled meanwhile, beside step N's forward), then step N+1's forward, and reads step N's
-tokens, so the masks of step N+1's pick fill while its forward runs.
+row (structured outputs) cannot be picked before the row's grammar mask is filled, and that mask needs the row's
+last token, so its pick waits (``engine.async_constrained``, on with async scheduling): the next call schedules
+step N+1, then queues step N's pick (its masks filled meanwhile, beside step N's forward), then step N+1's
+forward, and reads step N's tokens, so the masks of step N+1's pick fill while its forward runs. With it off,
+such a step hands its tokens out before it returns, as a synchronous engine does, and its rows' next masks fill
+beside the next schedule and forward only.
 """
 
 from __future__ import annotations
@@ -124,9 +125,9 @@ class _InFlight:
     seqs: list[Sequence]
     picks: PendingSample | None
     rows: dict[int, int]  # id(seq) → its row in ``picks.tokens``
-    # left on the device while the next step launches (async scheduling, no constrained row: a constrained row's
-    # next mask needs its token, so the step hands it out now and the mask fills beside the next schedule and
-    # forward; with async_constrained the pick itself waits for the next call)
+    # left on the device while the next step launches (async scheduling; a step with a constrained row only with
+    # async_constrained, its pick queued by the next call; without it such a step hands its tokens out now, and
+    # their masks fill beside the next schedule and forward)
     overlap: bool
     logits: torch.Tensor | None = None  # a pick not queued yet: its rows' logits
 
@@ -509,15 +510,15 @@ class LLMEngine:
 
     def _launch(self, sampling: list[Sequence], logits: torch.Tensor | None) -> _InFlight | None:
         """Queue the pick of each sampling sequence that is still live (one finished or aborted since it was
-        scheduled has its row dropped); with async_constrained, a step with a constrained row is only marked
-        pending here, its pick queued by the next call (``step``)."""
+        scheduled has its row dropped); with async_constrained (the default with async scheduling), a step with a
+        constrained row is only marked pending here, its pick queued by the next call (``step``)."""
         if not sampling or logits is None:
             return None
         step = self._live_rows(_InFlight(sampling, None, {}, False, logits))
         if step is None:
             return None
         constrained = any(s.matcher is not None for s in step.seqs)
-        step.overlap = self.async_scheduling and (not constrained or self.cfg.async_constrained)
+        step.overlap = self.async_scheduling and (not constrained or self.cfg.async_constrained is not False)
         if step.overlap:
             for s in step.seqs:
                 s.pending = 1

@@ -20,7 +20,8 @@ bitmask first and only rows whose argmax is disallowed are picked again, by one 
 the argmax over the allowed tokens (``cpu_kernels.masked_argmax_rows``). On a GPU the packed bitmask is copied to
 the device as it is: an all-greedy batch takes one Triton kernel, each row's argmax over its allowed tokens (a row
 without a constraint over all of them); otherwise one kernel sets the constrained rows' disallowed logits to -inf
-(``common/triton_ops.py``). Rows without a constraint take no part in it.
+(``common/triton_ops.py``), as a node of the pick's CUDA graph where the step replays one (:class:`_PickGraphs`).
+Rows without a constraint keep their logits.
 
 One device→host copy per step returns the picked ids (and the asked logprobs with them). ``Sampler.launch`` queues
 the pick and that copy and returns at once (:class:`PendingSample`): the picked ids stay on the device too, where
@@ -382,6 +383,7 @@ class _GraphKey:
     any_top_p: bool
     any_min_p: bool
     top_k: int  # the full-vocabulary path's largest top-k (0: none)
+    masked: bool = False  # grammar masks applied (after the penalties), every row's from the graph's mask table
 
     @property
     def top_ks(self) -> list[int]:
@@ -393,8 +395,9 @@ class _PickGraphs:
     inverse-CDF pick and the greedy rows' argmax, about forty small kernels whose launches cost the host more than
     they cost the GPU (1.8 ms for 64 rows on an H100's host, against 0.2 ms on the GPU). One graph per
     :class:`_GraphKey`, captured the first time it is needed; rows padded to a power of two (at least 8) with
-    greedy rows. A step with logit_bias, min_tokens bans, logprobs or grammar masks runs eagerly, as does one whose
-    capture failed. Reading the whole width of the kept tables gives what the eager path's narrower read gives: a
+    greedy rows. A step with grammar masks copies them into the graph's mask table: a constrained row's mask, and
+    every other row's allowing all tokens (a kernel that writes -inf where a bit is 0 leaves such a row as it is).
+    A step with logit_bias, min_tokens bans or logprobs runs eagerly, as does one whose capture failed. Reading the whole width of the kept tables gives what the eager path's narrower read gives: a
     row's columns past its own repeat its first token with count 0, and penalizing a token twice writes the same
     value."""
 
@@ -406,21 +409,26 @@ class _PickGraphs:
         self.x: torch.Tensor | None = None  # [rows, vocab] float32: the logits a replay reads
         self.prm: torch.Tensor | None = None  # [rows, columns]: the parameter table a replay reads
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the kept tables the graphs read
+        self.masks: torch.Tensor | None = None  # [rows, words] int32: a masked replay's grammar masks
+        self.mask_rows: torch.Tensor | None = None  # [rows] int64: the row of the logits each mask applies to
         self.captures = 0
         self.replays = 0
 
-    def key(self, spec: _StepSpec, n: int) -> _GraphKey | None:
+    def key(self, spec: _StepSpec, n: int, masked: bool = False) -> _GraphKey | None:
         if spec.bias or spec.bans or spec.lp_rows or n > _GRAPH_MAX_ROWS:
             return None
         full_k = 0 if spec.candidates or not any(spec.top_ks) else max(spec.top_ks)
         return _GraphKey(max(8, 1 << (n - 1).bit_length()), self.sampler._slots.ids.shape[1] if spec.count_rows else 0,
                          spec.any_rep, spec.any_freq_pres, spec.any_greedy, spec.any_sampled, spec.candidates,
-                         spec.any_top_p, spec.any_min_p, full_k)
+                         spec.any_top_p, spec.any_min_p, full_k, masked)
 
-    def run(self, logits: torch.Tensor, spec: _StepSpec) -> torch.Tensor | None:
-        """The picks of ``logits``' rows ([n] int64, a copy), or None where this step runs eagerly."""
+    def run(self, logits: torch.Tensor, spec: _StepSpec, constrained: list[SampleRow] | None = None
+            ) -> torch.Tensor | None:
+        """The picks of ``logits``' rows ([n] int64, a copy), or None where this step runs eagerly.
+        ``constrained``: the step's rows when some are constrained (their masks are filled here, once the step is
+        known to replay)."""
         n = logits.shape[0]
-        key = self.key(spec, n)
+        key = self.key(spec, n, constrained is not None)
         if key is None or key in self.failed:
             return None
         slots = self.sampler._slots
@@ -436,6 +444,8 @@ class _PickGraphs:
         self._load(logits, key.rows)
         self.sampler._uploads.copy_into("graph_params", spec.table + [_PAD_ROW] * (key.rows - n),
                                         self.prm[: key.rows])
+        if constrained is not None:
+            self._load_masks(constrained, key.rows)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key)
@@ -446,6 +456,23 @@ class _PickGraphs:
         graph.replay()
         self.replays += 1
         return out[:n].clone()
+
+    def _load_masks(self, rows: list[SampleRow], padded: int) -> None:
+        """The step's grammar masks into the mask table: the constrained rows' first, then rows that allow every
+        token, up to ``padded`` (each applied to row 0, where it changes nothing)."""
+        filled = self.sampler._fill(rows, padded)
+        assert filled is not None
+        idx, host = filled
+        m = len(idx)
+        if self.masks is None or self.masks.shape[0] < padded:
+            self.graphs = {k: g for k, g in self.graphs.items() if not k.masked}  # they read the old table
+            cap = max(padded, 64)
+            self.masks = torch.empty(cap, host.shape[1], dtype=torch.int32, device=self.sampler._ws.device)
+            self.mask_rows = torch.zeros(cap, dtype=torch.int64, device=self.sampler._ws.device)
+        assert self.mask_rows is not None
+        host[m:padded].fill_(-1)
+        self.sampler._to_device(host[:padded], self.masks.device, out=self.masks[:padded])
+        self.sampler._uploads.copy_into("graph_mask_rows", idx + [0] * (padded - m), self.mask_rows[:padded])
 
     def _load(self, logits: torch.Tensor, rows: int) -> None:
         """The replay's logits: ``logits``, then zero rows up to ``rows``."""
@@ -460,6 +487,9 @@ class _PickGraphs:
         x, prm = self.x[: key.rows], self.prm[: key.rows]
         if key.width:
             _penalize(x, prm, self.sampler._slots, key.width, key.any_rep, key.any_freq_pres)
+        if key.masked:
+            assert self.masks is not None and self.mask_rows is not None
+            _mask_kernels(x.device).apply_token_bitmask_(x, self.masks[: key.rows], self.mask_rows[: key.rows])
         tok: torch.Tensor | None = x.argmax(dim=-1) if key.any_greedy else None
         if key.any_sampled:
             picked = _pick(x, prm, key, _Fresh(x.device))
@@ -553,8 +583,8 @@ class Sampler:
             return PendingSample(torch.tensor(toks, dtype=torch.long),
                                  result=SampleResult(toks, [None] * logits.shape[0]))
         spec = self._spec(logits, rows)
-        if self._graphs is not None and not constrained:
-            picked = self._graphs.run(logits, spec)
+        if self._graphs is not None and (ops is not None or not constrained):
+            picked = self._graphs.run(logits, spec, rows if constrained else None)
             if picked is not None:
                 for slot in spec.temp_slots:
                     self._slots.drop(slot)
@@ -630,24 +660,24 @@ class Sampler:
                 x.index_add_(0, self._uploads.tensor("grammar_rows", idx, torch.long), bias)
         return x, prm
 
-    def _fill(self, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor] | None:
+    def _fill(self, rows: list[SampleRow], capacity: int = 0) -> tuple[list[int], torch.Tensor] | None:
         """The constrained rows' indices and their allowed tokens as one host bitmask [M, words] (int32, bit
         ``t % 32`` of word ``t // 32`` set when token t is allowed); None without any. The matchers write it in
-        parallel, without the GIL."""
+        parallel, without the GIL. The buffer behind it has at least ``capacity`` rows."""
         grammars = [(r.grammar, i) for i, r in enumerate(rows) if r.grammar is not None]
         if not grammars:
             return None
         words = (self.vocab_size + 31) // 32
         m = len(grammars)
         host = self._bitmask
-        if host is None or host.shape[0] < m:
-            host = torch.empty(max(m, 8), words, dtype=torch.int32,
+        if host is None or host.shape[0] < max(m, capacity):
+            host = torch.empty(max(m, capacity, 8), words, dtype=torch.int32,
                                pin_memory=self._ws.device.type == "cuda")
             self._bitmask = host
         elif self._bitmask_read is not None:
             self._bitmask_read.synchronize()  # the last copy out of it (over already when a fetch followed it)
         fill_bitmask([(g, j) for j, (g, _) in enumerate(grammars)], host[:m].numpy())
-        return [i for _, i in grammars], host[:m]
+        return [i for _, i in grammars], host[: max(m, capacity)] if capacity else host[:m]
 
     def _masked_argmax(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int]:
         """The argmax of ``logits[rows]`` over their masks' allowed tokens: one pass of the C++ kernel on the CPU
@@ -672,9 +702,13 @@ class Sampler:
         byte_ids = self._to_device(bitmask, dev).view(torch.uint8).view(-1).long()
         return lut.index_select(0, byte_ids).view(m, -1)[:, : self.vocab_size]
 
-    def _to_device(self, bitmask: torch.Tensor, dev: torch.device) -> torch.Tensor:
-        """The host bitmask on ``dev``, queued from the pinned buffer (the next fill waits until it is read)."""
-        out = bitmask.to(dev, non_blocking=True)
+    def _to_device(self, bitmask: torch.Tensor, dev: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The host bitmask on ``dev`` (into ``out`` if given), queued from the pinned buffer (the next fill waits
+        until it is read)."""
+        if out is None:
+            out = bitmask.to(dev, non_blocking=True)
+        else:
+            out.copy_(bitmask, non_blocking=True)
         if bitmask.is_pinned():
             if self._bitmask_read is None:
                 self._bitmask_read = torch.cuda.Event()

@@ -199,7 +199,7 @@ def _long_schema(s: dict[str, Any]) -> str:
 
 def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, device: str = "cpu",
                  model: str | None = None, grammar_process: bool = False, threads: int = 0,
-                 async_constrained: bool = False) -> dict[str, Any]:
+                 constrained_pick: str = "default") -> dict[str, Any]:
     import torch
 
     from common import sampler as sampler_mod
@@ -213,9 +213,11 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     t0 = time.perf_counter()
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20,  # type: ignore[arg-type]
                        grammar_process=grammar_process, grammar_threads=threads,
-                       async_scheduling=True if async_constrained else None, async_constrained=async_constrained)
+                       async_scheduling=True if constrained_pick == "deferred" else None,
+                       async_constrained={"default": None, "deferred": True, "sync": False}[constrained_pick])
     # a dummy (random weights at a real size) samples SmolLM2's ids under SmolLM2's tokenizer, as the grammars do
     eng = LLMEngine(load_model_source(model, "smollm2" if model and model.startswith("dummy:") else None), cfg)
+    deferred = eng.async_scheduling and cfg.async_constrained is not False
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     tok = eng.tokenizer
     assert tok is not None
@@ -354,6 +356,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     eng.close()
     return {"model": model or "SmolLM2-135M-Instruct", "dtype": dtype, "temperature": temperature, "batch": BATCH,
             "fill": "process" if masks is not None else "inline", "steps": len(plain),
+            "async_scheduling": eng.async_scheduling, "pick": "deferred" if deferred else "sync",
             "step_ms_plain": med(plain) * 1e3,
             "step_ms_constrained": med(masked) * 1e3, "update_ms_plain": med(plain_u) * 1e3,
             "update_ms_constrained": med(masked_u) * 1e3, "overhead": extra / med(plain),
@@ -399,17 +402,18 @@ def run(a: argparse.Namespace) -> int:
     for mode in modes:
         print(f"  masks filled {'in the grammar mask process' if mode else 'inline'}", flush=True)
         runs.append(bench_engine(dtype, a.steps, a.rounds, a.temperature, a.device, a.model, grammar_process=mode,
-                                 threads=a.grammar_threads, async_constrained=a.async_constrained))
+                                 threads=a.grammar_threads, constrained_pick=a.constrained_pick))
     print()
-    print("| batch | dtype | temperature | masks filled | step ms: none constrained | all constrained | "
+    print("| batch | dtype | temperature | masks filled | pick | step ms: none constrained | all constrained | "
           "update ms (sample + stop checks): none | all | mask fill (or wait and copy) ms | advance (and send) ms | "
           "process: read after sending ms | its fill ms p50 / p90 | constrained cost | target | "
           "step ratio, end to end |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in runs:
         child = (f"{e['child_read_ms']:.3f} | {e['child_fill_ms']:.3f} / {e['child_fill_p90_ms']:.3f}"
                  if e.get("child_read_ms") is not None else "- | -")
-        print(f"| {e['batch']} | {e['dtype']} | {e['temperature']:g} | {e['fill']} | {e['step_ms_plain']:.1f} | "
+        print(f"| {e['batch']} | {e['dtype']} | {e['temperature']:g} | {e['fill']} | {e['pick']} | "
+              f"{e['step_ms_plain']:.1f} | "
               f"{e['step_ms_constrained']:.1f} | {e['update_ms_plain']:.2f} | {e['update_ms_constrained']:.2f} | "
               f"{e['fill_ms']:.3f} | {e['advance_ms']:.3f} | {child} | {e['overhead'] * 100:.1f}% | "
               f"< {TARGET_OVERHEAD * 100:.0f}% | {e['end_to_end'] * 100:+.1f}% |")
@@ -445,8 +449,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grammar-threads", type=int, default=0,
                    help="threads that fill a step's masks (engine.grammar_threads; default 0: llguidance's, 80%% "
                         "of the cores up to 32)")
-    p.add_argument("--async-constrained", action="store_true",
-                   help="engine.async_constrained (and async scheduling, on the CPU too): a constrained step's pick "
-                        "waits for the next step() call, its masks filling beside the forward (common/engine.py)")
+    p.add_argument("--constrained-pick", choices=["default", "deferred", "sync"], default="default",
+                   help="a constrained step's pick: deferred to the next step() call, its masks filling beside the "
+                        "forward (engine.async_constrained, with async scheduling, on the CPU too), sync (handed out "
+                        "before the step returns), or the engine's default (deferred wherever async scheduling is "
+                        "on: one GPU)")
     p.add_argument("--output", help="write the results as JSON here")
     p.set_defaults(func=run)

@@ -148,7 +148,7 @@ def test_structured_rows_equal_sync(make_engine, prompts, deferred):
     for grammar_process in (False, True):
         sync = make_engine(async_scheduling=False, dtype="float32", max_num_seqs=8, grammar_process=grammar_process)
         fast = make_engine(async_scheduling=True, dtype="float32", max_num_seqs=8, grammar_process=grammar_process,
-                           async_constrained=deferred)
+                           async_constrained=None if deferred else False)  # None: the default, deferred
         reqs = [(f"r{i}", ids, SamplingParams(max_tokens=48, temperature=0.7 if i % 2 else 0, seed=i,
                                               structured=so if i < 4 else None))
                 for i, ids in enumerate(prompts)]

@@ -102,6 +102,45 @@ def test_masked_sampling_draws_only_allowed_tokens_over_many_seeds(compiler):
     assert len(picks) > 1  # it samples among them, not one fixed token
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_constrained_picks_replayed_as_cuda_graphs_equal_eager_picks(compiler):
+    """A sampled step with constrained rows replays the pick's CUDA graph with the masks in its table, and gives
+    the eager pick's tokens, step after step, every constrained pick allowed; rows without a constraint beside
+    them, and a batch that shrinks (padded to 8 rows all along)."""
+    graphs, eager = Sampler(V, "cuda", max_rows=8), Sampler(V, "cuda", max_rows=8, cuda_graphs=False)
+    constraints = [PERSON_SO, StructuredOutput("regex", r"[0-9]{2,40}"), StructuredOutput("json_object")]
+    kinds = [dict(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1), dict(temperature=0.0),
+             dict(temperature=0.8, min_p=0.05, presence_penalty=0.3)]
+    rows: dict[str, list[SampleRow]] = {}
+    for i in range(5):
+        p = SamplingParams(seed=i, **kinds[i % 3])
+        rows[f"r{i}"] = [SampleRow(p, i, 0, [1, 5, 9], [], EOS, key=f"r{i}",
+                                   grammar=compiler.matcher(constraints[i]) if i < 3 else None) for _ in range(2)]
+    def leave(k: str) -> None:
+        graphs.release(k)
+        eager.release(k)
+        del rows[k]
+
+    for step in range(12):
+        if step == 6:  # a smaller batch: an unconstrained row leaves
+            leave("r4")
+        logits = (torch.randn(len(rows), V, generator=torch.Generator().manual_seed(step)) * 4).cuda()
+        a = graphs.sample(logits, [g for g, _ in rows.values()]).token_ids
+        b = eager.sample(logits, [e for _, e in rows.values()]).token_ids
+        assert a == b, f"step {step}"
+        for (g, e), t in zip(rows.values(), a):
+            for r in (g, e):
+                if r.grammar is not None:
+                    assert r.grammar.accept(t), f"step {step}: {t} is not allowed"
+                r.output_ids.append(t)
+                r.position += 1
+        for k in [k for k, (g, _) in rows.items() if g.grammar is not None and g.grammar.terminated]:
+            leave(k)  # its grammar is complete: the engine would end the sequence here
+    pg = graphs._graphs
+    assert pg is not None and pg.replays >= 12 and any(k.masked for k in pg.graphs), pg.graphs.keys()
+
+
 def test_compiled_grammars_are_cached_by_constraint(compiler):
     before = compiler.misses
     a = compiler.compile(StructuredOutput("regex", "[a-c]+x"))

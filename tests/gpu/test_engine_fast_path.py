@@ -162,8 +162,9 @@ def test_async_scheduling_equals_sync(source, graphs_engine, gpu_prompts):
 def test_constrained_rows_take_their_masks_from_the_mask_process(source, graphs_engine, gpu_prompts):
     """By default the grammar masks come from the process beside the engine (common/grammar_proc.py): 32 constrained
     rows, greedy and seeded, give the tokens of an engine that fills them inline, and every mask after the child
-    is ready came from it. With ``engine.async_constrained`` (a constrained step's pick left to the next call, its
-    masks filling beside the forward) the tokens are the same."""
+    is ready came from it. Both pick a constrained step in the next call (``engine.async_constrained``, the default
+    with async scheduling: the masks fill beside the forward); an engine that picks it before the step returns
+    gives the same tokens."""
     import json
 
     from common.sampling import StructuredOutput
@@ -187,13 +188,13 @@ def test_constrained_rows_take_their_masks_from_the_mask_process(source, graphs_
     want = [r.token_ids for r in inline.generate(prompts, params)]
     bad = {i: first_diff(g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w}
     assert not bad, f"masks from the process give other tokens than inline masks (row: first diff): {bad}"
-    deferred = _engine(source, model=model, async_constrained=True)
-    assert deferred.async_scheduling and deferred.grammars.masks.wait_ready()
-    got = [r.token_ids for r in deferred.generate(prompts, params)]
+    sync = _engine(source, model=model, async_constrained=False)
+    assert sync.async_scheduling and sync.grammars.masks.wait_ready()
+    got = [r.token_ids for r in sync.generate(prompts, params)]
     bad = {i: first_diff(g, w) for i, (g, w) in enumerate(zip(got, want)) if g != w}
-    assert not bad, f"async_constrained gives other tokens than the synchronous pick (row: first diff): {bad}"
-    for eng in (mirrored, inline, deferred):
+    assert not bad, f"the synchronous pick gives other tokens than the deferred one (row: first diff): {bad}"
+    for eng in (mirrored, inline, sync):
         _assert_no_leak(eng)
         eng.close()
-    del mirrored, inline, deferred
+    del mirrored, inline, sync
     release_cuda()

@@ -1,0 +1,17 @@
+"""`tokenmill bench structured`'s engine section on the CPU: both ways of picking a constrained step run, their
+rows say which ran, and every constrained row's mask came from the mask process."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadgen.bench_structured import bench_engine
+
+
+@pytest.mark.parametrize("pick", ["deferred", "sync"])
+def test_the_constrained_step_is_timed_each_way(pick):
+    r = bench_engine("float32", steps=2, rounds=1, temperature=1.0, grammar_process=True, constrained_pick=pick)
+    assert r["pick"] == pick and r["async_scheduling"] is (pick == "deferred")
+    assert r["fill"] == "process" and r["steps"] == 2 and r["batch"] == 32
+    assert r["step_ms_plain"] > 0 and r["step_ms_constrained"] > 0 and r["update_ms_constrained"] > 0
+    assert r["child_fill_ms"] is not None and r["child_fill_ms"] > 0
