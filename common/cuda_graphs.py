@@ -305,6 +305,12 @@ class CudaGraphDecoder:
         order (the prompts that end this step, then the decodes): a view of the graph's output, valid until the
         next replay; None when no row samples. ``send``: hands the staged rows to the other ranks first. ``feed``:
         decodes whose input id is on the device, written into the staged ids before the replay."""
+        return self.replay_staged(self.stage(decodes, send, prefills), feed)
+
+    def stage(self, decodes: Sequence[ScheduledSeq], send: Callable[[np.ndarray], None] | None = None,
+              prefills: Sequence[ScheduledSeq] = ()) -> tuple[int, int, bool]:
+        """The host's part of :meth:`run`: the rows written into the pinned staging buffer (and sent to the other
+        ranks). Returns what :meth:`replay_staged` takes; nothing is queued on the device."""
         b = len(decodes) + sum(p.num_tokens for p in prefills)
         padded = padded_size(self.sizes, b)
         assert padded is not None
@@ -312,8 +318,13 @@ class CudaGraphDecoder:
         n = self.staging.fill(decodes, padded, prefills)
         if send is not None:
             send(self.staging.rows(padded))
+        return padded, n, bool(prefills)
+
+    def replay_staged(self, staged: tuple[int, int, bool], feed: TokenFeed | None = None) -> torch.Tensor | None:
+        """The device's part of :meth:`run`, for rows :meth:`stage` wrote: the copy up, the feed, the replay."""
+        padded, n, prompts = staged
         logits = self._replay(padded, n, feed)
-        if prefills:
+        if prompts:
             self.prompt_replays += 1
         k = self.staging.num_sampled
         return logits[:k] if k else None

@@ -12,8 +12,9 @@ costs: a request that step N-1 finished (EOS, a stop token) still ran its row in
 request whose token ends it whatever it is (``max_tokens``) is not scheduled again. A step with a constrained
 row (structured outputs) cannot be picked before the row's grammar mask is filled, and that mask needs the row's
 last token, so its pick waits (``engine.async_constrained``, on with async scheduling): the next call schedules
-step N+1, then queues step N's pick (its masks filled meanwhile, beside step N's forward), then step N+1's
-forward, and reads step N's tokens, so the masks of step N+1's pick fill while its forward runs. With it off,
+step N+1 and stages its inputs, then queues step N's pick (its masks filled meanwhile, beside step N's forward),
+then launches step N+1's forward and reads step N's tokens, so the masks of step N+1's pick fill while its
+forward runs and while the host hands out step N's tokens, schedules step N+2 and stages it. With it off,
 such a step hands its tokens out before it returns, as a synchronous engine does, and its rows' next masks fill
 beside the next schedule and forward only.
 """
@@ -461,13 +462,15 @@ class LLMEngine:
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
-        if prev is not None and prev.picks is None:  # its masks filled while the host scheduled this step
+        deferred = prev is not None and prev.picks is None  # its masks fill while the host schedules this step
+        if deferred:
+            assert prev is not None
             prev = self._live_rows(prev)  # rows aborted since its step() call are dropped
-            if prev is not None:
-                self._queue_pick(prev)
         if out.is_empty:
             if prev is None:
                 return []
+            if deferred:
+                self._queue_pick(prev)
             outputs = self._resolve(prev)
             self.step_seconds += time.perf_counter() - t0
             return outputs
@@ -482,7 +485,12 @@ class LLMEngine:
                 if self.track_latencies:
                     self._queue_times.append(now - seq.arrival)
         sampling = [it.seq for it in (*out.prefills, *out.decodes) if it.samples]
-        logits = self.runner.execute(out, self._feed(out, prev))
+        staged = None
+        if deferred and prev is not None:
+            # this step's rows staged first, so the masks have that long too; then the pick, then the launch
+            staged = self.runner.stage(out)
+            self._queue_pick(prev)
+        logits = self.runner.execute(out, self._feed(out, prev), staged)
         self.num_steps += 1
         outputs = self._resolve(prev) if prev is not None else []
         self.scheduler.update_after_step(out)

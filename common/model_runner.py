@@ -380,13 +380,26 @@ class ModelRunner:
         return self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), meta, cache)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, feed: TokenFeed | None = None) -> torch.Tensor | None:
+    def stage(self, out: SchedulerOutput) -> tuple[int, int, bool] | None:
+        """The host's part of a step that replays a CUDA graph (its rows staged), for :meth:`execute` to launch
+        later: the engine stages a step before it waits for a deferred pick's masks. None where the step does not
+        replay a graph (``execute`` then does everything)."""
+        if self.cfg.noop_model or self.graphs is None or not self.graphs.can_run(out.decodes, out.prefills):
+            return None
+        return self.graphs.stage(out.decodes, self._send_graph_rows if self.shard.size > 1 else None, out.prefills)
+
+    def execute(self, out: SchedulerOutput, feed: TokenFeed | None = None,
+                staged: tuple[int, int, bool] | None = None) -> torch.Tensor | None:
         """Run the step; return logits ``[num_sampling_rows, vocab]`` (or None): float32 on the device with the CUDA
         fast path (the sampler then runs there); on the CPU, in the model's dtype (the sampler converts as needed).
         A decode step, or one whose prompt chunks are short (``engine.cuda_graph_prefill_tokens``), replays a CUDA
         graph. In a tensor-parallel group, rank 0 calls this; the others follow. ``feed``: decodes whose input id
-        is on the device (one rank only: the others would need it on the host)."""
+        is on the device (one rank only: the others would need it on the host). ``staged``: what :meth:`stage`
+        returned for ``out``."""
         assert feed is None or self.shard.size == 1, "a tensor-parallel group takes its input ids from the host"
+        if staged is not None:
+            assert self.graphs is not None
+            return self.graphs.replay_staged(staged, feed)
         if self.cfg.noop_model:
             # a one-entry vocabulary: every sampled token is id 0, and sampling costs nothing per vocab entry
             n = sum(1 for it in (*out.prefills, *out.decodes) if it.samples)
