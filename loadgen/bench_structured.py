@@ -274,16 +274,48 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
 
     def timed_step() -> Any:
         parts["fill"] = parts["advance"] = update[0] = 0.0
+        phase.clear()
         res = real_step()
         update_s.append(update[0])
         fill_s.append(parts["fill"])
         advance_s.append(parts["advance"])
         return res
 
+    # where a step's host time goes, phase by phase, and the GPU's forward (events around the launch)
+    phase: dict[str, float] = {}
+    phase_steps: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    gpu_marks: list[tuple[Any, Any]] = []
+    cuda = eng.runner.device.type == "cuda"
+    real_schedule, real_stage, real_execute = eng.scheduler.schedule, eng.runner.stage, eng.runner.execute
+    real_result = sampler_mod.PendingSample.result
+
+    def in_phase(name: str, fn: Any) -> Any:
+        def run(*args: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                phase[name] = phase.get(name, 0.0) + time.perf_counter() - t
+        return run
+
+    def execute_marked(*args: Any) -> Any:
+        if not cuda:
+            return real_execute(*args)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = real_execute(*args)
+        b.record()
+        gpu_marks.append((a, b))
+        return out
+
+    eng.scheduler.schedule = in_phase("schedule", real_schedule)  # type: ignore[method-assign]
+    eng.runner.stage = in_phase("stage", real_stage)  # type: ignore[method-assign]
+    eng.runner.execute = in_phase("launch", execute_marked)  # type: ignore[method-assign]
+    sampler_mod.PendingSample.result = in_phase("wait for the device", real_result)  # type: ignore[method-assign]
     eng.step = timed_step  # type: ignore[method-assign]
-    eng._resolve = timed(real_resolve)  # type: ignore[method-assign]
+    eng._resolve = in_phase("tokens handed out", timed(real_resolve))  # type: ignore[method-assign]
     eng._launch = timed(real_launch)  # type: ignore[method-assign]
-    eng._queue_pick = timed(real_queue)  # type: ignore[method-assign]
+    eng._queue_pick = in_phase("pick queued", timed(real_queue))  # type: ignore[method-assign]
     sampler_mod.fill_bitmask = timed_fill  # type: ignore[assignment]
     GrammarMatcher.consume = timed_consume  # type: ignore[method-assign]
     GrammarMatcher.send = timed_send  # type: ignore[method-assign]
@@ -302,11 +334,21 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         advance_s.clear()
         if masks is not None:
             masks.batch_times.clear()
+        gpu_marks.clear()
         for _ in range(n):
             t = time.perf_counter()
             outs = eng.step()
             times.append(time.perf_counter() - t)
+            phase_steps[constrained].append({**phase, "step": times[-1], "mask fill (or wait and copy)": parts["fill"],
+                                             "matchers' advance and send": parts["advance"]})
             assert len(outs) == BATCH and not any(o.finished for o in outs), "a row left the batch"
+        if cuda:  # the GPU's forward, and the time from one forward's start to the next one's
+            torch.cuda.synchronize()
+            for k, (a, b) in enumerate(gpu_marks):
+                phase_steps[constrained][k - len(gpu_marks)]["GPU: forward"] = a.elapsed_time(b) / 1e3
+                if k:
+                    phase_steps[constrained][k - len(gpu_marks)]["GPU: forward start to start"] = (
+                        gpu_marks[k - 1][0].elapsed_time(a) / 1e3)
         upd = list(update_s)
         if constrained:
             masked_fill.extend(fill_s)
@@ -349,14 +391,19 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         GrammarMatcher.consume = real_consume  # type: ignore[method-assign]
         GrammarMatcher.send = real_send  # type: ignore[method-assign]
         MaskProcess.flush = real_flush  # type: ignore[method-assign]
+        sampler_mod.PendingSample.result = real_result  # type: ignore[method-assign]
     med = statistics.median
     extra = med(masked_u) - med(plain_u)  # the mask fill, its application and the matchers' advance
+    phases = {}
+    for c in (False, True):
+        rows = phase_steps[c][-len(plain):]  # the timed steps (the warm-up windows came first)
+        phases["constrained" if c else "none"] = {k: med(r.get(k, 0.0) for r in rows) * 1e3 for k in rows[0]}
     if masks is not None:
         assert masks.remote_rows and not masks.inline_rows, (masks.remote_rows, masks.inline_rows)
     eng.close()
     return {"model": model or "SmolLM2-135M-Instruct", "dtype": dtype, "temperature": temperature, "batch": BATCH,
             "fill": "process" if masks is not None else "inline", "steps": len(plain),
-            "async_scheduling": eng.async_scheduling, "pick": "deferred" if deferred else "sync",
+            "async_scheduling": eng.async_scheduling, "pick": "deferred" if deferred else "sync", "phases_ms": phases,
             "step_ms_plain": med(plain) * 1e3,
             "step_ms_constrained": med(masked) * 1e3, "update_ms_plain": med(plain_u) * 1e3,
             "update_ms_constrained": med(masked_u) * 1e3, "overhead": extra / med(plain),
@@ -417,6 +464,12 @@ def run(a: argparse.Namespace) -> int:
               f"{e['step_ms_constrained']:.1f} | {e['update_ms_plain']:.2f} | {e['update_ms_constrained']:.2f} | "
               f"{e['fill_ms']:.3f} | {e['advance_ms']:.3f} | {child} | {e['overhead'] * 100:.1f}% | "
               f"< {TARGET_OVERHEAD * 100:.0f}% | {e['end_to_end'] * 100:+.1f}% |")
+    for e in runs:
+        print(f"\nwhere a step's time goes (ms, medians; masks filled {e['fill']}, pick {e['pick']}):")
+        print("| phase | none constrained | all constrained |\n|---|---|---|")
+        none, con = e["phases_ms"]["none"], e["phases_ms"]["constrained"]
+        for k in dict.fromkeys([*none, *con]):
+            print(f"| {k} | {none.get(k, 0.0):.3f} | {con.get(k, 0.0):.3f} |")
     e = runs[-1]
     met = e["overhead"] < TARGET_OVERHEAD
     print(f"\ntarget {'met' if met else 'NOT met'} (masks filled {e['fill']}): all 32 rows constrained add "
