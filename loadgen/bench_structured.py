@@ -312,6 +312,21 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     eng.runner.stage = in_phase("stage", real_stage)  # type: ignore[method-assign]
     eng.runner.execute = in_phase("launch", execute_marked)  # type: ignore[method-assign]
     sampler_mod.PendingSample.result = in_phase("wait for the device", real_result)  # type: ignore[method-assign]
+    # inside the pick: the masks' fill (with the wait for their buffer), their copy up, the small uploads, the
+    # token readback, and the kernels' launches
+    real_sampler = {k: getattr(sampler_mod.Sampler, k) for k in ("_fill", "_to_device")}
+    real_graph_run, real_readback = sampler_mod._PickGraphs.run, sampler_mod._Readback.__call__
+    sampler_mod._PickGraphs.run = in_phase("pick: the graph's loads and replay", real_graph_run)  # type: ignore
+    sampler_mod._Readback.__call__ = in_phase("pick: readback queued", real_readback)  # type: ignore
+    real_uploads = {k: getattr(sampler_mod.PinnedUploads, k) for k in ("tensor", "copy_into")}
+    for k, fn in real_sampler.items():
+        setattr(sampler_mod.Sampler, k, in_phase(f"pick: Sampler.{k}", fn))
+    for k, fn in real_uploads.items():
+        setattr(sampler_mod.PinnedUploads, k, in_phase("pick: pinned uploads", fn))
+    ops = sampler_mod._mask_kernels(eng.runner.device)
+    real_ops = {k: getattr(ops, k) for k in ("masked_argmax", "apply_token_bitmask_")} if ops is not None else {}
+    for k, fn in real_ops.items():
+        setattr(ops, k, in_phase(f"pick: triton_ops.{k}", fn))
     eng.step = timed_step  # type: ignore[method-assign]
     eng._resolve = in_phase("tokens handed out", timed(real_resolve))  # type: ignore[method-assign]
     eng._launch = timed(real_launch)  # type: ignore[method-assign]
@@ -392,12 +407,21 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         GrammarMatcher.send = real_send  # type: ignore[method-assign]
         MaskProcess.flush = real_flush  # type: ignore[method-assign]
         sampler_mod.PendingSample.result = real_result  # type: ignore[method-assign]
+        for k, fn in real_sampler.items():
+            setattr(sampler_mod.Sampler, k, fn)
+        sampler_mod._PickGraphs.run = real_graph_run  # type: ignore[method-assign]
+        sampler_mod._Readback.__call__ = real_readback  # type: ignore[method-assign]
+        for k, fn in real_uploads.items():
+            setattr(sampler_mod.PinnedUploads, k, fn)
+        for k, fn in real_ops.items():
+            setattr(ops, k, fn)
     med = statistics.median
     extra = med(masked_u) - med(plain_u)  # the mask fill, its application and the matchers' advance
     phases = {}
     for c in (False, True):
         rows = phase_steps[c][-len(plain):]  # the timed steps (the warm-up windows came first)
-        phases["constrained" if c else "none"] = {k: med(r.get(k, 0.0) for r in rows) * 1e3 for k in rows[0]}
+        keys = dict.fromkeys(k for r in rows for k in r)
+        phases["constrained" if c else "none"] = {k: med(r.get(k, 0.0) for r in rows) * 1e3 for k in keys}
     if masks is not None:
         assert masks.remote_rows and not masks.inline_rows, (masks.remote_rows, masks.inline_rows)
     eng.close()
