@@ -409,14 +409,17 @@ class _PickGraphs:
         self.x: torch.Tensor | None = None  # [rows, vocab] float32: the logits a replay reads
         self.prm: torch.Tensor | None = None  # [rows, columns]: the parameter table a replay reads
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the kept tables the graphs read
-        self.masks: torch.Tensor | None = None  # [rows, words] int32: a masked replay's grammar masks
-        self.mask_rows: torch.Tensor | None = None  # [rows] int64: the row of the logits each mask applies to
+        # a masked replay's grammar masks, int32 [rows + 1, words]: rows masks, then the row of the logits each one
+        # applies to (the row after a replay's masks; one copy up carries both)
+        self.masks: torch.Tensor | None = None
         self.captures = 0
         self.replays = 0
 
     def key(self, spec: _StepSpec, n: int, masked: bool = False) -> _GraphKey | None:
         if spec.bias or spec.bans or spec.lp_rows or n > _GRAPH_MAX_ROWS:
             return None
+        if masked and max(8, 1 << (n - 1).bit_length()) > (self.sampler.vocab_size + 31) // 32:
+            return None  # the masks' row indices would not fit in the row after them
         full_k = 0 if spec.candidates or not any(spec.top_ks) else max(spec.top_ks)
         return _GraphKey(max(8, 1 << (n - 1).bit_length()), self.sampler._slots.ids.shape[1] if spec.count_rows else 0,
                          spec.any_rep, spec.any_freq_pres, spec.any_greedy, spec.any_sampled, spec.candidates,
@@ -459,20 +462,18 @@ class _PickGraphs:
 
     def _load_masks(self, rows: list[SampleRow], padded: int) -> None:
         """The step's grammar masks into the mask table: the constrained rows' first, then rows that allow every
-        token, up to ``padded`` (each applied to row 0, where it changes nothing)."""
-        filled = self.sampler._fill(rows, padded)
+        token, up to ``padded`` (each applied to row 0, where it changes nothing), then the rows they apply to."""
+        filled = self.sampler._fill(rows, padded, extra=1)
         assert filled is not None
         idx, host = filled
         m = len(idx)
-        if self.masks is None or self.masks.shape[0] < padded:
+        if self.masks is None or self.masks.shape[0] < padded + 1:
             self.graphs = {k: g for k, g in self.graphs.items() if not k.masked}  # they read the old table
-            cap = max(padded, 64)
-            self.masks = torch.empty(cap, host.shape[1], dtype=torch.int32, device=self.sampler._ws.device)
-            self.mask_rows = torch.zeros(cap, dtype=torch.int64, device=self.sampler._ws.device)
-        assert self.mask_rows is not None
+            self.masks = torch.empty(max(padded, 64) + 1, host.shape[1], dtype=torch.int32,
+                                     device=self.sampler._ws.device)
         host[m:padded].fill_(-1)
-        self.sampler._to_device(host[:padded], self.masks.device, out=self.masks[:padded])
-        self.sampler._uploads.copy_into("graph_mask_rows", idx + [0] * (padded - m), self.mask_rows[:padded])
+        host[padded, :padded] = torch.tensor(idx + [0] * (padded - m), dtype=torch.int32)
+        self.sampler._to_device(host[: padded + 1], self.masks.device, out=self.masks[: padded + 1])
 
     def _load(self, logits: torch.Tensor, rows: int) -> None:
         """The replay's logits: ``logits``, then zero rows up to ``rows``."""
@@ -488,8 +489,8 @@ class _PickGraphs:
         if key.width:
             _penalize(x, prm, self.sampler._slots, key.width, key.any_rep, key.any_freq_pres)
         if key.masked:
-            assert self.masks is not None and self.mask_rows is not None
-            _mask_kernels(x.device).apply_token_bitmask_(x, self.masks[: key.rows], self.mask_rows[: key.rows])
+            assert self.masks is not None
+            _mask_kernels(x.device).apply_token_bitmask_(x, self.masks[: key.rows], self.masks[key.rows, : key.rows])
         tok: torch.Tensor | None = x.argmax(dim=-1) if key.any_greedy else None
         if key.any_sampled:
             picked = _pick(x, prm, key, _Fresh(x.device))
@@ -559,14 +560,21 @@ class Sampler:
         constrained = any(r.grammar is not None for r in rows)
         ops = _mask_kernels(logits.device) if constrained else None
         if plain and ops is not None:  # on a GPU: one kernel takes each row's argmax over its allowed tokens
-            filled = self._fill(rows)
+            n = logits.shape[0]
+            filled = self._fill(rows, extra=1)
             assert filled is not None
             idx, bitmask = filled
-            mask_rows = [-1] * logits.shape[0]
+            m = len(idx)
+            mask_rows = [-1] * n
             for j, i in enumerate(idx):
                 mask_rows[i] = j
-            masks = self._to_device(bitmask, logits.device)
-            toks_t = ops.masked_argmax(logits, masks, self._uploads.tensor("mask_rows", mask_rows, torch.int32))
+            if n <= bitmask.shape[1]:  # each row's mask row goes up in the masks' copy, as the row after them
+                bitmask[m, :n] = torch.tensor(mask_rows, dtype=torch.int32)
+                up = self._to_device(bitmask[: m + 1], logits.device)
+                toks_t = ops.masked_argmax(logits, up[:m], up[m, :n])
+            else:
+                toks_t = ops.masked_argmax(logits, self._to_device(bitmask[:m], logits.device),
+                                           self._uploads.tensor("mask_rows", mask_rows, torch.int32))
             return self._tokens_only(toks_t)
         if plain and logits.device.type != "cpu" and not constrained:
             return self._tokens_only(logits.argmax(dim=-1))
@@ -660,24 +668,27 @@ class Sampler:
                 x.index_add_(0, self._uploads.tensor("grammar_rows", idx, torch.long), bias)
         return x, prm
 
-    def _fill(self, rows: list[SampleRow], capacity: int = 0) -> tuple[list[int], torch.Tensor] | None:
-        """The constrained rows' indices and their allowed tokens as one host bitmask [M, words] (int32, bit
-        ``t % 32`` of word ``t // 32`` set when token t is allowed); None without any. The matchers write it in
-        parallel, without the GIL. The buffer behind it has at least ``capacity`` rows."""
+    def _fill(self, rows: list[SampleRow], capacity: int = 0, extra: int = 0
+              ) -> tuple[list[int], torch.Tensor] | None:
+        """The constrained rows' indices and their allowed tokens as one host bitmask (int32, bit ``t % 32`` of
+        word ``t // 32`` set when token t is allowed), M rows, M the constrained rows, or ``capacity`` if larger,
+        then ``extra`` rows free for the caller; None without any. The matchers write it in parallel, without the
+        GIL."""
         grammars = [(r.grammar, i) for i, r in enumerate(rows) if r.grammar is not None]
         if not grammars:
             return None
         words = (self.vocab_size + 31) // 32
         m = len(grammars)
         host = self._bitmask
-        if host is None or host.shape[0] < max(m, capacity):
-            host = torch.empty(max(m, capacity, 8), words, dtype=torch.int32,
+        rows_needed = max(m, capacity) + extra
+        if host is None or host.shape[0] < rows_needed:
+            host = torch.empty(max(rows_needed, 8), words, dtype=torch.int32,
                                pin_memory=self._ws.device.type == "cuda")
             self._bitmask = host
         elif self._bitmask_read is not None:
             self._bitmask_read.synchronize()  # the last copy out of it (over already when a fetch followed it)
         fill_bitmask([(g, j) for j, (g, _) in enumerate(grammars)], host[:m].numpy())
-        return [i for _, i in grammars], host[: max(m, capacity)] if capacity else host[:m]
+        return [i for _, i in grammars], host[: max(m, capacity) + extra]
 
     def _masked_argmax(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int]:
         """The argmax of ``logits[rows]`` over their masks' allowed tokens: one pass of the C++ kernel on the CPU
