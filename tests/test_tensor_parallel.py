@@ -107,8 +107,8 @@ def step_logits(engine: LLMEngine, prompts: list[list[int]], steps: int) -> list
     seen: list[torch.Tensor] = []
     execute = engine.runner.execute
 
-    def spy(out, feed=None):
-        logits = execute(out, feed)
+    def spy(out, *rest):
+        logits = execute(out, *rest)
         seen.append(logits.float().clone())
         return logits
 
