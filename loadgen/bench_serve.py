@@ -137,7 +137,31 @@ def _workload(a: argparse.Namespace, seed: int) -> WorkloadConfig:
     return WorkloadConfig(dataset=a.dataset_name, input_len=inp, output_len=out, prefix_groups=a.prefix_groups,
                           prefix_len=a.prefix_len, long_input_len=parse_range(a.long_input_len),
                           sharegpt_output_len=a.sharegpt_output_len,
-                          chat=a.backend == "openai-chat", chat_length=a.chat_length, seed=seed)
+                          chat=a.backend == "openai-chat", chat_length=a.chat_length, seed=seed,
+                          structured=_constraints(a), structured_ratio=a.structured_ratio)
+
+
+def _constraints(a: argparse.Namespace) -> tuple[dict[str, Any], ...]:
+    """The output constraints ``--structured`` / ``--json-schema`` ask for (RequestSpec.structured)."""
+    if not 0.0 <= a.structured_ratio <= 1.0:
+        raise ValueError(f"--structured-ratio must be in [0, 1], got {a.structured_ratio}")
+    if a.json_schema:
+        if a.structured:
+            raise ValueError("give --structured or --json-schema, not both")
+        try:
+            schema = json.loads(Path(a.json_schema).read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--json-schema {a.json_schema}: {e}") from e
+        if not isinstance(schema, dict):
+            raise ValueError(f"--json-schema {a.json_schema}: a JSON Schema is a JSON object")
+        return ({"type": "json_schema", "name": Path(a.json_schema).stem, "schema": schema},)
+    if a.structured == "json-object":
+        return ({"type": "json_object"},)
+    if a.structured == "schemas":
+        from loadgen.bench_structured import SCHEMAS
+
+        return tuple({"type": "json_schema", "name": name, "schema": schema} for name, schema in SCHEMAS.items())
+    return ()
 
 
 async def _one_run(a: argparse.Namespace, target: Target, builder: PromptBuilder, tenants: list[Tenant],
@@ -351,6 +375,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "--request-rate the offered rate is the sum of the tenants' rates")
     w.add_argument("--seed", type=int, default=0, help="same seed, same request stream and arrival times (default 0)")
     w.add_argument("--ignore-eos", action="store_true", help="generate exactly the output length")
+    w.add_argument("--structured", choices=("schemas", "json-object"),
+                   help="constrain the outputs (response_format on HTTP, SamplingParams.structured on gRPC): "
+                        "'schemas' cycles the five JSON schemas of `tokenmill bench structured` (json_schema, "
+                        "strict), 'json-object' asks for any JSON object; every such output is checked, and the "
+                        "share that is valid is reported (give max tokens enough for a whole object)")
+    w.add_argument("--json-schema", metavar="FILE", help="constrain the outputs to this JSON Schema (as --structured)")
+    w.add_argument("--structured-ratio", type=float, default=1.0,
+                   help="the share of requests constrained (default 1); the prompts are the same either way")
     sp = p.add_argument_group("sampling", "as vllm bench serve's; an option left out is not sent (the server's "
                                           "default); HTTP sends top_k, min_p and repetition_penalty as vLLM's extra "
                                           "fields")

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from loadgen.metrics import CANCELLED, RequestRecord
-from loadgen.workloads import RequestSpec
+from loadgen.workloads import RequestSpec, structured_output_valid
 
 BACKENDS = ("grpc", "openai", "openai-chat")
 # SendOptions' sampling fields: the same names in the tokenmill.v1 proto and the OpenAI API (with vLLM's extras)
@@ -67,6 +67,12 @@ def _key(spec: RequestSpec, opts: SendOptions) -> str | None:
     return (spec.tenant.api_key if spec.tenant and spec.tenant.api_key else None) or opts.api_key
 
 
+def _check_structured(spec: RequestSpec, rec: RequestRecord) -> None:
+    """A constrained request's output checked against its constraint, once the stream has ended."""
+    if spec.structured is not None and rec.outcome == "ok" and rec.text is not None:
+        rec.structured_valid = structured_output_valid(spec.structured, rec.text)
+
+
 async def _timed(coro: Any, rec: RequestRecord, timeout: float | None) -> None:
     try:
         await asyncio.wait_for(coro, timeout) if timeout else await coro
@@ -112,6 +118,11 @@ class GrpcTarget:
 
         params = common_pb2.SamplingParams(max_tokens=spec.output_len, ignore_eos=self.opts.ignore_eos,
                                            **self.opts.sampling())
+        if spec.structured is not None:
+            c = spec.structured
+            params.structured.CopyFrom(common_pb2.StructuredOutput(json_schema=json.dumps(c["schema"]))
+                                       if c["type"] == "json_schema" else
+                                       common_pb2.StructuredOutput(json_object=True))
         klass = spec.tenant.priority_class if spec.tenant else None
         return frontend_pb2.GenerateRequest(
             model=self.model or "", prompt_token_ids=frontend_pb2.TokenIds(ids=spec.prompt_ids), params=params,
@@ -139,6 +150,8 @@ class GrpcTarget:
                     if r.token_ids or r.text:
                         rec.chunk_times.append(now)
                         rec.chunk_tokens.append(len(r.token_ids))
+                        if rec.text is not None:
+                            rec.text += r.text
                     if r.HasField("usage"):
                         rec.prompt_tokens = r.usage.prompt_tokens
                         rec.completion_tokens = r.usage.completion_tokens
@@ -152,8 +165,11 @@ class GrpcTarget:
         st = time.perf_counter()
         rec.start = st - t0
         rec.start_wall_ns = time.time_ns()
+        if spec.structured is not None:
+            rec.text = ""
         await _timed(stream(), rec, self.opts.timeout)
         rec.end = time.perf_counter() - st
+        _check_structured(spec, rec)
 
 
 class OpenAITarget:
@@ -224,6 +240,10 @@ class OpenAITarget:
             p["service_tier"] = spec.tenant.priority_class  # the gateway takes the class names as tiers too
         if self.opts.cache_salt:
             p["cache_salt"] = self.opts.cache_salt
+        if (c := spec.structured) is not None:
+            p["response_format"] = ({"type": "json_schema", "json_schema": {"name": c["name"], "schema": c["schema"],
+                                                                             "strict": True}}
+                                    if c["type"] == "json_schema" else {"type": "json_object"})
         return p
 
     async def send(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
@@ -251,8 +271,11 @@ class OpenAITarget:
         st = time.perf_counter()
         rec.start = st - t0
         rec.start_wall_ns = time.time_ns()
+        if spec.structured is not None:
+            rec.text = ""
         await _timed(stream(), rec, self.opts.timeout)
         rec.end = time.perf_counter() - st
+        _check_structured(spec, rec)
 
     def on_data(self, data: str, rec: RequestRecord, now: float) -> bool:
         """One SSE ``data`` payload received at ``now``; True at ``[DONE]`` or an error event."""
@@ -270,6 +293,8 @@ class OpenAITarget:
             if text:  # a role-only or empty first chunk carries no token
                 rec.chunk_times.append(now)
                 rec.chunk_tokens.append(1)
+                if rec.text is not None:
+                    rec.text += text
         if usage := msg.get("usage"):
             rec.prompt_tokens = usage.get("prompt_tokens")
             rec.completion_tokens = usage.get("completion_tokens")

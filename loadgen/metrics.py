@@ -52,6 +52,8 @@ class RequestRecord:
     warmup: bool = False
     request_id: str | None = None  # sent with the request (gRPC): the id of its trace's root span too
     start_wall_ns: int | None = None  # ``start`` on the wall clock (time.time_ns), to line up with server spans
+    text: str | None = None  # the output text, kept for a request with an output constraint
+    structured_valid: bool | None = None  # that text is what the constraint asked for (None: no constraint)
 
     @property
     def ok(self) -> bool:
@@ -179,6 +181,10 @@ def summarize(records: Sequence[RequestRecord], slo: Slo | None = None) -> dict[
         "itl_ms": stats([x for r in done for x in r.itls], 1000),
         "e2e_ms": stats([r.e2e for r in done if r.e2e is not None], 1000),
     }
+    checked = [r for r in done if r.structured_valid is not None]
+    if checked:
+        valid = sum(bool(r.structured_valid) for r in checked)
+        s["structured"] = {"requests": len(checked), "valid": valid, "valid_rate": valid / len(checked)}
     if slo is not None:
         good = sum(slo.met(r) for r in rs)
         s["slo"] = str(slo)

@@ -46,6 +46,9 @@ def format_run(run: dict[str, Any], backend: str, where: str) -> str:
         n = s.get("client_processes", 1)
         rows.append(("client CPU", f"{s['client_cpu_s']:.2f} s ({_f(100 * s['client_cpu_share'])} % of one core"
                                    + (f" in the busiest of {n} processes)" if n > 1 else ")")))
+    if st := s.get("structured"):
+        rows.append(("structured outputs", f"{st['valid']} of {st['requests']} valid "
+                                           f"({_f(100 * st['valid_rate'], '.1f')} %)"))
     if "goodput" in s:
         rows.append((f"goodput (SLO {s['slo']})",
                      f"{_f(s['goodput'], '.2f')} req/s, attainment {_f(100 * s['slo_attainment'], '.1f')} %"))

@@ -9,9 +9,11 @@ see the same number of input tokens.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +46,8 @@ class RequestSpec:
     output_len: int
     tenant: Tenant | None = None
     group: int | None = None  # shared-prefix group
+    # the output's constraint: {"type": "json_schema", "name": N, "schema": S} or {"type": "json_object"}; None: free
+    structured: dict[str, Any] | None = None
 
 
 class PromptBuilder:
@@ -149,6 +153,10 @@ class WorkloadConfig:
     chat: bool = False  # the prompt is a chat message (the ids are its content, no BOS)
     chat_length: str = "content"  # chat: "content": input_len counts the message; "total": after the template
     seed: int = 0
+    # output constraints (RequestSpec.structured), cycled over the constrained requests; their share of requests.
+    # Drawn from a stream of their own: the prompts are those of the same config without constraints
+    structured: tuple[dict[str, Any], ...] = ()
+    structured_ratio: float = 1.0
 
 
 DATASETS = ("random", "sharegpt", "shared-prefix", "long-prompt")
@@ -169,6 +177,8 @@ def iter_requests(cfg: WorkloadConfig, builder: PromptBuilder, tenants: Sequence
             raise ValueError("shared-prefix needs --prefix-groups >= 1 and --prefix-len >= 1")
         prefixes = [builder.ids(cfg.prefix_len, rng) for _ in range(cfg.prefix_groups)]
     weights = np.array([t.rate for t in tenants], dtype=float)
+    srng = np.random.default_rng(cfg.seed + 1)  # which requests are constrained
+    n_structured = 0
     # tokens the target adds around the words: the chat template, or the tokenizer's BOS for a plain prompt
     lead: tuple[int, ...] = () if cfg.chat else builder.prefix
     overhead = (builder.chat_overhead() if cfg.chat_length == "total" else 0) if cfg.chat else len(lead)
@@ -191,7 +201,11 @@ def iter_requests(cfg: WorkloadConfig, builder: PromptBuilder, tenants: Sequence
                                  f"({overhead} tokens)")
             words = builder.ids(n_in - overhead, rng)
         tenant = tenants[int(rng.choice(len(tenants), p=weights / weights.sum()))] if tenants else None
-        yield RequestSpec(i, (*lead, *words), builder.text(words), n_in, n_out, tenant, group)
+        structured = None
+        if cfg.structured and srng.random() < cfg.structured_ratio:
+            structured = cfg.structured[n_structured % len(cfg.structured)]
+            n_structured += 1
+        yield RequestSpec(i, (*lead, *words), builder.text(words), n_in, n_out, tenant, group, structured)
         i += 1
 
 
@@ -200,3 +214,21 @@ def build_requests(cfg: WorkloadConfig, builder: PromptBuilder, n: int, tenants:
     """The first ``n`` requests of the stream."""
     it = iter_requests(cfg, builder, tenants)
     return [next(it) for _ in range(n)]
+
+
+def structured_output_valid(constraint: dict[str, Any], text: str) -> bool:
+    """Whether ``text`` is what ``constraint`` (``RequestSpec.structured``) asked for: a JSON object for
+    ``json_object``; for ``json_schema``, JSON that validates against the schema."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    if constraint["type"] == "json_object":
+        return isinstance(value, dict)
+    import jsonschema
+
+    try:
+        jsonschema.validate(value, constraint["schema"])
+    except jsonschema.ValidationError:
+        return False
+    return True

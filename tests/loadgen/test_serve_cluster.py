@@ -333,3 +333,52 @@ def test_sampling_options_reach_the_server(cluster, capsys, tmp_path, generated,
                                                                     else None, None)
     assert runs["top-k 1"] == runs["greedy"]
     assert runs["sampled"] != runs["greedy"]
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai-chat"])
+def test_structured_outputs_are_sent_and_every_output_checked(cluster, capsys, tmp_path, backend):
+    """``--structured schemas`` sends each constrained request one of the five schemas (response_format on HTTP,
+    SamplingParams.structured on gRPC), keeps its text and checks it: every output validates. With
+    ``--structured-ratio`` some requests go unconstrained and are not checked; the prompts are the same."""
+    url = cluster["grpc"] if backend == "grpc" else cluster["http"]
+    runs = {}
+    for ratio in ("1", "0.5"):
+        out = tmp_path / f"r{ratio}.json"
+        code, text = bench(capsys, "serve", "--backend", backend, "--base-url", url, *KEY, "--num-prompts", "5",
+                           "--max-concurrency", "5", "--seed", "3", "--random-input-len", "16",
+                           "--random-output-len", "400", "--temperature", "0", "--structured", "schemas",
+                           "--structured-ratio", ratio, "--num-warmups", "0", "--no-server-metrics",
+                           "--result-file", str(out), "--no-plots", "--disable-tqdm", "--fail-on-error")
+        assert code == 0, text
+        run = json.loads(out.read_text())["runs"][0]
+        runs[ratio] = run
+        checked = [r for r in run["records"] if r["structured_valid"] is not None]
+        st = run["summary"]["structured"]
+        assert st["requests"] == len(checked) and st["valid"] == st["requests"], [r["text"] for r in checked]
+        assert all(json.loads(r["text"]) for r in checked)
+        assert f"{st['valid']} of {st['requests']} valid (100.0 %)" in text
+    assert runs["1"]["summary"]["structured"]["requests"] == 5
+    free = [r for r in runs["0.5"]["records"] if r["structured_valid"] is None]
+    assert 0 < len(free) < 5 and all(r["text"] is None for r in free)
+
+
+def test_a_json_schema_file_constrains_every_request(cluster, capsys, tmp_path):
+    schema = tmp_path / "point.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                                  "required": ["x", "y"], "additionalProperties": False}))
+    out = tmp_path / "p.json"
+    code, text = bench(capsys, "serve", "--backend", "openai", "--base-url", cluster["http"], *KEY, "--num-prompts",
+                       "3", "--max-concurrency", "3", "--random-input-len", "16", "--random-output-len", "64",
+                       "--temperature", "1", "--json-schema", str(schema), "--num-warmups", "0",
+                       "--no-server-metrics", "--result-file", str(out), "--no-plots", "--disable-tqdm",
+                       "--fail-on-error")
+    assert code == 0, text
+    recs = json.loads(out.read_text())["runs"][0]["records"]
+    assert len(recs) == 3 and all(r["structured_valid"] for r in recs)
+    assert all(set(json.loads(r["text"])) == {"x", "y"} for r in recs)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    capsys.readouterr()
+    code = main(["bench", "serve", "--backend", "openai", "--base-url", cluster["http"], *KEY, "--json-schema",
+                 str(bad), "--num-prompts", "1", "--disable-tqdm"])
+    assert code == 2 and "a JSON Schema is a JSON object" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from loadgen.workloads import (
     build_requests,
     parse_range,
     ratio_range,
+    structured_output_valid,
 )
 
 
@@ -128,3 +129,28 @@ def test_token_id_prompts_without_a_tokenizer():
     assert min(min(r.prompt_ids) for r in reqs) >= 10 and max(max(r.prompt_ids) for r in reqs) < 512
     with pytest.raises(ValueError, match="no chat template"):
         build_requests(WorkloadConfig(chat=True, chat_length="total"), b, 1)
+
+
+def test_constrained_requests_keep_the_free_streams_prompts_and_cycle_their_constraints(builder):
+    schemas = ({"type": "json_schema", "name": "a", "schema": {"type": "object"}}, {"type": "json_object"})
+    free = build_requests(WorkloadConfig(input_len=(16, 16), seed=4), builder, 40)
+    half = build_requests(WorkloadConfig(input_len=(16, 16), seed=4, structured=schemas, structured_ratio=0.5),
+                          builder, 40)
+    assert [r.prompt_ids for r in half] == [r.prompt_ids for r in free]
+    picked = [r.structured for r in half if r.structured is not None]
+    assert 10 < len(picked) < 30 and picked == [schemas[k % 2] for k in range(len(picked))]
+    every = build_requests(WorkloadConfig(input_len=(16, 16), seed=4, structured=schemas), builder, 40)
+    assert all(r.structured is not None for r in every)
+
+
+@pytest.mark.parametrize("constraint, text, valid", [
+    ({"type": "json_object"}, '{"a": 1}', True),
+    ({"type": "json_object"}, "[1]", False),
+    ({"type": "json_object"}, '{"a": ', False),  # cut off by max tokens
+    ({"type": "json_schema", "schema": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 5}},
+                                        "required": ["n"]}}, '{"n": 3}', True),
+    ({"type": "json_schema", "schema": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 5}},
+                                        "required": ["n"]}}, '{"n": 9}', False),
+])
+def test_an_output_is_valid_when_it_parses_and_follows_its_schema(constraint, text, valid):
+    assert structured_output_valid(constraint, text) is valid
