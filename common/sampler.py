@@ -397,9 +397,9 @@ class _PickGraphs:
     :class:`_GraphKey`, captured the first time it is needed; rows padded to a power of two (at least 8) with
     greedy rows. A step with grammar masks copies them into the graph's mask table: a constrained row's mask, and
     every other row's allowing all tokens (a kernel that writes -inf where a bit is 0 leaves such a row as it is).
-    A step with logit_bias, min_tokens bans or logprobs runs eagerly, as does one whose capture failed. Reading the whole width of the kept tables gives what the eager path's narrower read gives: a
-    row's columns past its own repeat its first token with count 0, and penalizing a token twice writes the same
-    value."""
+    A step with logit_bias, min_tokens bans or logprobs runs eagerly, as does one whose capture failed. Reading the
+    whole width of the kept tables gives what the eager path's narrower read gives: a row's columns past its own
+    repeat its first token with count 0, and penalizing a token twice writes the same value."""
 
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler

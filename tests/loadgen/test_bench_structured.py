@@ -1,5 +1,5 @@
 """`tokenmill bench structured`'s engine section on the CPU: both ways of picking a constrained step run, their
-rows say which ran, and every constrained row's mask came from the mask process."""
+rows say which ran, every constrained row's mask came from the mask process, and the step splits into its phases."""
 
 from __future__ import annotations
 
@@ -15,3 +15,8 @@ def test_the_constrained_step_is_timed_each_way(pick):
     assert r["fill"] == "process" and r["steps"] == 2 and r["batch"] == 32
     assert r["step_ms_plain"] > 0 and r["step_ms_constrained"] > 0 and r["update_ms_constrained"] > 0
     assert r["child_fill_ms"] is not None and r["child_fill_ms"] > 0
+    for kind in ("none", "constrained"):  # the phase table's rows, each a median over the timed steps
+        phases = r["phases_ms"][kind]
+        assert {"schedule", "launch", "pick queued", "tokens handed out", "step"} <= phases.keys()
+        assert 0 < phases["schedule"] < phases["step"]
+    assert r["phases_ms"]["constrained"]["mask fill (or wait and copy)"] > 0
