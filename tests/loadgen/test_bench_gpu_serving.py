@@ -47,7 +47,7 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
     out = tmp_path / "gs.json"
     code = main(["bench", "gpu-serving", "--device", "cpu", "--models", "smollm2", "--num-prompts", "4",
                  "--input-len", "32", "--output-len", "4", "--max-concurrency", "4", "--backends", "grpc",
-                 "--steps", "3", "--set", "tokenizer.count=1", "--result-file", str(out)])
+                 "--steps", "3", "--step-rounds", "3", "--set", "tokenizer.count=1", "--result-file", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
     res = json.loads(out.read_text())
@@ -73,5 +73,7 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
     assert m["step"]["batch"] == 4 and m["step"]["greedy_ms"] > 0 and m["step"]["sampled_ms"] > 0
     assert m["step"]["greedy"]["rows_min"] == m["step"]["sampled"]["rows_min"] == 4  # all four decoding
     assert m["step"]["ratio"] == pytest.approx(m["step"]["sampled_ms"] / m["step"]["greedy_ms"])
+    ratios = sorted(r["ratio"] for r in m["step"]["rounds"])  # three rounds: the table takes the median's
+    assert len(ratios) == 3 and m["step"]["ratio"] == ratios[1]
     assert {"smollm2: engine load", "smollm2: cluster start"} <= set(res["phases_s"])
     assert "| smollm2 | sampled | grpc |" in text and "sampled ÷ greedy" in text

@@ -364,8 +364,9 @@ def test_structured_outputs_are_sent_and_every_output_checked(cluster, capsys, t
 
 def test_a_json_schema_file_constrains_every_request(cluster, capsys, tmp_path):
     schema = tmp_path / "point.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-                                  "required": ["x", "y"], "additionalProperties": False}))
+    coord = {"type": "integer", "minimum": -999, "maximum": 999}  # bounded: sampled digits cannot run past max tokens
+    schema.write_text(json.dumps({"type": "object", "properties": {"x": coord, "y": coord}, "required": ["x", "y"],
+                                  "additionalProperties": False}))
     out = tmp_path / "p.json"
     code, text = bench(capsys, "serve", "--backend", "openai", "--base-url", cluster["http"], *KEY, "--num-prompts",
                        "3", "--max-concurrency", "3", "--random-input-len", "16", "--random-output-len", "64",
@@ -374,7 +375,7 @@ def test_a_json_schema_file_constrains_every_request(cluster, capsys, tmp_path):
                        "--fail-on-error")
     assert code == 0, text
     recs = json.loads(out.read_text())["runs"][0]["records"]
-    assert len(recs) == 3 and all(r["structured_valid"] for r in recs)
+    assert len(recs) == 3 and all(r["structured_valid"] for r in recs), [r["text"] for r in recs]
     assert all(set(json.loads(r["text"])) == {"x", "y"} for r in recs)
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
