@@ -657,7 +657,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default="smollm2", help="tokenizer spec for the prompts, the engine and the "
                                                           "cluster (default smollm2)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="default cuda")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="default: what `tokenmill up` picks (bfloat16 on cuda; on a CPU the machine's, "
+                   "common/machine.py)")
     p.add_argument("--num-prompts", type=int, default=256, help="requests per run (default 256)")
     p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default 1024)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens, EOS ignored (default 128)")
