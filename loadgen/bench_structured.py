@@ -225,35 +225,34 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     # short prompts: the window measures decode steps, and a prefill of 32 long prompts would cost more than it
     prompts = [tok.encode(f"JSON {names[i % 5]} records, batch {i}:") for i in range(BATCH)]
     update_s: list[float] = []
-    real_step, real_resolve, real_launch, real_queue = eng.step, eng._resolve, eng._launch, eng._queue_pick
     update = [0.0]  # this step's host work on outputs: the last step's tokens handed out, this one's pick queued
     # where a constrained step's extra time goes: the host's mask fill and the matchers' advance, per step
     parts = {"fill": 0.0, "advance": 0.0}
     fill_s: list[float] = []
     advance_s: list[float] = []
-    real_fill, real_consume, real_send = sampler_mod.fill_bitmask, GrammarMatcher.consume, GrammarMatcher.send
-    real_flush = MaskProcess.flush
+    # where a step's host time goes, phase by phase, and the GPU's forward (events around the launch)
+    phase: dict[str, float] = {}
+    phase_steps: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    gpu_marks: list[tuple[Any, Any]] = []
+    cuda = eng.runner.device.type == "cuda"
+    patched: list[tuple[Any, str, Any]] = []  # (object, attribute, what it was): put back at the end
 
-    def timed_fill(*args: Any) -> None:
-        t = time.perf_counter()
-        real_fill(*args)
-        parts["fill"] += time.perf_counter() - t
+    def patch(obj: Any, name: str, wrap: Any) -> None:
+        real = getattr(obj, name)
+        patched.append((obj, name, real))
+        setattr(obj, name, wrap(real))
 
-    def timed_consume(self: GrammarMatcher, token: int) -> bool:
-        t = time.perf_counter()
-        ok = real_consume(self, token)
-        parts["advance"] += time.perf_counter() - t
-        return ok
-
-    def timed_send(self: GrammarMatcher, token: int) -> None:
-        t = time.perf_counter()
-        real_send(self, token)
-        parts["advance"] += time.perf_counter() - t
-
-    def timed_flush(self: MaskProcess) -> None:
-        t = time.perf_counter()
-        real_flush(self)
-        parts["advance"] += time.perf_counter() - t
+    def into(acc: dict[str, float], name: str) -> Any:
+        """A wrapper that adds its call's time to ``acc[name]``."""
+        def wrap(fn: Any) -> Any:
+            def run(*args: Any, **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return fn(*args, **kw)
+                finally:
+                    acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
+            return run
+        return wrap
 
     depth = [0]
 
@@ -272,70 +271,53 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
                 depth[0] -= 1
         return run
 
-    def timed_step() -> Any:
-        parts["fill"] = parts["advance"] = update[0] = 0.0
-        phase.clear()
-        res = real_step()
-        update_s.append(update[0])
-        fill_s.append(parts["fill"])
-        advance_s.append(parts["advance"])
-        return res
-
-    # where a step's host time goes, phase by phase, and the GPU's forward (events around the launch)
-    phase: dict[str, float] = {}
-    phase_steps: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-    gpu_marks: list[tuple[Any, Any]] = []
-    cuda = eng.runner.device.type == "cuda"
-    real_schedule, real_stage, real_execute = eng.scheduler.schedule, eng.runner.stage, eng.runner.execute
-    real_result = sampler_mod.PendingSample.result
-
-    def in_phase(name: str, fn: Any) -> Any:
-        def run(*args: Any, **kw: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                phase[name] = phase.get(name, 0.0) + time.perf_counter() - t
+    def step_timed(real_step: Any) -> Any:
+        def run() -> Any:
+            parts["fill"] = parts["advance"] = update[0] = 0.0
+            phase.clear()
+            res = real_step()
+            update_s.append(update[0])
+            fill_s.append(parts["fill"])
+            advance_s.append(parts["advance"])
+            return res
         return run
 
-    def execute_marked(*args: Any) -> Any:
-        if not cuda:
-            return real_execute(*args)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = real_execute(*args)
-        b.record()
-        gpu_marks.append((a, b))
-        return out
+    def gpu_marked(real_execute: Any) -> Any:
+        def run(*args: Any) -> Any:
+            if not cuda:
+                return real_execute(*args)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = real_execute(*args)
+            b.record()
+            gpu_marks.append((a, b))
+            return out
+        return run
 
-    eng.scheduler.schedule = in_phase("schedule", real_schedule)  # type: ignore[method-assign]
-    eng.runner.stage = in_phase("stage", real_stage)  # type: ignore[method-assign]
-    eng.runner.execute = in_phase("launch", execute_marked)  # type: ignore[method-assign]
-    sampler_mod.PendingSample.result = in_phase("wait for the device", real_result)  # type: ignore[method-assign]
+    patch(eng, "step", step_timed)
+    patch(eng, "_resolve", lambda f: into(phase, "tokens handed out")(timed(f)))
+    patch(eng, "_launch", timed)
+    patch(eng, "_queue_pick", lambda f: into(phase, "pick queued")(timed(f)))
+    patch(eng.scheduler, "schedule", into(phase, "schedule"))
+    patch(eng.runner, "stage", into(phase, "stage"))
+    patch(eng.runner, "execute", lambda f: into(phase, "launch")(gpu_marked(f)))
+    patch(sampler_mod.PendingSample, "result", into(phase, "wait for the device"))
     # inside the pick: the masks' fill (with the wait for their buffer), their copy up, the small uploads, the
     # token readback, and the kernels' launches
-    real_sampler = {k: getattr(sampler_mod.Sampler, k) for k in ("_fill", "_to_device")}
-    real_graph_run, real_readback = sampler_mod._PickGraphs.run, sampler_mod._Readback.__call__
-    sampler_mod._PickGraphs.run = in_phase("pick: the graph's loads and replay", real_graph_run)  # type: ignore
-    sampler_mod._Readback.__call__ = in_phase("pick: readback queued", real_readback)  # type: ignore
-    real_uploads = {k: getattr(sampler_mod.PinnedUploads, k) for k in ("tensor", "copy_into")}
-    for k, fn in real_sampler.items():
-        setattr(sampler_mod.Sampler, k, in_phase(f"pick: Sampler.{k}", fn))
-    for k, fn in real_uploads.items():
-        setattr(sampler_mod.PinnedUploads, k, in_phase("pick: pinned uploads", fn))
+    for k in ("_fill", "_to_device"):
+        patch(sampler_mod.Sampler, k, into(phase, f"pick: Sampler.{k}"))
+    patch(sampler_mod._PickGraphs, "run", into(phase, "pick: the graph's loads and replay"))
+    patch(sampler_mod._Readback, "__call__", into(phase, "pick: readback queued"))
+    for k in ("tensor", "copy_into"):
+        patch(sampler_mod.PinnedUploads, k, into(phase, "pick: pinned uploads"))
     ops = sampler_mod._mask_kernels(eng.runner.device)
-    real_ops = {k: getattr(ops, k) for k in ("masked_argmax", "apply_token_bitmask_")} if ops is not None else {}
-    for k, fn in real_ops.items():
-        setattr(ops, k, in_phase(f"pick: triton_ops.{k}", fn))
-    eng.step = timed_step  # type: ignore[method-assign]
-    eng._resolve = in_phase("tokens handed out", timed(real_resolve))  # type: ignore[method-assign]
-    eng._launch = timed(real_launch)  # type: ignore[method-assign]
-    eng._queue_pick = in_phase("pick queued", timed(real_queue))  # type: ignore[method-assign]
-    sampler_mod.fill_bitmask = timed_fill  # type: ignore[assignment]
+    for k in ("masked_argmax", "apply_token_bitmask_") if ops is not None else ():
+        patch(ops, k, into(phase, f"pick: triton_ops.{k}"))
+    patch(sampler_mod, "fill_bitmask", into(parts, "fill"))
+    patch(MaskProcess, "flush", into(parts, "advance"))
     if time_advance:  # two timer reads a row: host work that only constrained steps would carry
-        GrammarMatcher.consume = timed_consume  # type: ignore[method-assign]
-        GrammarMatcher.send = timed_send  # type: ignore[method-assign]
-    MaskProcess.flush = timed_flush  # type: ignore[method-assign]
+        patch(GrammarMatcher, "consume", into(parts, "advance"))
+        patch(GrammarMatcher, "send", into(parts, "advance"))
 
     def window(constrained: bool, tag: str, n: int) -> tuple[list[float], list[float]]:
         for i, ids in enumerate(prompts):
@@ -404,19 +386,8 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
                 masked += t
                 masked_u += u
     finally:
-        sampler_mod.fill_bitmask = real_fill
-        GrammarMatcher.consume = real_consume  # type: ignore[method-assign]
-        GrammarMatcher.send = real_send  # type: ignore[method-assign]
-        MaskProcess.flush = real_flush  # type: ignore[method-assign]
-        sampler_mod.PendingSample.result = real_result  # type: ignore[method-assign]
-        for k, fn in real_sampler.items():
-            setattr(sampler_mod.Sampler, k, fn)
-        sampler_mod._PickGraphs.run = real_graph_run  # type: ignore[method-assign]
-        sampler_mod._Readback.__call__ = real_readback  # type: ignore[method-assign]
-        for k, fn in real_uploads.items():
-            setattr(sampler_mod.PinnedUploads, k, fn)
-        for k, fn in real_ops.items():
-            setattr(ops, k, fn)
+        for obj, name, real in reversed(patched):
+            setattr(obj, name, real)
     med = statistics.median
     extra = med(masked_u) - med(plain_u)  # the mask fill, its application and the matchers' advance
     phases = {}

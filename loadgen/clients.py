@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from loadgen.metrics import CANCELLED, RequestRecord
+from loadgen.metrics import CANCELLED, OK, RequestRecord
 from loadgen.workloads import RequestSpec, structured_output_valid
 
 BACKENDS = ("grpc", "openai", "openai-chat")
@@ -69,7 +69,7 @@ def _key(spec: RequestSpec, opts: SendOptions) -> str | None:
 
 def _check_structured(spec: RequestSpec, rec: RequestRecord) -> None:
     """A constrained request's output checked against its constraint, once the stream has ended."""
-    if spec.structured is not None and rec.outcome == "ok" and rec.text is not None:
+    if spec.structured is not None and rec.outcome == OK and rec.text is not None:
         rec.structured_valid = structured_output_valid(spec.structured, rec.text)
 
 
