@@ -264,7 +264,7 @@ class LLMEngine:
                     eos = [own]
                 self._grammars = GrammarCompiler(self.tokenizer.tk.to_str(), self.sample_vocab, eos,
                                                  fill_process=self.cfg.grammar_process,
-                                                 threads=self.cfg.grammar_threads)
+                                                 threads=self.cfg.grammar_threads, max_rows=self.cfg.max_num_seqs)
             return self._grammars
 
     def grammar_matcher(self, params: SamplingParams, prior: Seq[int] = ()) -> GrammarMatcher | None:
@@ -618,10 +618,15 @@ class LLMEngine:
         p = s.params
         reason: FinishReason | None = None
         stop_tok = (not p.ignore_eos and tok in self.model_cfg.eos_token_ids) or tok in p.stop_token_ids
-        grammar_done = s.matcher is not None and s.matcher.terminated  # complete, and allows nothing more
+        at_limit = len(s.output_ids) >= s.max_tokens or s.num_tokens >= self.max_model_len
+        grammar_done = False
+        if s.matcher is not None and self._grammars is not None:
+            # a grammar allows EOS only where it is complete, and EOS only once it is complete (or broken); at the
+            # length limit a complete grammar ends with stop too (its matcher catches up: once a request)
+            grammar_done = tok in self._grammars.eos_ids or (at_limit and s.matcher.terminated)
         if (stop_tok and len(s.output_ids) >= p.min_tokens) or grammar_done:
             reason = FinishReason.STOP
-        if reason is None and (len(s.output_ids) >= s.max_tokens or s.num_tokens >= self.max_model_len):
+        if reason is None and at_limit:
             reason = FinishReason.LENGTH
         if reason is not None:
             s.status = SequenceStatus.FINISHED

@@ -5,15 +5,18 @@ on a GPU a decode step of 32 rows takes about 1.5 ms of host time: filled inline
 (docs/benchmarks.md). On a thread of the engine's process the fill has to take the GIL back from the engine thread,
 which holds it. So a child process (``python -m common.grammar_proc``, importing llguidance and nothing of torch)
 keeps a mirror of every constrained sequence's matcher. When a step's update ends, the engine thread sends the
-tokens its matchers accepted (``MaskProcess.flush``). The child advances its mirrors and fills their next masks into
+tokens its sequences took (``MaskProcess.flush``). The child advances its mirrors and fills their next masks into
 shared memory, one row per sequence (its slot), in parallel, while the engine hands the step's tokens out,
-schedules the next step and runs its forward. At the next sampling the engine waits for the child's answer (usually
-there already) and copies the rows it needs.
+schedules the next step and runs its forward. At the next sampling the engine waits for the child's answer
+(usually there already), and the pick reads the rows where the child wrote them: on a GPU, in place over PCIe
+(the shared memory is registered with CUDA: ``common/sampler.py``), with nothing copied.
 
-The engine's own matchers stay the truth: accept, termination, first-token checks. The mirrors replay the same
-tokens and llguidance is deterministic, so the masks agree. A matcher made before the child was ready, or when no
-slot was free, and a matcher whose tokens are not sent yet, are filled inline. A child that dies or stops answering
-makes every fill inline from then on.
+The mirrors are the truth for a mirrored sequence: the engine's own matcher does not advance (1-80 µs a token on
+the engine thread), it only keeps the tokens to catch up with if it is needed (``GrammarMatcher``). A grammar that
+is complete, or that a token broke, masks every token but EOS, so the sequence ends on its next pick without the
+engine asking. A matcher made before the child was ready, or when no slot was free, and a matcher whose tokens are
+not sent yet, are filled inline, into rows after the child's. A child that dies or stops answering makes every
+fill inline from then on, the engine's matchers caught up first.
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ class MaskProcess:
     finalizer may run on any thread); the engine thread does everything else."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 1024,
-                 threads: int = 0) -> None:
+                 inline_rows: int = 256, threads: int = 0) -> None:
         self.words = (vocab_size + 31) // 32
         self.capacity = capacity
-        nbytes = capacity * self.words * 4
+        # the child's rows (a slot each), then ``inline_rows`` that the engine fills itself (structured.MaskTable)
+        nbytes = (capacity + inline_rows) * self.words * 4
         self._fd = os.memfd_create("tokenmill-grammar-masks")
         os.ftruncate(self._fd, nbytes)
         self._map = mmap.mmap(self._fd, nbytes)
@@ -80,7 +84,7 @@ class MaskProcess:
             self._map.close()
             os.close(self._fd)
             raise
-        self.rows = np.frombuffer(self._map, dtype=np.int32).reshape(capacity, self.words)
+        self.rows = np.frombuffer(self._map, dtype=np.int32).reshape(capacity + inline_rows, self.words)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin = self._proc.stdin
         self._answers = self._proc.stdout.fileno()
@@ -162,36 +166,29 @@ class MaskProcess:
             for op in ops:
                 batch[op >> 32 if type(op) is int else op[1]] = self._sent
 
-    def fill(self, rows: Sequence[tuple[GrammarMatcher, int]], host: np.ndarray
-             ) -> list[tuple[GrammarMatcher, int]]:
-        """Copy the child's masks of ``rows`` (matcher, row of ``host``) into ``host``, waiting for the batch that
-        carried their last tokens; returns the rows it could not serve (fill them inline)."""
+    def locate(self, matchers: Sequence[GrammarMatcher]) -> list[int]:
+        """The slot (row of ``rows``) with each matcher's next mask, once the child has answered the batch that
+        carried its last token; -1 where the engine fills it (not mirrored, its tokens not sent, no child)."""
         with self._lock:
             if self.dead or self._done < 0:
-                self.inline_rows += len(rows)
-                return list(rows)
-            unsent = {op >> 32 if type(op) is int else op[1] for op in self._ops}
-            slots: list[int] = []
-            at: list[int] = []
-            inline: list[tuple[GrammarMatcher, int]] = []
-            for m, j in rows:
+                self.inline_rows += len(matchers)
+                return [-1] * len(matchers)
+            unsent = {op >> 32 if type(op) is int else op[1] for op in self._ops} if self._ops else ()
+            at = []
+            for m in matchers:
                 s = m.slot_in(self)
-                if s is None or s in unsent:
-                    inline.append((m, j))
-                else:
-                    slots.append(s)
-                    at.append(j)
-            if slots:
-                need = max(self._slot_batch[s] for s in slots)
+                at.append(-1 if s is None or s in unsent else s)
+            served = [s for s in at if s >= 0]
+            if served:
+                need = max(self._slot_batch[s] for s in served)
                 if need > self._done and not self._wait(need, REPLY_TIMEOUT_S):
                     if not self.dead:
                         self._die(f"no answer in {REPLY_TIMEOUT_S:g} s")
-                    self.inline_rows += len(rows)
-                    return list(rows)
-                host[at] = self.rows[slots]
-            self.remote_rows += len(slots)
-            self.inline_rows += len(inline)
-            return inline
+                    self.inline_rows += len(matchers)
+                    return [-1] * len(matchers)
+            self.remote_rows += len(served)
+            self.inline_rows += len(matchers) - len(served)
+            return at
 
     # -- the child's answers (under the lock) -------------------------------------------------------------
     def _poll(self) -> bool:
@@ -344,8 +341,8 @@ def main(argv: list[str]) -> int:
             else:
                 matchers.pop(op[1], None)
                 touched.pop(op[1], None)
-        compute_masks(executor, [(m, s) for s, m in touched.items() if not (m.is_error() or m.is_stopped())],
-                      base, words * 4)
+        # a stopped (complete) or failed matcher's mask allows EOS only: the engine ends its sequence on it
+        compute_masks(executor, [(m, s) for s, m in touched.items()], base, words * 4)
         os.write(1, _ANSWER.pack(batch, read_ns, time.monotonic_ns()))
 
 

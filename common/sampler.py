@@ -12,16 +12,17 @@ seen and how often each came out, extended with the new outputs by one batched w
 gather and a scatter over those tokens only. A slot is rebuilt from the row's token ids whenever the host's count
 of its outputs disagrees, so a slot lost or evicted is only a rebuild, never a wrong answer.
 
-A constrained row (structured outputs) carries its grammar matcher: the rows' allowed tokens are filled as one
-int32 bitmask on the host (``common/structured.py``) and applied to those rows only, after the penalties and
-before temperature, top-k/p and the pick, so no path (greedy or sampled) can pick a token the grammar disallows
-(on the CPU as a 0 / -inf bias unpacked with one gather). On the CPU's all-greedy fast path the argmax is checked against the
-bitmask first and only rows whose argmax is disallowed are picked again, by one pass of the C++ kernel that takes
-the argmax over the allowed tokens (``cpu_kernels.masked_argmax_rows``). On a GPU the packed bitmask is copied to
-the device as it is: an all-greedy batch takes one Triton kernel, each row's argmax over its allowed tokens (a row
-without a constraint over all of them); otherwise one kernel sets the constrained rows' disallowed logits to -inf
-(``common/triton_ops.py``), as a node of the pick's CUDA graph where the step replays one (:class:`_PickGraphs`).
-Rows without a constraint keep their logits.
+A constrained row (structured outputs) carries its grammar matcher, and its allowed tokens are a row of int32 words
+in the grammar mask table, in host memory (``common/structured.py``: filled by the grammar mask process or inline).
+They are applied to the constrained rows only, after the penalties and before temperature, top-k/p and the pick,
+so no path (greedy or sampled) can pick a token the grammar disallows (on the CPU as a 0 / -inf bias unpacked
+with one gather). On the CPU's all-greedy fast path the argmax is checked against the masks first and only rows
+whose argmax is disallowed are picked again, by one pass of the C++ kernel that takes the argmax over the allowed
+tokens (``cpu_kernels.masked_argmax_rows``). On a GPU nothing is copied: the table is registered with CUDA and
+the kernels read each row's mask in place, over PCIe, through a small index (each row's row of the table, -1 for
+none) in registered memory too. One Triton kernel sets the disallowed logits to -inf (``common/triton_ops.py``),
+as a node of the pick's CUDA graph (:class:`_PickGraphs`); an all-greedy batch replays a graph of that kernel and
+the argmax. Rows without a constraint keep their logits.
 
 One device→host copy per step returns the picked ids (and the asked logprobs with them). ``Sampler.launch`` queues
 the pick and that copy and returns at once (:class:`PendingSample`): the picked ids stay on the device too, where
@@ -31,18 +32,21 @@ the engine's next step reads its input ids from them before the host has seen th
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import mmap
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from common import cpu_kernels
 from common.sampling import SamplingParams
-from common.structured import GrammarMatcher, fill_bitmask
+from common.structured import GrammarMatcher, MaskTable
 
 log = logging.getLogger(__name__)
 
@@ -395,8 +399,8 @@ class _PickGraphs:
     inverse-CDF pick and the greedy rows' argmax, about forty small kernels whose launches cost the host more than
     they cost the GPU (1.8 ms for 64 rows on an H100's host, against 0.2 ms on the GPU). One graph per
     :class:`_GraphKey`, captured the first time it is needed; rows padded to a power of two (at least 8) with
-    greedy rows. A step with grammar masks copies them into the graph's mask table: a constrained row's mask, and
-    every other row's allowing all tokens (a kernel that writes -inf where a bit is 0 leaves such a row as it is).
+    greedy rows. A step with grammar masks reads them in place from the host's mask table, through the index of
+    each row's row of it (-1, left as it is: a row without a constraint, and the padding).
     A step with logit_bias, min_tokens bans or logprobs runs eagerly, as does one whose capture failed. Reading the
     whole width of the kept tables gives what the eager path's narrower read gives: a row's columns past its own
     repeat its first token with count 0, and penalizing a token twice writes the same value."""
@@ -409,31 +413,42 @@ class _PickGraphs:
         self.x: torch.Tensor | None = None  # [rows, vocab] float32: the logits a replay reads
         self.prm: torch.Tensor | None = None  # [rows, columns]: the parameter table a replay reads
         self.tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the kept tables the graphs read
-        # a masked replay's grammar masks, int32 [rows + 1, words]: rows masks, then the row of the logits each one
-        # applies to (the row after a replay's masks; one copy up carries both)
-        self.masks: torch.Tensor | None = None
+        # what a masked replay reads in place, in host memory (Sampler._device_masks): the mask table, and each
+        # row's row of it
+        self.mask_src: tuple[torch.Tensor, torch.Tensor] | None = None
         self.captures = 0
         self.replays = 0
 
-    def key(self, spec: _StepSpec, n: int, masked: bool = False) -> _GraphKey | None:
-        if spec.bias or spec.bans or spec.lp_rows or n > _GRAPH_MAX_ROWS:
+    def key(self, spec: _StepSpec | None, n: int, masked: bool = False) -> _GraphKey | None:
+        if n > _GRAPH_MAX_ROWS:
             return None
-        if masked and max(8, 1 << (n - 1).bit_length()) > (self.sampler.vocab_size + 31) // 32:
-            return None  # the masks' row indices would not fit in the row after them
+        if spec is None:  # plain greedy rows under their masks: the argmax of the masked logits
+            return _GraphKey(max(8, 1 << (n - 1).bit_length()), 0, False, False, True, False, 0, False, False, 0,
+                             True)
+        if spec.bias or spec.bans or spec.lp_rows:
+            return None
         full_k = 0 if spec.candidates or not any(spec.top_ks) else max(spec.top_ks)
         return _GraphKey(max(8, 1 << (n - 1).bit_length()), self.sampler._slots.ids.shape[1] if spec.count_rows else 0,
                          spec.any_rep, spec.any_freq_pres, spec.any_greedy, spec.any_sampled, spec.candidates,
                          spec.any_top_p, spec.any_min_p, full_k, masked)
 
-    def run(self, logits: torch.Tensor, spec: _StepSpec, constrained: list[SampleRow] | None = None
+    def run(self, logits: torch.Tensor, spec: _StepSpec | None, constrained: list[SampleRow] | None = None
             ) -> torch.Tensor | None:
         """The picks of ``logits``' rows ([n] int64, a copy), or None where this step runs eagerly.
-        ``constrained``: the step's rows when some are constrained (their masks are filled here, once the step is
-        known to replay)."""
+        ``spec`` None: every row plain greedy (and some constrained). ``constrained``: the step's rows when some
+        are constrained (their masks are filled here, once the step is known to replay)."""
         n = logits.shape[0]
         key = self.key(spec, n, constrained is not None)
         if key is None or key in self.failed:
             return None
+        if constrained is not None:
+            src = self.sampler._device_masks(constrained, key.rows)
+            if src is None:
+                return None
+            if self.mask_src is None or any(a.data_ptr() != b.data_ptr() for a, b in zip(src, self.mask_src)):
+                self.graphs = {k: g for k, g in self.graphs.items() if not k.masked}  # they read the old ones
+                assert self.sampler._index is not None  # made with the table's view
+                self.mask_src = (src[0], self.sampler._index.tensor)
         slots = self.sampler._slots
         if self.tables is None or self.tables[0] is not slots.ids or self.tables[1] is not slots.counts:
             self.graphs.clear()  # the tables grew: the graphs read the old ones
@@ -445,10 +460,9 @@ class _PickGraphs:
             self.prm = torch.zeros(rows, len(_PAD_ROW), dtype=torch.float32, device=logits.device)
         assert self.prm is not None
         self._load(logits, key.rows)
-        self.sampler._uploads.copy_into("graph_params", spec.table + [_PAD_ROW] * (key.rows - n),
-                                        self.prm[: key.rows])
-        if constrained is not None:
-            self._load_masks(constrained, key.rows)
+        if spec is not None:
+            self.sampler._uploads.copy_into("graph_params", spec.table + [_PAD_ROW] * (key.rows - n),
+                                            self.prm[: key.rows])
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key)
@@ -457,23 +471,10 @@ class _PickGraphs:
             self._load(logits, key.rows)  # the capture's warm-up ran the pick in place
         graph, out = entry
         graph.replay()
+        if constrained is not None:
+            self.sampler._masks_read()
         self.replays += 1
         return out[:n].clone()
-
-    def _load_masks(self, rows: list[SampleRow], padded: int) -> None:
-        """The step's grammar masks into the mask table: the constrained rows' first, then rows that allow every
-        token, up to ``padded`` (each applied to row 0, where it changes nothing), then the rows they apply to."""
-        filled = self.sampler._fill(rows, padded, extra=1)
-        assert filled is not None
-        idx, host = filled
-        m = len(idx)
-        if self.masks is None or self.masks.shape[0] < padded + 1:
-            self.graphs = {k: g for k, g in self.graphs.items() if not k.masked}  # they read the old table
-            self.masks = torch.empty(max(padded, 64) + 1, host.shape[1], dtype=torch.int32,
-                                     device=self.sampler._ws.device)
-        host[m:padded].fill_(-1)
-        host[padded, :padded] = torch.tensor(idx + [0] * (padded - m), dtype=torch.int32)
-        self.sampler._to_device(host[: padded + 1], self.masks.device, out=self.masks[: padded + 1])
 
     def _load(self, logits: torch.Tensor, rows: int) -> None:
         """The replay's logits: ``logits``, then zero rows up to ``rows``."""
@@ -489,8 +490,9 @@ class _PickGraphs:
         if key.width:
             _penalize(x, prm, self.sampler._slots, key.width, key.any_rep, key.any_freq_pres)
         if key.masked:
-            assert self.masks is not None
-            _mask_kernels(x.device).apply_token_bitmask_(x, self.masks[: key.rows], self.masks[key.rows, : key.rows])
+            assert self.mask_src is not None
+            table, index = self.mask_src
+            _mask_kernels(x.device).apply_token_bitmask_(x, table, index[: key.rows])
         tok: torch.Tensor | None = x.argmax(dim=-1) if key.any_greedy else None
         if key.any_sampled:
             picked = _pick(x, prm, key, _Fresh(x.device))
@@ -533,9 +535,13 @@ class Sampler:
         self._ws = _Workspace(torch.device(device))
         self._static: dict[str, _RowStatic] = {}  # by request id
         self.vocab_size = vocab_size
-        self._bitmask: torch.Tensor | None = None  # [rows, words] int32 on the host: the constrained rows' masks
         self._byte_bias: torch.Tensor | None = None  # [256, 8] float32: a bitmask byte's 8 tokens as 0 / -inf
-        self._bitmask_read: torch.cuda.Event | None = None  # the device's copy out of the pinned bitmask is done
+        # CUDA: the grammar masks' table as the device reads it in place (None: not mapped yet; False: it could not
+        # be, masks go up as a -inf bias), each row's row of it (int32, -1: none), and the event after the last
+        # pick that read them
+        self._table: tuple[MaskTable, _Mapped] | bool | None = None
+        self._index: _Mapped | None = None
+        self._read: torch.cuda.Event | None = None
         self._readback = _Readback()
         # CUDA: the processed pick as graphs (``cuda_graphs=False``: eager, as on the CPU)
         self._graphs = _PickGraphs(self) if cuda_graphs and torch.device(device).type == "cuda" else None
@@ -559,23 +565,15 @@ class Sampler:
         plain = all(_plain_greedy(r) for r in rows)
         constrained = any(r.grammar is not None for r in rows)
         ops = _mask_kernels(logits.device) if constrained else None
-        if plain and ops is not None:  # on a GPU: one kernel takes each row's argmax over its allowed tokens
-            n = logits.shape[0]
-            filled = self._fill(rows, extra=1)
-            assert filled is not None
-            idx, bitmask = filled
-            m = len(idx)
-            mask_rows = [-1] * n
-            for j, i in enumerate(idx):
-                mask_rows[i] = j
-            if n <= bitmask.shape[1]:  # each row's mask row goes up in the masks' copy, as the row after them
-                bitmask[m, :n] = torch.tensor(mask_rows, dtype=torch.int32)
-                up = self._to_device(bitmask[: m + 1], logits.device)
-                toks_t = ops.masked_argmax(logits, up[:m], up[m, :n])
-            else:
-                toks_t = ops.masked_argmax(logits, self._to_device(bitmask[:m], logits.device),
-                                           self._uploads.tensor("mask_rows", mask_rows, torch.int32))
-            return self._tokens_only(toks_t)
+        if plain and ops is not None:  # on a GPU: each row's argmax over its allowed tokens
+            picked = self._graphs.run(logits, None, rows) if self._graphs is not None else None
+            if picked is None:
+                masks = self._device_masks(rows, logits.shape[0])
+                if masks is not None:
+                    picked = ops.masked_argmax(logits, *masks)
+                    self._masks_read()
+            if picked is not None:
+                return self._tokens_only(picked)
         if plain and logits.device.type != "cpu" and not constrained:
             return self._tokens_only(logits.argmax(dim=-1))
         if plain and logits.device.type == "cpu":
@@ -650,14 +648,16 @@ class Sampler:
         if spec.bans:
             r_, t_ = zip(*spec.bans)
             x[up.tensor("ban_rows", r_, torch.long), up.tensor("ban_ids", t_, torch.long)] = _MASK
-        filled = self._fill(rows)  # host work the device's queue does not wait for: beside the forward's tail
+        ops = _mask_kernels(dev) if any(r.grammar is not None for r in rows) else None
+        masks = self._device_masks(rows, n) if ops is not None else None
+        if masks is not None:  # on a GPU: the disallowed tokens set to -inf in place, the bits read packed
+            assert ops is not None
+            ops.apply_token_bitmask_(x, *masks)
+            self._masks_read()
+            return x, prm
+        filled = self._fill(rows)
         if filled is not None:
             idx, bitmask = filled
-            ops = _mask_kernels(dev)
-            if ops is not None:  # on a GPU: the disallowed tokens set to -inf in place, the bits read packed
-                ops.apply_token_bitmask_(x, self._to_device(bitmask, dev),
-                                         self._uploads.tensor("mask_idx", idx, torch.int64))
-                return x, prm
             bias = self._bias(bitmask, dev)
             if len(idx) == n:  # every row constrained
                 x.add_(bias)
@@ -668,27 +668,61 @@ class Sampler:
                 x.index_add_(0, self._uploads.tensor("grammar_rows", idx, torch.long), bias)
         return x, prm
 
-    def _fill(self, rows: list[SampleRow], capacity: int = 0, extra: int = 0
-              ) -> tuple[list[int], torch.Tensor] | None:
-        """The constrained rows' indices and their allowed tokens as one host bitmask (int32, bit ``t % 32`` of
-        word ``t // 32`` set when token t is allowed), M rows, M the constrained rows, or ``capacity`` if larger,
-        then ``extra`` rows free for the caller; None without any. The matchers write it in parallel, without the
-        GIL."""
-        grammars = [(r.grammar, i) for i, r in enumerate(rows) if r.grammar is not None]
-        if not grammars:
+    def _table_of(self, rows: list[SampleRow]) -> tuple[list[int], list[GrammarMatcher], MaskTable] | None:
+        """The constrained rows' indices, their matchers and the mask table they fill (one compiler's); None
+        without any."""
+        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if not idx:
             return None
-        words = (self.vocab_size + 31) // 32
-        m = len(grammars)
-        host = self._bitmask
-        rows_needed = max(m, capacity) + extra
-        if host is None or host.shape[0] < rows_needed:
-            host = torch.empty(max(rows_needed, 8), words, dtype=torch.int32,
-                               pin_memory=self._ws.device.type == "cuda")
-            self._bitmask = host
-        elif self._bitmask_read is not None:
-            self._bitmask_read.synchronize()  # the last copy out of it (over already when a fetch followed it)
-        fill_bitmask([(g, j) for j, (g, _) in enumerate(grammars)], host[:m].numpy())
-        return [i for _, i in grammars], host[: max(m, capacity) + extra]
+        matchers = [g for g in (rows[i].grammar for i in idx) if g is not None]
+        table = matchers[0].table
+        if any(g.table is not table for g in matchers):
+            raise ValueError("a step's constrained rows come from different grammar compilers")
+        return idx, matchers, table
+
+    def _fill(self, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor] | None:
+        """The constrained rows' indices and their masks as one host bitmask [M, words] (int32, bit ``t % 32`` of
+        word ``t // 32`` set when token t is allowed), M the constrained rows; None without any."""
+        found = self._table_of(rows)
+        if found is None:
+            return None
+        idx, matchers, table = found
+        return idx, torch.from_numpy(table.host[table.fill(matchers)])
+
+    def _device_masks(self, rows: list[SampleRow], padded: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """On CUDA, the rows' masks where the device reads them in place, without a copy: the mask table (host
+        memory mapped into the device's address space) and [padded] int32, each row's row of it (-1: none; rows
+        past ``rows`` too). None where the table cannot be mapped (the masks then go up as a bias)."""
+        found = self._table_of(rows)
+        if found is None or self._ws.device.type != "cuda" or padded > _GRAPH_MAX_ROWS:
+            return None
+        idx, matchers, table = found
+        if self._table is None or (not isinstance(self._table, bool) and self._table[0] is not table):
+            try:
+                if self._index is None:
+                    self._index = _Mapped(np.frombuffer(mmap.mmap(-1, 4 * _GRAPH_MAX_ROWS), np.int32),
+                                          self._ws.device)
+                self._table = (table, _Mapped.of(table.host, self._ws.device))
+            except RuntimeError as e:
+                log.warning("sampler: the grammar mask table cannot be mapped into the device (%s); masks go up as "
+                            "a bias, slower", e)
+                self._table = False
+        if self._table is False:
+            return None
+        assert not isinstance(self._table, bool) and self._index is not None
+        if self._read is not None:
+            self._read.synchronize()  # the last pick that read the table and the index (done by now: its tokens were read)
+        at = table.fill(matchers)
+        index = self._index.host
+        index[:padded] = -1
+        index[idx] = at
+        return self._table[1].tensor, self._index.tensor[:padded]
+
+    def _masks_read(self) -> None:
+        """Mark the end of the kernels queued to read the mask table and index: the next fill waits for it."""
+        if self._read is None:
+            self._read = torch.cuda.Event()
+        self._read.record()
 
     def _masked_argmax(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int]:
         """The argmax of ``logits[rows]`` over their masks' allowed tokens: one pass of the C++ kernel on the CPU
@@ -710,21 +744,49 @@ class Sampler:
         if dev.type == "cpu":  # numpy's take: torch's CPU index_select took 10x longer on this gather
             flat = np.take(lut.numpy(), bitmask.numpy().view(np.uint8).reshape(-1), axis=0)
             return torch.from_numpy(flat).view(m, -1)[:, : self.vocab_size]
-        byte_ids = self._to_device(bitmask, dev).view(torch.uint8).view(-1).long()
+        byte_ids = bitmask.to(dev).view(torch.uint8).view(-1).long()
         return lut.index_select(0, byte_ids).view(m, -1)[:, : self.vocab_size]
 
-    def _to_device(self, bitmask: torch.Tensor, dev: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The host bitmask on ``dev`` (into ``out`` if given), queued from the pinned buffer (the next fill waits
-        until it is read)."""
-        if out is None:
-            out = bitmask.to(dev, non_blocking=True)
-        else:
-            out.copy_(bitmask, non_blocking=True)
-        if bitmask.is_pinned():
-            if self._bitmask_read is None:
-                self._bitmask_read = torch.cuda.Event()
-            self._bitmask_read.record()
-        return out
+
+class _Mapped:
+    """Host memory (an int32 numpy array) that a CUDA device reads in place: page-locked and mapped into the
+    device's address space (``cudaHostRegister``) while this lives. Under unified addressing (every 64-bit CUDA
+    platform) the device reads it at its host address, over PCIe, inside the kernels that use it: no copy to
+    queue, and a CUDA graph can read it. ``tensor``: the device's view."""
+
+    _live: ClassVar[weakref.WeakValueDictionary[tuple[int, int], _Mapped]] = weakref.WeakValueDictionary()
+
+    @classmethod
+    def of(cls, host: np.ndarray, device: torch.device) -> _Mapped:
+        """The one mapping of ``host``'s memory (memory is registered once: two samplers may share a table)."""
+        key = (host.ctypes.data, host.nbytes)
+        m = cls._live.get(key)
+        if m is None:
+            m = cls._live[key] = cls(host, device)
+        return m
+
+    def __init__(self, host: np.ndarray, device: torch.device) -> None:
+        ptr = host.ctypes.data
+        rt = torch.cuda.cudart()
+        with torch.cuda.device(device):
+            err = rt.cudaHostRegister(ptr, host.nbytes, 3)  # cudaHostRegisterPortable | cudaHostRegisterMapped
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister: {rt.cudaGetErrorString(err)}")
+            self.host = host
+            weakref.finalize(self, _unregister, ptr, host)  # ``host`` stays alive until then
+            self.tensor = torch.as_tensor(_CudaArray(ptr, host.shape))  # on the device whose address space has it
+
+
+def _unregister(ptr: int, host: np.ndarray) -> None:
+    with contextlib.suppress(Exception):  # the CUDA context is gone already (interpreter exit)
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+class _CudaArray:
+    """A pointer the device can read, as ``torch.as_tensor`` takes one (the CUDA array interface)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...]) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": "<i4", "data": (ptr, False), "version": 3}
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import mmap
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -94,17 +95,37 @@ def _check(so: StructuredOutput) -> str:
     return _describe(so, err) if err and not err.startswith("WARNING") else ""
 
 
-def fill_bitmask(rows: Sequence[tuple[GrammarMatcher, int]], host: np.ndarray) -> None:
-    """Write each matcher's allowed tokens, one bit per token id, into row ``i`` of ``host`` (an int32 [M, words]
-    C-order array). Rows mirrored in the grammar mask process are copied from it; the rest are filled here, several
-    in parallel, without the GIL."""
-    remote = next((m._remote for m, _ in rows if m._remote is not None), None)
-    if remote is not None:
-        rows = remote.fill(rows, host)
-        if not rows:
-            return
-    if rows:
-        compute_masks(rows[0][0]._executor, [(m.raw, i) for m, i in rows], host.ctypes.data, host.shape[1] * 4)
+class MaskTable:
+    """Where a compiler's matchers' masks are read from: int32 rows of ``words`` (bit ``t % 32`` of word ``t // 32``
+    set when token t is allowed next), in host memory that a GPU reads in place (the sampler registers it), so a
+    step's masks are never copied. With the grammar mask process: its shared rows, one per mirrored matcher (its
+    slot), then ``inline`` rows the engine thread fills for the other matchers; without the process, those only.
+
+    A step's rows are read by its pick on the device before the matchers advance again (the engine reads the
+    pick's tokens first), so the next fill never writes under a pick still reading."""
+
+    def __init__(self, words: int, inline: int, remote: MaskProcess | None, threads: int) -> None:
+        self.remote, self.inline = remote, inline
+        self.executor = _Executor(threads)
+        if remote is not None:
+            self.host, self.base = remote.rows, remote.capacity
+        else:
+            self.host, self.base = np.frombuffer(mmap.mmap(-1, inline * words * 4), np.int32).reshape(inline, words), 0
+
+    def fill(self, matchers: Sequence[GrammarMatcher]) -> list[int]:
+        """The row of ``host`` with each matcher's next mask: the mask process's (waited for), else filled here,
+        several in parallel without the GIL."""
+        at = self.remote.locate(matchers) if self.remote is not None else [-1] * len(matchers)
+        todo = [i for i, a in enumerate(at) if a < 0]
+        if len(todo) > self.inline:
+            raise ValueError(f"{len(todo)} constrained rows in one pick; the mask table has {self.inline} rows "
+                             f"(GrammarCompiler's max_rows)")
+        for k, i in enumerate(todo):
+            at[i] = self.base + k
+        if todo:
+            compute_masks(self.executor, [(matchers[i].raw, at[i]) for i in todo], self.host.ctypes.data,
+                          self.host.shape[1] * 4)
+        return at
 
 
 class _Executor:
@@ -122,16 +143,22 @@ class _Executor:
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar. Not thread-safe: the engine thread advances it. A matcher mirrored in
-    the grammar mask process (``common/grammar_proc.py``) sends it every token it accepts."""
+    """One sequence's position in its grammar. Not thread-safe: the engine thread advances it.
 
-    __slots__ = ("__weakref__", "_executor", "_m", "_remote", "_slot")
+    A matcher mirrored in the grammar mask process (``common/grammar_proc.py``) sends it every token the sequence
+    takes, and leaves the advance to the mirror: its own llguidance matcher, 1-80 µs a token, catches up only when
+    the engine needs it (an inline fill, ``terminated``, ``accept``). The engine never has to ask it: a grammar that
+    is complete, or that a token broke, masks every token but EOS (llguidance's mask for a stopped or failed
+    matcher), so the sequence ends on the EOS its next pick takes."""
 
-    def __init__(self, m: llg.LLMatcher, executor: _Executor) -> None:
+    __slots__ = ("__weakref__", "_lag", "_m", "_remote", "_slot", "table")
+
+    def __init__(self, m: llg.LLMatcher, table: MaskTable) -> None:
         self._m = m
-        self._executor = executor  # its compiler's: fills a step's rows in parallel
+        self.table = table  # its compiler's: where its masks are filled
         self._remote: MaskProcess | None = None
         self._slot = -1
+        self._lag: list[int] = []  # tokens the mirror took and this matcher has not
 
     def mirror(self, remote: MaskProcess, slot: int) -> None:
         self._remote, self._slot = remote, slot
@@ -140,30 +167,40 @@ class GrammarMatcher:
         return self._slot if self._remote is remote else None
 
     def accept(self, token: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it (the matcher is then broken)."""
+        """Advance by one token, checked here; False if the grammar does not allow it (the matcher is then
+        broken)."""
         self.send(token)
-        return self.consume(token)
+        return self._catch_up() and self._m.consume_token(token)
 
     def send(self, token: int) -> None:
-        """The first half of ``accept``: the token to the mirror (sent at the next flush), if there is one."""
+        """The first half of ``consume``: the token to the mirror (sent at the next flush), if there is one."""
         if self._remote is not None:
             self._remote.advance(self._slot, token)
 
     def consume(self, token: int) -> bool:
-        """The second half of ``accept``: this matcher's own advance."""
-        return self._m.consume_token(token)
+        """The second half: this matcher's own advance, left to a live mirror (True), else done here (False: the
+        grammar does not allow the token)."""
+        if self._remote is not None and not self._remote.dead:
+            self._lag.append(token)
+            return True
+        return self._catch_up() and self._m.consume_token(token)
+
+    def _catch_up(self) -> bool:
+        if self._lag:
+            lag, self._lag = self._lag, []
+            return all(self._m.consume_token(t) for t in lag)
+        return True
 
     @property
     def terminated(self) -> bool:
-        """The grammar is complete and allows nothing more: the sequence ends here."""
+        """The grammar is complete and allows nothing more (its mask allows EOS only)."""
+        self._catch_up()
         return self._m.is_stopped()
 
     @property
-    def accepting(self) -> bool:
-        return self._m.is_accepting()
-
-    @property
     def raw(self) -> llg.LLMatcher:
+        """llguidance's matcher, caught up."""
+        self._catch_up()
         return self._m
 
 
@@ -174,15 +211,17 @@ class GrammarCompiler:
     Thread-safe: workers validate (and so compile) off the engine thread."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int], capacity: int = 256,
-                 fill_process: bool = False, threads: int = 0) -> None:
+                 fill_process: bool = False, threads: int = 0, max_rows: int = 256) -> None:
         self._tok = make_tokenizer(tokenizer_json, vocab_size, eos_ids)
-        self._executor = _Executor(threads)
+        self.eos_ids = frozenset(eos_ids)  # a grammar's end: the only tokens a complete grammar's mask allows
         self.masks: MaskProcess | None = None
         if fill_process:
             try:
-                self.masks = MaskProcess(tokenizer_json, vocab_size, eos_ids, threads=threads)
+                self.masks = MaskProcess(tokenizer_json, vocab_size, eos_ids, inline_rows=max_rows, threads=threads)
             except (OSError, AttributeError) as e:  # no memfd (not Linux), or no process could start
                 log.warning("grammar masks are filled inline: the mask process could not start (%s)", e)
+        # ``max_rows``: the most constrained rows one pick has (the engine's max_num_seqs)
+        self.table = MaskTable((vocab_size + 31) // 32, max_rows, self.masks, threads)
         self.vocab_size = vocab_size
         self.capacity = capacity
         self._cache: OrderedDict[StructuredOutput, llg.LLMatcher] = OrderedDict()
@@ -210,7 +249,7 @@ class GrammarCompiler:
     def matcher(self, so: StructuredOutput, prior: Sequence[int] = ()) -> GrammarMatcher:
         """A fresh matcher for one sequence, advanced past ``prior`` (tokens it already generated). Raises
         GrammarError for a bad constraint, or when ``prior`` does not follow it."""
-        m = GrammarMatcher(self.compile(so).deep_copy(), self._executor)
+        m = GrammarMatcher(self.compile(so).deep_copy(), self.table)
         for i, t in enumerate(prior):
             if not m.accept(int(t)):
                 raise GrammarError(f"output token {i} ({t}) does not follow the {so.kind.replace('_', ' ')} "

@@ -508,20 +508,23 @@ def masked_argmax(logits: torch.Tensor, masks: torch.Tensor, mask_rows: torch.Te
 
 
 @triton.jit(do_not_specialize=["stride_x", "vocab"])
-def _apply_token_bitmask_kernel(x_ptr, stride_x, mask_ptr, stride_m, rows_ptr, vocab, BLOCK: tl.constexpr):
-    j = tl.program_id(0)
-    row = tl.load(rows_ptr + j).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inb = offs < vocab
-    w = tl.load(mask_ptr + j.to(tl.int64) * stride_m + (offs >> 5), mask=inb, other=0)
-    tl.store(x_ptr + row * stride_x + offs, float("-inf"), mask=inb & (((w >> (offs & 31)) & 1) == 0))
+def _apply_token_bitmask_kernel(x_ptr, stride_x, mask_ptr, stride_m, mrow_ptr, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    mrow = tl.load(mrow_ptr + row)  # the row's mask row; -1: unconstrained
+    if mrow >= 0:
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inb = offs < vocab
+        w = tl.load(mask_ptr + mrow.to(tl.int64) * stride_m + (offs >> 5), mask=inb, other=0)
+        tl.store(x_ptr + row.to(tl.int64) * stride_x + offs, float("-inf"),
+                 mask=inb & (((w >> (offs & 31)) & 1) == 0))
 
 
-def apply_token_bitmask_(x: torch.Tensor, masks: torch.Tensor, rows: torch.Tensor) -> None:
-    """In place: row ``rows[j]`` of ``x`` [N, V] to -inf wherever ``masks[j]`` (int32 words) disallows a token."""
-    m = rows.shape[0]
-    vocab = x.shape[1]
-    assert x.stride(1) == 1 and masks.is_contiguous() and masks.dtype == torch.int32 and masks.shape[0] == m
-    if m:
-        _apply_token_bitmask_kernel[(m, triton.cdiv(vocab, MASK_BLOCK))](x, x.stride(0), masks, masks.stride(0),
-                                                                          rows, vocab, BLOCK=MASK_BLOCK, num_warps=8)
+def apply_token_bitmask_(x: torch.Tensor, masks: torch.Tensor, mask_rows: torch.Tensor) -> None:
+    """In place: row ``i`` of ``x`` [N, V] to -inf wherever its mask ``masks[mask_rows[i]]`` (int32 words)
+    disallows a token; ``mask_rows`` int32 [N], -1 for a row without a mask (left as it is)."""
+    n, vocab = x.shape
+    assert x.stride(1) == 1 and masks.is_contiguous() and masks.dtype == torch.int32 and mask_rows.shape[0] == n
+    if n:
+        _apply_token_bitmask_kernel[(n, triton.cdiv(vocab, MASK_BLOCK))](x, x.stride(0), masks, masks.stride(0),
+                                                                          mask_rows, vocab, BLOCK=MASK_BLOCK,
+                                                                          num_warps=8)

@@ -208,7 +208,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     from common.grammar_proc import MaskProcess
     from common.loader import load_model_source
     from common.sampling import SamplingParams, StructuredOutput
-    from common.structured import GrammarMatcher
+    from common.structured import GrammarMatcher, MaskTable
 
     t0 = time.perf_counter()
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=BATCH, kv_cache_memory=512 << 20,  # type: ignore[arg-type]
@@ -302,9 +302,9 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     patch(eng.runner, "stage", into(phase, "stage"))
     patch(eng.runner, "execute", lambda f: into(phase, "launch")(gpu_marked(f)))
     patch(sampler_mod.PendingSample, "result", into(phase, "wait for the device"))
-    # inside the pick: the masks' fill (with the wait for their buffer), their copy up, the small uploads, the
-    # token readback, and the kernels' launches
-    for k in ("_fill", "_to_device"):
+    # inside the pick: the masks (their fill, or the wait for the mask process, and each row's row of the table),
+    # the small uploads, the token readback, and the kernels' launches
+    for k in ("_fill", "_device_masks"):
         patch(sampler_mod.Sampler, k, into(phase, f"pick: Sampler.{k}"))
     patch(sampler_mod._PickGraphs, "run", into(phase, "pick: the graph's loads and replay"))
     patch(sampler_mod._Readback, "__call__", into(phase, "pick: readback queued"))
@@ -313,7 +313,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     ops = sampler_mod._mask_kernels(eng.runner.device)
     for k in ("masked_argmax", "apply_token_bitmask_") if ops is not None else ():
         patch(ops, k, into(phase, f"pick: triton_ops.{k}"))
-    patch(sampler_mod, "fill_bitmask", into(parts, "fill"))
+    patch(MaskTable, "fill", into(parts, "fill"))
     patch(MaskProcess, "flush", into(parts, "advance"))
     if time_advance:  # two timer reads a row: host work that only constrained steps would carry
         patch(GrammarMatcher, "consume", into(parts, "advance"))

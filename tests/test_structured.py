@@ -16,6 +16,7 @@ from common.engine import RequestError
 from common.loader import load_tokenizer
 from common.sampler import Sampler, SampleRow
 from common.sampling import SamplingParams, StructuredOutput
+from common.sequence import FinishReason
 from common.structured import GrammarCompiler, GrammarError, check
 from tests.test_disaggregation import prefill, run
 from tests.test_sampling import DEVICES
@@ -223,6 +224,14 @@ def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(engine):
     assert r.finish_reason == "length" and len(r.token_ids) == 4 and r.text.startswith('{"name": ')
 
 
+def test_a_grammar_complete_on_its_last_token_ends_with_stop(engine):
+    """No room left for the EOS a complete grammar allows: the request still ends with stop (the mirrored matcher
+    catches up to say the grammar is complete)."""
+    [r] = engine.generate([chat(engine, "A number?")],
+                          SamplingParams(max_tokens=3, temperature=0, structured=StructuredOutput("regex", "[0-9]{3}")))
+    assert r.finish_reason == "stop" and len(r.token_ids) == 3 and r.text.isdigit()
+
+
 def test_a_bad_constraint_is_refused_before_any_block_is_taken(engine):
     p = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "(unclosed"))
     with pytest.raises(RequestError, match="invalid regex"):
@@ -294,10 +303,6 @@ def test_the_mask_process_fills_the_masks_the_matchers_fill_inline():
     """Mirrored matchers walk instances of three constraints token by token: every step's rows from the child
     equal the inline fill, bit for bit. A matcher made with no slot free stays inline; a dropped matcher's slot is
     taken again."""
-    import numpy as np
-
-    from common.structured import fill_bitmask
-
     tok = load_tokenizer()
     inline = GrammarCompiler(tok.tk.to_str(), V, EOS)
     mirrored = GrammarCompiler(tok.tk.to_str(), V, EOS, fill_process=True)
@@ -311,13 +316,14 @@ def test_the_mask_process_fills_the_masks_the_matchers_fill_inline():
     walks = [tok.encode(text, add_special_tokens=False) for _, text in cases]
     pairs = [(mirrored.matcher(so), inline.matcher(so)) for so, _ in cases]
     assert [m.slot_in(masks) is not None for m, _ in pairs] == [True, True, True, False]
-    words = (V + 31) // 32
     for step in range(max(map(len, walks))):
         live = [i for i, w in enumerate(walks) if step < len(w)]
         mirrored.flush()
-        got, want = np.zeros((len(live), words), np.int32), np.zeros((len(live), words), np.int32)
-        fill_bitmask([(pairs[i][0], j) for j, i in enumerate(live)], got)
-        fill_bitmask([(pairs[i][1], j) for j, i in enumerate(live)], want)
+        at = mirrored.table.fill([pairs[i][0] for i in live])
+        # the mirrored rows are read where the child wrote them (its slots); the fourth's in the engine's rows
+        assert [a < masks.capacity for a in at] == [i < 3 for i in live]
+        got = mirrored.table.host[at]
+        want = inline.table.host[inline.table.fill([pairs[i][1] for i in live])]
         assert (got == want).all(), f"step {step}: the child's masks differ from the inline fill"
         for i in live:
             assert pairs[i][0].accept(walks[i][step]) and pairs[i][1].accept(walks[i][step])
@@ -327,9 +333,8 @@ def test_the_mask_process_fills_the_masks_the_matchers_fill_inline():
     again = mirrored.matcher(PERSON_SO)
     assert again.slot_in(masks) == slot  # the dropped matcher's slot, reused
     mirrored.flush()
-    got, want = np.zeros((1, words), np.int32), np.zeros((1, words), np.int32)
-    fill_bitmask([(again, 0)], got)
-    fill_bitmask([(inline.matcher(PERSON_SO), 0)], want)
+    got = mirrored.table.host[mirrored.table.fill([again])]
+    want = inline.table.host[inline.table.fill([inline.matcher(PERSON_SO)])]
     assert (got == want).all()
     mirrored.close()
 
@@ -360,6 +365,25 @@ def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_e
     assert got == want
     masks = eng.grammars.masks
     assert masks.remote_rows > 0 and masks.inline_rows == 0  # each first mask too: sent before the forward
+    eng.close()
+
+
+def test_mirrored_matchers_leave_the_advance_to_the_mask_process(engine, make_engine):
+    """The engine thread does not advance a mirrored matcher (it keeps the tokens, to catch up only if needed): the
+    child's masks alone steer the row, and the completed grammar ends the request on the EOS it then allows."""
+    eng = _mirrored_engine(make_engine)
+    eng.add_request("a", chat(engine, "A person as JSON."), MIXED[0])
+    out: list[int] = []
+    lagged = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            out += o.new_token_ids
+            s = eng._seqs.get("a")
+            if s is not None:
+                assert s.matcher._lag == s.output_ids  # every token taken, none consumed here
+                lagged += 1
+    assert lagged > 5 and out[-1] in EOS and o.finish_reason is FinishReason.STOP
+    jsonschema.validate(json.loads(eng.tokenizer.decode(out[:-1])), PERSON)
     eng.close()
 
 

@@ -262,13 +262,33 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
     assert got[5] == int(bits[2].nonzero()[0]) and got[6] == 100
     x = torch.randn(n, vocab, generator=g).to(device)
     before = x.clone()
-    rows = [4, 0, 6, 2]
-    tk.apply_token_bitmask_(x, masks, torch.tensor(rows, device=device))
-    for j, r in enumerate(rows):
-        keep = bits[j, :vocab].to(device)
-        assert torch.equal(x[r][keep], before[r][keep]) and bool(torch.isneginf(x[r][~keep]).all()), r
-    for r in set(range(n)) - set(rows):
-        assert torch.equal(x[r], before[r]), r
+    tk.apply_token_bitmask_(x, masks, torch.tensor(mask_rows, dtype=torch.int32, device=device))
+    for i, m in enumerate(mask_rows):
+        if m < 0:
+            assert torch.equal(x[i], before[i]), i
+        else:
+            keep = bits[m, :vocab].to(device)
+            assert torch.equal(x[i][keep], before[i][keep]) and bool(torch.isneginf(x[i][~keep]).all()), i
+    # the sampler's way: the masks and the rows' index in host memory that the kernels read in place
+    import mmap
+
+    from common.sampler import _Mapped
+
+    def mapped(a: np.ndarray) -> _Mapped:  # page-aligned host memory, as the mask table's
+        host = np.frombuffer(mmap.mmap(-1, a.nbytes), np.int32).reshape(a.shape)
+        host[...] = a
+        return _Mapped.of(host, torch.device(device))
+
+    host_masks, host_rows = mapped(packed), mapped(np.array(mask_rows, dtype=np.int32))
+    assert host_masks.tensor.device == logits.device and host_masks.tensor.data_ptr() == host_masks.host.ctypes.data
+    assert tk.masked_argmax(logits, host_masks.tensor, host_rows.tensor).tolist() == want
+    y = before.clone()
+    tk.apply_token_bitmask_(y, host_masks.tensor, host_rows.tensor)
+    assert torch.equal(y, x)
+    host_rows.host[:] = -1  # written on the host, read by the next kernel
+    tk.apply_token_bitmask_(y, host_masks.tensor, host_rows.tensor)
+    assert torch.equal(y, x)
+    assert tk.masked_argmax(logits, host_masks.tensor, host_rows.tensor).tolist() == logits.float().argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}-ctx{c[1]}-splits{c[2]}")
