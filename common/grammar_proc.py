@@ -96,6 +96,7 @@ class MaskProcess:
         self._sent = 0  # batches sent (numbered from 1)
         self._done = -1  # the last batch the child answered; 0: it is ready
         self._pending = b""
+        self._last: tuple[list[GrammarMatcher], list[int]] | None = None  # the last locate's matchers and slots
         self.dead = False
         self.remote_rows = self.inline_rows = 0  # rows served from the child / filled inline, for the benchmark
         self._sent_at: dict[int, int] = {}  # batch → when it was sent (monotonic ns), until its answer
@@ -168,19 +169,26 @@ class MaskProcess:
 
     def locate(self, matchers: Sequence[GrammarMatcher]) -> list[int]:
         """The slot (row of ``rows``) with each matcher's next mask, once the child has answered the batch that
-        carried its last token; -1 where the engine fills it (not mirrored, its tokens not sent, no child)."""
+        carried its last token; -1 where the engine fills it (not mirrored, its tokens not sent, no child). The
+        same rows as the last call (a decode batch, step after step) get the same list back."""
         with self._lock:
             if self.dead or self._done < 0:
                 self.inline_rows += len(matchers)
                 return [-1] * len(matchers)
-            unsent = {op >> 32 if type(op) is int else op[1] for op in self._ops} if self._ops else ()
-            at = []
-            for m in matchers:
-                s = m.slot_in(self)
-                at.append(-1 if s is None or s in unsent else s)
-            served = [s for s in at if s >= 0]
+            last = self._last
+            if last is not None and not self._ops and last[0] == matchers:
+                at = last[1]  # the rows of the last call, all mirrored, nothing unsent: the same slots (the same list)
+                served = at
+            else:
+                unsent = {op >> 32 if type(op) is int else op[1] for op in self._ops} if self._ops else ()
+                at = []
+                for m in matchers:
+                    s = m.slot_in(self)
+                    at.append(-1 if s is None or s in unsent else s)
+                served = [s for s in at if s >= 0]
+                self._last = (list(matchers), at) if len(served) == len(at) else None
             if served:
-                need = max(self._slot_batch[s] for s in served)
+                need = max(map(self._slot_batch.__getitem__, served))
                 if need > self._done and not self._wait(need, REPLY_TIMEOUT_S):
                     if not self.dead:
                         self._die(f"no answer in {REPLY_TIMEOUT_S:g} s")

@@ -541,6 +541,7 @@ class Sampler:
         # pick that read them
         self._table: tuple[MaskTable, _Mapped] | bool | None = None
         self._index: _Mapped | None = None
+        self._indexed: tuple[list[int] | None, list[int], int] = (None, [], 0)  # what the index holds: (at, idx, padded)
         self._read: torch.cuda.Event | None = None
         self._readback = _Readback()
         # CUDA: the processed pick as graphs (``cuda_graphs=False``: eager, as on the CPU)
@@ -713,9 +714,11 @@ class Sampler:
         if self._read is not None:
             self._read.synchronize()  # the last pick that read the table and the index (done by now: its tokens were read)
         at = table.fill(matchers)
-        index = self._index.host
-        index[:padded] = -1
-        index[idx] = at
+        if at is not self._indexed[0] or (idx, padded) != self._indexed[1:]:  # else the index holds them already
+            index = self._index.host
+            index[:padded] = -1
+            index[idx] = at
+            self._indexed = (at, idx, padded)
         return self._table[1].tensor, self._index.tensor[:padded]
 
     def _masks_read(self) -> None:
