@@ -21,8 +21,9 @@ whose argmax is disallowed are picked again, by one pass of the C++ kernel that 
 tokens (``cpu_kernels.masked_argmax_rows``). On a GPU nothing is copied: the table is registered with CUDA and
 the kernels read each row's mask in place, over PCIe, through a small index (each row's row of the table, -1 for
 none) in registered memory too. One Triton kernel sets the disallowed logits to -inf (``common/triton_ops.py``),
-as a node of the pick's CUDA graph (:class:`_PickGraphs`); an all-greedy batch replays a graph of that kernel and
-the argmax. Rows without a constraint keep their logits.
+as a node of the pick's CUDA graph (:class:`_PickGraphs`); an all-greedy batch takes one kernel instead, each
+row's argmax over its allowed tokens (on an H200's host its launch cost less than a graph's loads and replay). Rows
+without a constraint keep their logits.
 
 One device→host copy per step returns the picked ids (and the asked logprobs with them). ``Sampler.launch`` queues
 the pick and that copy and returns at once (:class:`PendingSample`): the picked ids stay on the device too, where
@@ -419,24 +420,19 @@ class _PickGraphs:
         self.captures = 0
         self.replays = 0
 
-    def key(self, spec: _StepSpec | None, n: int, masked: bool = False) -> _GraphKey | None:
-        if n > _GRAPH_MAX_ROWS:
-            return None
-        if spec is None:  # plain greedy rows under their masks: the argmax of the masked logits
-            return _GraphKey(max(8, 1 << (n - 1).bit_length()), 0, False, False, True, False, 0, False, False, 0,
-                             True)
-        if spec.bias or spec.bans or spec.lp_rows:
+    def key(self, spec: _StepSpec, n: int, masked: bool = False) -> _GraphKey | None:
+        if spec.bias or spec.bans or spec.lp_rows or n > _GRAPH_MAX_ROWS:
             return None
         full_k = 0 if spec.candidates or not any(spec.top_ks) else max(spec.top_ks)
         return _GraphKey(max(8, 1 << (n - 1).bit_length()), self.sampler._slots.ids.shape[1] if spec.count_rows else 0,
                          spec.any_rep, spec.any_freq_pres, spec.any_greedy, spec.any_sampled, spec.candidates,
                          spec.any_top_p, spec.any_min_p, full_k, masked)
 
-    def run(self, logits: torch.Tensor, spec: _StepSpec | None, constrained: list[SampleRow] | None = None
+    def run(self, logits: torch.Tensor, spec: _StepSpec, constrained: list[SampleRow] | None = None
             ) -> torch.Tensor | None:
         """The picks of ``logits``' rows ([n] int64, a copy), or None where this step runs eagerly.
-        ``spec`` None: every row plain greedy (and some constrained). ``constrained``: the step's rows when some
-        are constrained (their masks are filled here, once the step is known to replay)."""
+        ``constrained``: the step's rows when some are constrained (their masks are filled here, once the step is
+        known to replay)."""
         n = logits.shape[0]
         key = self.key(spec, n, constrained is not None)
         if key is None or key in self.failed:
@@ -460,9 +456,8 @@ class _PickGraphs:
             self.prm = torch.zeros(rows, len(_PAD_ROW), dtype=torch.float32, device=logits.device)
         assert self.prm is not None
         self._load(logits, key.rows)
-        if spec is not None:
-            self.sampler._uploads.copy_into("graph_params", spec.table + [_PAD_ROW] * (key.rows - n),
-                                            self.prm[: key.rows])
+        self.sampler._uploads.copy_into("graph_params", spec.table + [_PAD_ROW] * (key.rows - n),
+                                        self.prm[: key.rows])
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key)
@@ -566,14 +561,11 @@ class Sampler:
         plain = all(_plain_greedy(r) for r in rows)
         constrained = any(r.grammar is not None for r in rows)
         ops = _mask_kernels(logits.device) if constrained else None
-        if plain and ops is not None:  # on a GPU: each row's argmax over its allowed tokens
-            picked = self._graphs.run(logits, None, rows) if self._graphs is not None else None
-            if picked is None:
-                masks = self._device_masks(rows, logits.shape[0])
-                if masks is not None:
-                    picked = ops.masked_argmax(logits, *masks)
-                    self._masks_read()
-            if picked is not None:
+        if plain and ops is not None:  # on a GPU: one kernel, each row's argmax over its allowed tokens
+            masks = self._device_masks(rows, logits.shape[0])
+            if masks is not None:
+                picked = ops.masked_argmax(logits, *masks)
+                self._masks_read()
                 return self._tokens_only(picked)
         if plain and logits.device.type != "cpu" and not constrained:
             return self._tokens_only(logits.argmax(dim=-1))
