@@ -10,10 +10,12 @@ Two parts, one run:
   GIL up and waits to take it back, up to a switch interval).
 - **engine**: the real engine step at batch 32, every row decoding, with no row constrained against every row
   constrained (the five schemas, each wrapped in an array of at least 8 items so no row finishes inside the
-  window). The windows alternate, so both see the same machine load. The forward is the same work in both; what
-  differs is the update (mask fill, mask applied in the sampler, matchers advanced), timed on its own: the
-  constrained cost is the median update's growth over the median unconstrained step. The target: constrained
-  rows cost less than 10% of an unconstrained step. The end-to-end ratio of the median steps is printed beside it.
+  window). The windows alternate, so both see the same machine load. The forward is the same work in both, so
+  the constrained cost is the growth of the median step, end to end. The target: constrained rows cost less than
+  10% of an unconstrained step. Beside it, the host's update (mask fill, mask applied in the sampler, matchers
+  advanced, and any wait for the device) is timed on its own, and a table splits the step into its phases: with
+  async scheduling the host's extra work can take the place of time it spent waiting for the GPU, so the update's
+  growth alone can understate the cost.
 
 Run: ``tokenmill bench structured [--steps 8] [--rounds 2] [--dtype bfloat16] [--temperature 1]``.
 """
@@ -452,8 +454,8 @@ def run(a: argparse.Namespace) -> int:
     print()
     print("| batch | dtype | temperature | masks filled | pick | step ms: none constrained | all constrained | "
           "update ms (sample + stop checks): none | all | mask fill (or wait and copy) ms | advance (and send) ms | "
-          "process: read after sending ms | its fill ms p50 / p90 | constrained cost | target | "
-          "step ratio, end to end |")
+          "process: read after sending ms | its fill ms p50 / p90 | update growth ÷ step | "
+          "constrained cost: step growth, end to end | target |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in runs:
         child = (f"{e['child_read_ms']:.3f} | {e['child_fill_ms']:.3f} / {e['child_fill_p90_ms']:.3f}"
@@ -462,8 +464,7 @@ def run(a: argparse.Namespace) -> int:
               f"{e['step_ms_plain']:.1f} | "
               f"{e['step_ms_constrained']:.1f} | {e['update_ms_plain']:.2f} | {e['update_ms_constrained']:.2f} | "
               f"{e['fill_ms']:.3f} | {e['advance_ms']:.3f}{'' if e['advance_timed'] else ' (send only)'} | {child} | "
-              f"{e['overhead'] * 100:.1f}% | "
-              f"< {TARGET_OVERHEAD * 100:.0f}% | {e['end_to_end'] * 100:+.1f}% |")
+              f"{e['overhead'] * 100:.1f}% | {e['end_to_end'] * 100:+.1f}% | < {TARGET_OVERHEAD * 100:.0f}% |")
     for e in runs:
         print(f"\nwhere a step's time goes (ms, medians; masks filled {e['fill']}, pick {e['pick']}):")
         print("| phase | none constrained | all constrained |\n|---|---|---|")
@@ -471,9 +472,10 @@ def run(a: argparse.Namespace) -> int:
         for k in dict.fromkeys([*none, *con]):
             print(f"| {k} | {none.get(k, 0.0):.3f} | {con.get(k, 0.0):.3f} |")
     e = runs[-1]
-    met = e["overhead"] < TARGET_OVERHEAD
-    print(f"\ntarget {'met' if met else 'NOT met'} (masks filled {e['fill']}): all 32 rows constrained add "
-          f"{e['overhead'] * 100:.1f}% to an unconstrained step (medians of {e['steps']} steps each)")
+    met = e["end_to_end"] < TARGET_OVERHEAD
+    print(f"\ntarget {'met' if met else 'NOT met'} (masks filled {e['fill']}): all 32 rows constrained make the step "
+          f"{e['end_to_end'] * 100:+.1f}% longer (medians of {e['steps']} steps each; the update alone grew by "
+          f"{e['overhead'] * 100:.1f}% of the step)")
     if a.output:
         Path(a.output).write_text(json.dumps({"libraries": [*libs, *([xg] if xg else [])], "engine": runs},
                                              indent=1))
