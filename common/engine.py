@@ -14,7 +14,9 @@ row (structured outputs) cannot be picked before the row's grammar mask is fille
 last token, so its pick waits (``engine.async_constrained``, on with async scheduling): the next call schedules
 step N+1 and stages its inputs, then queues step N's pick (its masks filled meanwhile, beside step N's forward),
 then launches step N+1's forward and reads step N's tokens, so the masks of step N+1's pick fill while its
-forward runs and while the host hands out step N's tokens, schedules step N+2 and stages it. With it off,
+forward runs and while the host hands out step N's tokens, schedules step N+2 and stages it. Where the GPU is idle
+by the time step N's pick is queued (a small model: the host is the bound), the engine waits for that pick and
+sends its tokens to the grammar mask process before step N+1's launch, giving the masks that much longer. With it off,
 such a step hands its tokens out before it returns, as a synchronous engine does, and its rows' next masks fill
 beside the next schedule and forward only.
 """
@@ -131,6 +133,10 @@ class _InFlight:
     # their masks fill beside the next schedule and forward)
     overlap: bool
     logits: torch.Tensor | None = None  # a pick not queued yet: its rows' logits
+    # a pick not queued yet, on CUDA: done when the step's forward is (``step`` sends its tokens to the grammar mask
+    # process as soon as it is queued when the GPU is idle by then); ``sent``: they went
+    forward_done: torch.cuda.Event | None = None
+    sent: bool = False
 
 
 class LLMEngine:
@@ -490,6 +496,7 @@ class LLMEngine:
             # this step's rows staged first, so the masks have that long too; then the pick, then the launch
             staged = self.runner.stage(out)
             self._queue_pick(prev)
+            self._send_early(prev)
         logits = self.runner.execute(out, self._feed(out, prev), staged)
         self.num_steps += 1
         outputs = self._resolve(prev) if prev is not None else []
@@ -534,6 +541,9 @@ class LLMEngine:
                 s.pending_final = (s.request_id in self._prefill_only or n >= s.max_tokens
                                    or s.num_tokens + 1 >= self.max_model_len)
             if constrained:
+                if self.runner.device.type == "cuda" and self._grammars is not None and self._grammars.masks is not None:
+                    step.forward_done = torch.cuda.Event()
+                    step.forward_done.record()
                 return step
         self._queue_pick(step)
         return step
@@ -574,11 +584,8 @@ class LLMEngine:
         keep = [j for j, s in enumerate(sampling) if self._live(s)]
         if len(keep) < len(sampling):  # aborted while its token was on the device
             sampling, toks, lps = [sampling[j] for j in keep], [toks[j] for j in keep], [lps[j] for j in keep]
-        if self._grammars is not None and self._grammars.masks is not None:  # the next masks start before the rows below
-            for s, tok in zip(sampling, toks):
-                if s.matcher is not None:
-                    s.matcher.send(tok)
-            self._grammars.flush()
+        if not step.sent:  # the next masks start before the rows below
+            self._send_tokens(sampling, toks)
         now = time.monotonic()
         outputs = []
         for s, tok, lp in zip(sampling, toks, lps):
@@ -608,6 +615,27 @@ class LLMEngine:
             outputs.append(o)
         self.num_generated_tokens += len(outputs)
         return outputs
+
+    def _send_tokens(self, seqs: list[Sequence], toks: list[int]) -> None:
+        """The constrained rows' tokens to the grammar mask process, which starts on their next masks."""
+        if self._grammars is not None and self._grammars.masks is not None:
+            for s, tok in zip(seqs, toks):
+                if s.matcher is not None:
+                    s.matcher.send(tok)
+            self._grammars.flush()
+
+    def _send_early(self, step: _InFlight) -> None:
+        """A deferred pick just queued, on an idle GPU (its step's forward is done: the host is the bound): wait the
+        few tens of µs the pick takes and send its tokens to the mask process before the next forward's launch,
+        rather than after it, so the masks of the pick after have that much longer to fill. On a busy GPU (a large
+        model) waiting for the pick would leave it idle through the launch: the tokens go after it, as they would."""
+        if step.forward_done is None or not step.forward_done.query():
+            return
+        assert step.picks is not None
+        toks = step.picks.result().token_ids
+        live = [j for j, s in enumerate(step.seqs) if self._live(s)]
+        self._send_tokens([step.seqs[j] for j in live], [toks[j] for j in live])
+        step.sent = True
 
     def _live(self, s: Sequence) -> bool:
         """Not aborted: still the engine's sequence under its id (a new request may reuse an aborted one's id)."""

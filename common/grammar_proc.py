@@ -54,6 +54,11 @@ _HEADER = struct.Struct("<Q")  # a message's length, then its pickle
 # an answer: the batch's sequence number, and when (CLOCK_MONOTONIC ns) the child had read it and had filled its masks
 _ANSWER = struct.Struct("<Qqq")
 REPLY_TIMEOUT_S = 5.0  # a child that has not answered a batch by then is taken for hung: fills go inline
+# Each side of the pipe polls it without blocking for this long before it sleeps in select: waking a process that
+# sleeps on a pipe costs tens of µs, against a ~1 ms decode step of a small model on a GPU, and both the child's
+# start and the engine's wait for an answer lie on the step's path. Only where cores are plenty (a GPU host): on a
+# small machine the spinning would take a core from the forward. TOKENMILL_GRAMMAR_SPIN_S sets it (both sides).
+SPIN_S = float(os.environ.get("TOKENMILL_GRAMMAR_SPIN_S", 0.002 if (os.cpu_count() or 1) >= 8 else 0.0))
 _COMPILED_CAPACITY = 256  # the child's compiled grammars, by text (LRU)
 
 
@@ -223,13 +228,15 @@ class MaskProcess:
 
     def _wait(self, batch: int, timeout: float) -> bool:
         """Read answers until the child has answered ``batch`` (0: it is ready). False: it is gone, or ``timeout``
-        seconds passed first."""
-        deadline = time.monotonic() + timeout
+        seconds passed first. Polls for up to ``SPIN_S`` before it sleeps."""
+        now = time.monotonic()
+        deadline, spin = now + timeout, now + SPIN_S
         while self._poll() and self._done < batch:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
-            select.select([self._answers], [], [], left)
+            if now >= spin:
+                select.select([self._answers], [], [], deadline - now)
         return self._done >= batch and not self.dead
 
     def _die(self, why: str) -> None:
@@ -293,14 +300,30 @@ def compute_masks(executor: Any, rows: Sequence[tuple[Any, int]], base: int, row
 
 
 # -- the child ----------------------------------------------------------------------------------------------
-def _read_exact(f: Any, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = f.read(n - len(buf))
-        if not chunk:
-            return b""
-        buf += chunk
-    return buf
+class _Reader:
+    """The child's end of the pipe: whole messages, read without blocking for up to ``SPIN_S`` after the last one
+    (the next step's tokens come within a step), then asleep in select."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self.buf = b""
+
+    def read(self, n: int) -> bytes:
+        """``n`` bytes; b"" at the end of the input."""
+        spin = time.monotonic() + SPIN_S
+        while len(self.buf) < n:
+            try:
+                chunk = os.read(self.fd, max(n - len(self.buf), 1 << 16))
+            except BlockingIOError:
+                if time.monotonic() >= spin:
+                    select.select([self.fd], [], [])
+                continue
+            if not chunk:
+                return b""
+            self.buf += chunk
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
 
 
 def main(argv: list[str]) -> int:
@@ -318,13 +341,13 @@ def main(argv: list[str]) -> int:
     executor = make_executor(threads)
     compiled: OrderedDict[str, Any] = OrderedDict()
     matchers: dict[int, Any] = {}
-    stdin = sys.stdin.buffer
+    stdin = _Reader(0)
     os.write(1, _ANSWER.pack(0, 0, 0))  # ready
     while True:
-        head = _read_exact(stdin, _HEADER.size)
+        head = stdin.read(_HEADER.size)
         if not head:
             return 0
-        batch, ops = pickle.loads(_read_exact(stdin, _HEADER.unpack(head)[0]))
+        batch, ops = pickle.loads(stdin.read(_HEADER.unpack(head)[0]))
         read_ns = time.monotonic_ns()
         touched: dict[int, Any] = {}
         for op in ops:

@@ -299,10 +299,15 @@ ORDER = {"type": "object", "properties": {
     "total": {"type": "number"}}, "required": ["items", "total"], "additionalProperties": False}
 
 
-def test_the_mask_process_fills_the_masks_the_matchers_fill_inline():
+@pytest.mark.parametrize("spin", [0.0, 0.002], ids=["asleep", "spinning"])
+def test_the_mask_process_fills_the_masks_the_matchers_fill_inline(spin, monkeypatch):
     """Mirrored matchers walk instances of three constraints token by token: every step's rows from the child
     equal the inline fill, bit for bit. A matcher made with no slot free stays inline; a dropped matcher's slot is
-    taken again."""
+    taken again. Both ways of waiting on the pipe (asleep in select; polling it, as on a GPU host)."""
+    from common import grammar_proc
+
+    monkeypatch.setenv("TOKENMILL_GRAMMAR_SPIN_S", str(spin))
+    monkeypatch.setattr(grammar_proc, "SPIN_S", spin)
     tok = load_tokenizer()
     inline = GrammarCompiler(tok.tk.to_str(), V, EOS)
     mirrored = GrammarCompiler(tok.tk.to_str(), V, EOS, fill_process=True)
