@@ -10,10 +10,11 @@ from loadgen.bench_structured import bench_engine
 
 @pytest.mark.parametrize("pick", ["deferred", "sync"])
 def test_the_constrained_step_is_timed_each_way(pick):
-    r = bench_engine("float32", steps=2, rounds=1, temperature=1.0, grammar_process=True, constrained_pick=pick)
+    r = bench_engine("float32", steps=2, rounds=2, temperature=1.0, grammar_process=True, constrained_pick=pick)
     assert r["pick"] == pick and r["async_scheduling"] is (pick == "deferred")
-    assert r["fill"] == "process" and r["steps"] == 2 and r["batch"] == 32
+    assert r["fill"] == "process" and r["steps"] == 4 and r["batch"] == 32
     assert r["step_ms_plain"] > 0 and r["step_ms_constrained"] > 0 and r["update_ms_constrained"] > 0
+    assert len(r["round_ratios"]) == 2 and r["end_to_end"] == sum(r["round_ratios"]) / 2  # the median of two
     assert r["child_fill_ms"] is not None and r["child_fill_ms"] > 0
     for kind in ("none", "constrained"):  # the phase table's rows, each a median over the timed steps
         phases = r["phases_ms"][kind]
