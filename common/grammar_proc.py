@@ -54,10 +54,12 @@ _HEADER = struct.Struct("<Q")  # a message's length, then its pickle
 # an answer: the batch's sequence number, and when (CLOCK_MONOTONIC ns) the child had read it and had filled its masks
 _ANSWER = struct.Struct("<Qqq")
 REPLY_TIMEOUT_S = 5.0  # a child that has not answered a batch by then is taken for hung: fills go inline
-# Each side of the pipe polls it without blocking for this long before it sleeps in select: waking a process that
-# sleeps on a pipe costs tens of µs, against a ~1 ms decode step of a small model on a GPU, and both the child's
-# start and the engine's wait for an answer lie on the step's path. Only where cores are plenty (a GPU host): on a
-# small machine the spinning would take a core from the forward. TOKENMILL_GRAMMAR_SPIN_S sets it (both sides).
+# The child polls the pipe without blocking for this long after each batch before it sleeps in select: waking a
+# process that sleeps on a pipe costs tens of µs, against a ~1 ms decode step of a small model on a GPU, and the
+# child's start lies on the step's path (its read of a step's tokens: 0.04-0.07 ms asleep, 0.02 polling, H200).
+# Only where cores are plenty (a GPU host): on a small machine the polling would take a core from the forward.
+# The engine's wait for an answer sleeps: the child is filling masks then, on every core it has.
+# TOKENMILL_GRAMMAR_SPIN_S sets it.
 SPIN_S = float(os.environ.get("TOKENMILL_GRAMMAR_SPIN_S", 0.002 if (os.cpu_count() or 1) >= 8 else 0.0))
 _COMPILED_CAPACITY = 256  # the child's compiled grammars, by text (LRU)
 
@@ -228,15 +230,13 @@ class MaskProcess:
 
     def _wait(self, batch: int, timeout: float) -> bool:
         """Read answers until the child has answered ``batch`` (0: it is ready). False: it is gone, or ``timeout``
-        seconds passed first. Polls for up to ``SPIN_S`` before it sleeps."""
-        now = time.monotonic()
-        deadline, spin = now + timeout, now + SPIN_S
+        seconds passed first. Asleep in select meanwhile: the child is filling masks then, on every core it has."""
+        deadline = time.monotonic() + timeout
         while self._poll() and self._done < batch:
-            now = time.monotonic()
-            if now >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            if now >= spin:
-                select.select([self._answers], [], [], deadline - now)
+            select.select([self._answers], [], [], left)
         return self._done >= batch and not self.dead
 
     def _die(self, why: str) -> None:

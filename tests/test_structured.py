@@ -303,11 +303,8 @@ ORDER = {"type": "object", "properties": {
 def test_the_mask_process_fills_the_masks_the_matchers_fill_inline(spin, monkeypatch):
     """Mirrored matchers walk instances of three constraints token by token: every step's rows from the child
     equal the inline fill, bit for bit. A matcher made with no slot free stays inline; a dropped matcher's slot is
-    taken again. Both ways of waiting on the pipe (asleep in select; polling it, as on a GPU host)."""
-    from common import grammar_proc
-
+    taken again. Both ways the child waits on the pipe (asleep in select; polling it, as on a GPU host)."""
     monkeypatch.setenv("TOKENMILL_GRAMMAR_SPIN_S", str(spin))
-    monkeypatch.setattr(grammar_proc, "SPIN_S", spin)
     tok = load_tokenizer()
     inline = GrammarCompiler(tok.tk.to_str(), V, EOS)
     mirrored = GrammarCompiler(tok.tk.to_str(), V, EOS, fill_process=True)
