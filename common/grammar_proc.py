@@ -103,7 +103,9 @@ class MaskProcess:
         self._sent = 0  # batches sent (numbered from 1)
         self._done = -1  # the last batch the child answered; 0: it is ready
         self._pending = b""
-        self._last: tuple[list[GrammarMatcher], list[int]] | None = None  # the last locate's matchers and slots
+        # the last locate's matchers and slots (held until the next locate: a finished row's slot is freed a pick
+        # late; identities, not ids, since an id can come back for a new matcher with another slot)
+        self._last: tuple[list[GrammarMatcher], list[int]] | None = None
         self.dead = False
         self.remote_rows = self.inline_rows = 0  # rows served from the child / filled inline, for the benchmark
         self._sent_at: dict[int, int] = {}  # batch → when it was sent (monotonic ns), until its answer
