@@ -269,7 +269,9 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
         else:
             keep = bits[m, :vocab].to(device)
             assert torch.equal(x[i][keep], before[i][keep]) and bool(torch.isneginf(x[i][~keep]).all()), i
-    # the sampler's way: the masks and the rows' index in host memory that the kernels read in place
+    if torch.device(device).type != "cuda":  # (the Triton interpreter on the CPU: no host memory to map)
+        return
+    # the sampler's way on CUDA: the masks and the rows' index in host memory that the kernels read in place
     import mmap
 
     from common.sampler import _Mapped
