@@ -49,7 +49,7 @@ def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tm
                        "--num-prompts", "4",
                        "--max-concurrency", "1", "3", "--random-input-len", "300", "--random-output-len", "5",
                        "--ignore-eos", "--goodput", "ttft:60000", "tpot:60000", "--cluster-state", cluster["state"],
-                       "--metrics-interval", "0.2",
+                       "--metrics-interval", "0.05",
                        "--result-file", str(out), "--disable-tqdm", "--fail-on-error")
     assert code == 0, text
     res = json.loads(out.read_text())
@@ -70,11 +70,13 @@ def test_grpc_sweep_writes_json_and_plots_with_exact_lengths(cluster, capsys, tm
         srv = run["server"]
         assert srv["read"] == srv["endpoints"] == 5
         # 300-token prompts are over router.prefill_threshold_tokens: prefilled remotely, KV pulled over NIXL
-        assert srv["nixl_bytes"] > 0 and 0 < srv["kv_usage_peak"] <= 1 and srv["prefix_cache_queries"] >= 4 * 300
+        assert srv["nixl_bytes"] > 0 and 0 <= srv["kv_usage_peak"] <= 1 and srv["prefix_cache_queries"] >= 4 * 300
         # the server's own view (gateway histograms): its TTFT is below the client's, by the client's and the
         # network's share (its e2e ends at the end of the stream, the client's at the last token: no order there)
         assert 0 < srv["ttft_mean_ms"] <= s["ttft_ms"]["mean"] and srv["e2e_mean_ms"] > 0
     assert _in_flight_max([r for r in res["runs"][1]["records"] if not r["warmup"]]) >= 2
+    # KV usage is a gauge, polled: a sweep point of a few short requests may fall between two polls, the sweep not
+    assert max(run["server"]["kv_usage_peak"] for run in res["runs"]) > 0
     # every sweep point (and its warm-up) draws fresh prompts: none is served from an earlier one's cache
     assert [run["server"]["prefix_cache_hits"] for run in res["runs"]] == [0, 0]
     for suffix in ("_cdf", "_latency", "_throughput", "_goodput"):
