@@ -680,7 +680,10 @@ class Sampler:
         if found is None:
             return None
         idx, matchers, table = found
-        return idx, torch.from_numpy(table.host[table.fill(matchers)])
+        at = table.fill(matchers)
+        if at == list(range(at[0], at[0] + len(at))):  # filled here, in a run of rows: read them where they are
+            return idx, torch.from_numpy(table.host[at[0] : at[0] + len(at)])
+        return idx, torch.from_numpy(table.host[at])  # the mask process's slots: gathered into one bitmask
 
     def _device_masks(self, rows: list[SampleRow], padded: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """On CUDA, the rows' masks where the device reads them in place, without a copy: the mask table (host
