@@ -57,12 +57,18 @@ ProgressThread = int | Literal["off"]  # the pause between progress rounds in µ
 PROGRESS_THREAD_BY_ROLE: dict[str, ProgressThread] = {"prefill": 100, "decode": "off", "both": 100}
 # A VRAM pool's READs complete on the GPU while the engine steps; a step can take tens of ms, so the agent's own
 # thread checks them while any is in flight (each check is one short call under the GIL): it sleeps through
-# VRAM_POLL_EARLY of a READ's expected time (its bytes at the rate recent READs reached), then checks every
+# VRAM_POLL_EARLY of a READ's expected time (its bytes at the agent's expected rate), then checks every
 # VRAM_POLL_S, with the thread's timer slack at 1 µs so that a sleep this short lasts what it says
 # (docs/performance-notes.md, "Seeing a READ end").
 VRAM_POLL_S = 25e-6
 VRAM_POLL_EARLY = 0.75
 _RATE_MIN_BYTES = 16 << 20  # READs this large or larger set the expected rate (smaller ones are mostly overhead)
+# The expected rate learns only from READs whose end a check bracketed: one still in flight at or after its due
+# time (VRAM_POLL_EARLY of its expected time). A READ first seen DONE at or before then ended at some unknown
+# moment before: the rate was too low, and it grows RATE_PROBE times. (Learning from the time a READ was seen to
+# end, late by the checker's wake-up, fed that lateness back into the next READ's sleep: short READs settled at
+# four times the wake-up delay, whatever the copy took.)
+RATE_PROBE = 2.0
 
 _DESC_MAGIC = b"TMKV"
 _DESC_HEADER = struct.Struct("<4sHBxIQQ")  # magic, format version, mem type, pad, device id, count, bytes/desc
@@ -254,6 +260,8 @@ class KvReadHandle:
     nbytes: int
     started: float
     runs: int = 0  # descriptors after merging the runs contiguous on both sides
+    due: float = 0.0  # when checks begin (perf_counter; 0: no expected rate yet)
+    checked: float = 0.0  # the last check that saw it in flight
     state: XferState = "PROC"
     finished: float | None = None
     error: str | None = None
@@ -443,6 +451,7 @@ class KvTransferAgent:
             if local_idx.min() < 0 or local_idx.max() >= self.num_blocks:
                 raise ValueError(f"local block ids out of range (pool of {self.num_blocks} blocks)")
             h = KvReadHandle(peer, n, n * self.bytes_per_block, time.perf_counter(), runs)
+            self._expect(h)
             try:
                 h._xfer = self._agent.make_prepped_xfer("READ", self._local_prepped, local_idx,
                                                         p.prepped, remote_idx, notif)
@@ -490,10 +499,7 @@ class KvTransferAgent:
 
     def _poll_pause(self, now: float) -> float:
         """Until the next check: VRAM_POLL_S, or longer while every READ in flight is early in its expected time."""
-        if self._rate <= 0:
-            return VRAM_POLL_S
-        due = min(h.started + VRAM_POLL_EARLY * h.nbytes / self._rate for h in self._inflight)
-        return max(VRAM_POLL_S, due - now)
+        return max(VRAM_POLL_S, min((h.due for h in self._inflight), default=0.0) - now)
 
     def poll(self, handle: KvReadHandle) -> XferState:
         """Non-blocking state of a READ; call once per engine step. Counters are updated when it finishes."""
@@ -518,7 +524,10 @@ class KvTransferAgent:
         return True
 
     def _settle(self, h: KvReadHandle, state: str, error: str | None = None) -> XferState:
-        if h.state != "PROC" or state == "PROC":
+        if h.state != "PROC":
+            return h.state
+        if state == "PROC":
+            h.checked = time.perf_counter()
             return h.state
         h.finished = time.perf_counter()
         self._inflight.discard(h)
@@ -530,13 +539,27 @@ class KvTransferAgent:
             self.bytes_transferred += h.nbytes
             self.transfer_seconds += h.finished - h.started
             if h.nbytes >= _RATE_MIN_BYTES:
-                rate = h.nbytes / max(h.finished - h.started, 1e-6)
-                self._rate = rate if self._rate <= 0 else 0.7 * self._rate + 0.3 * rate
+                self._learn_rate(h)
         else:
             h.state = "ERR"
             h.error = error or "NIXL reported a transfer error"
             self.failures += 1
         return h.state
+
+    def _expect(self, h: KvReadHandle) -> None:
+        """Set when the checks of a READ just posted begin (none known yet: at once)."""
+        if self._rate > 0:
+            h.due = h.started + VRAM_POLL_EARLY * h.nbytes / self._rate
+
+    def _learn_rate(self, h: KvReadHandle) -> None:
+        """Fold a finished READ into the expected rate (see RATE_PROBE)."""
+        assert h.finished is not None
+        if self._rate <= 0:
+            self._rate = h.nbytes / max(h.finished - h.started, 1e-6)
+        elif h.checked >= h.due:  # in flight at a check after its due time: it ended between that and the next
+            self._rate = 0.7 * self._rate + 0.3 * h.nbytes / max((h.checked + h.finished) / 2 - h.started, 1e-6)
+        else:  # first seen DONE before or at the first check: the checks began too late
+            self._rate = max(h.nbytes / max(h.finished - h.started, 1e-6), RATE_PROBE * self._rate)
 
     def release(self, handle: KvReadHandle) -> bool:
         """Free the NIXL request. Releasing one still in flight cancels it (counted as a failure); returns False

@@ -15,6 +15,18 @@ once) of the largest size is timed in the same run, as the ceiling.
     python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1    # GPU pools (prefill's, decode's)
     python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1 --busy none,decode,both  # and beside HBM copies
     UCX_PROTO_INFO=y python -m loadgen.bench_kv_transfer ...      # UCX prints the transport of each protocol
+    python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1 --busy serving --engine-step-ms 8 --engine-python-ms 1.5
+
+``--busy``: ``decode`` / ``prefill`` / ``both`` copy a 1 GiB buffer on that GPU the whole time (its memory busy
+through the copy engines); ``decode-gemv`` reads a 1 GiB matrix on the decode GPU from its SMs, over and over, as a
+decode step reads its weights; ``prefill-gemm`` runs bfloat16 matmuls on the prefill GPU (its SMs busy, as its
+prompts keep them); ``serving`` = decode copies + prefill matmuls, ``serving-gemv`` = decode reads + prefill
+matmuls, as in a 1P+1D cluster. Beside a busy decode GPU, torch's peer copy of the first size is timed too, under
+the same load: the ceiling a READ has there.
+``--engine-step-ms``: the decode process behaves like a decode worker's engine process instead of polling in a tight
+loop: its main thread runs ``--engine-python-ms`` of Python a step (holding the GIL, at the workers' 0.5 ms switch
+interval, ``--engine-switch-ms``), posts a READ at a step's start and polls it once a step, and the agent's own
+poller thread sees the READ end, as in the cluster.
 
 The numbers behind the defaults are in docs/performance-notes.md.
 """
@@ -78,11 +90,22 @@ def _pool(num_blocks: int, fill: bool, device: str, shape: str):
     dims, dtype = SHAPES[shape]
     if not fill:
         return torch.zeros((num_blocks, *dims), dtype=getattr(torch, dtype), device=device)
-    g = torch.Generator().manual_seed(1234)
-    return torch.randn((num_blocks, *dims), generator=g).to(device=device, dtype=getattr(torch, dtype))
+    g = torch.Generator(device=device).manual_seed(1234)  # on the GPU: a pool of tens of GB fills in ms there
+    return torch.randn((num_blocks, *dims), generator=g, device=device, dtype=getattr(torch, dtype))
 
 
-def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str, busy: bool = False) -> None:
+def _own_gpu(device: str) -> str:
+    """Make ``device`` (cuda:N) the only GPU this process sees, as the launcher places a worker; its name now."""
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = device.partition(":")[2] or "0"
+    return "cuda:0"
+
+
+def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str, busy: str = "",
+             own_gpu: bool = False) -> None:
+    if own_gpu:
+        device = _own_gpu(device)
     import torch
 
     torch.set_num_threads(1)
@@ -90,7 +113,8 @@ def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str,
 
     kv = _pool(num_blocks, fill=True, device=device, shape=shape)
     agent = KvTransferAgent("bench-prefill", kv, KvCompat.for_pool(kv, "smollm2", "bench"), **kw)
-    hbm = _BusyHbm(device) if busy else None  # as a prefill worker's own steps keep its GPU busy
+    # as a prefill worker's own steps keep its GPU busy: memory copies, or matmuls as its prompts run
+    hbm = _BusyGpu(device, busy) if busy else None
     conn.send(agent.handshake_payload())
     notifs: list[bytes] = []
     idle_cpu = None
@@ -121,20 +145,36 @@ def _prefill(conn, kw: dict[str, Any], num_blocks: int, device: str, shape: str,
     agent.close()
 
 
-class _BusyHbm:
-    """Keeps a GPU's memory busy, as a decode worker's steps do (each reads the weights): copies of a 1 GiB buffer
-    on a stream of their own, from a thread, until stopped; ``Bps`` is what the copies reached (read + write)."""
+class _BusyGpu:
+    """Keeps a GPU busy from a thread, on a stream of its own, until stopped, as a serving worker's steps keep it:
 
-    def __init__(self, device: str) -> None:
+    - ``copy``: copies of a 1 GiB buffer (memory busy through the copy engines);
+    - ``gemv``: a bfloat16 row times a 1 GiB matrix (memory busy from the SMs, as a decode step reads its weights);
+    - ``gemm``: bfloat16 matmuls of 8,192 × 8,192 (SMs busy, as a prefill worker's prompts keep them).
+
+    ``close`` returns what the work reached: bytes read and written a second (copy), bytes read (gemv), FLOP/s."""
+
+    def __init__(self, device: str, kind: str) -> None:
         import threading
 
         import torch
 
-        self.src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-        self.dst = torch.empty_like(self.src)
+        self.kind = kind
+        if kind == "copy":
+            self.a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+            self.b = torch.empty_like(self.a)
+            self.per_round = 2.0 * self.a.numel()
+        elif kind == "gemv":
+            self.a = torch.randn(1, 8192, device=device, dtype=torch.bfloat16)
+            self.b = torch.randn(8192, 65536, device=device, dtype=torch.bfloat16)
+            self.per_round = float(self.b.numel() * self.b.element_size())
+        else:
+            self.a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+            self.b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+            self.per_round = 2.0 * 8192 ** 3
         self.stream = torch.cuda.Stream(device)
         self.stop = threading.Event()
-        self.copies = 0
+        self.rounds = 0
         self.seconds = 0.0
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -146,33 +186,70 @@ class _BusyHbm:
             t0 = time.perf_counter()
             while not self.stop.is_set():
                 for _ in range(4):
-                    self.dst.copy_(self.src)
-                self.stream.synchronize()  # gives the GIL up while the copies run
-                self.copies += 4
+                    if self.kind == "copy":
+                        self.b.copy_(self.a)
+                    else:
+                        torch.mm(self.a, self.b)
+                self.stream.synchronize()  # gives the GIL up while the work runs
+                self.rounds += 4
             self.seconds = time.perf_counter() - t0
 
     def close(self) -> float:
         self.stop.set()
         self.thread.join()
-        return 2 * self.copies * self.src.numel() / self.seconds
+        return self.rounds * self.per_round / self.seconds
+
+
+def _peer_copy_beside(device: str, src_device: str, nbytes: int, reps: int = 10) -> float:
+    """torch's peer copy of ``nbytes`` from ``src_device`` into ``device`` while its load runs: bytes / median s."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=src_device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[1:])
+
+
+def _python_for(seconds: float) -> None:
+    """Pure Python work (the GIL held, as an engine thread's scheduling holds it) for ``seconds``."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        for i in range(50):
+            x += i * i
 
 
 def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ...], reps: int,
-            poll_sleep: float, device: str, shape: str, pattern: str, busy: bool = False) -> None:
+            poll_sleep: float, device: str, shape: str, pattern: str, busy: str = "",
+            engine: tuple[float, float, float] | None = None, src_device: str = "", own_gpu: bool = False) -> None:
     import random
+
+    if own_gpu:
+        device, src_device = _own_gpu(device), ""
 
     import torch
 
     torch.set_num_threads(1)
     from common.kv_transfer import KvTransferAgent
 
+    if engine is not None:
+        import sys
+
+        sys.setswitchinterval(engine[2])
     hs = conn.recv()
     kv = _pool(num_blocks, fill=False, device=device, shape=shape)
     agent = KvTransferAgent("bench-decode", kv, hs.compat, **kw)
     t0 = time.perf_counter()
     agent.add_peer(*hs)
     add_peer_s = time.perf_counter() - t0
-    hbm = _BusyHbm(device) if busy else None
+    hbm = _BusyGpu(device, busy) if busy else None
     rng = random.Random(0)
     rows = []
     sent = 0
@@ -190,9 +267,18 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
             c0, t0 = _cpu_seconds(), time.perf_counter()
             h = agent.start_read(hs.agent_name, remote, local, notif=f"{tokens}:{i}".encode())
             post = time.perf_counter() - t0
-            while agent.poll(h) == "PROC":
-                if poll_sleep:
-                    time.sleep(poll_sleep)
+            if engine is None:
+                while agent.poll(h) == "PROC":
+                    if poll_sleep:
+                        time.sleep(poll_sleep)
+            else:  # a step: Python (GIL held), then the GPU's time (GIL free); the READ polled once a step
+                step_s, python_s, _ = engine
+                while True:
+                    s0 = time.perf_counter()
+                    _python_for(python_s)
+                    if agent.poll(h) != "PROC":
+                        break
+                    time.sleep(max(0.0, step_s - (time.perf_counter() - s0)))
             c1 = _cpu_seconds()
             sent += 1
             assert h.state == "DONE", h.error
@@ -209,6 +295,7 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
         rows.append({"tokens": tokens, "blocks": n, "runs": h.runs, "bytes": n * agent.bytes_per_block, "median_s": med,
                      "min_s": min(times), "max_s": max(times), "first_s": first_s, "exact": ok,
                      "post_s": statistics.median(posts), "cpu_per_read_s": cpu / reps})
+    peer = _peer_copy_beside(device, src_device, rows[0]["bytes"]) if src_device and hbm is not None else None
     busy_Bps = hbm.close() if hbm is not None else None
     conn.send(("notifs", sent))
     notifs = conn.recv()
@@ -220,21 +307,30 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
     conn.send(("stop", None))
     out.send({"rows": rows, "notifs": notifs, "sent": sent, "add_peer_s": add_peer_s, "ucx_tls": agent.ucx_tls,
               "prefill_idle_cpu": idle, "decode_idle_cpu": decode_idle, "counters": agent.counters(),
-              "busy_Bps": busy_Bps})
+              "busy_Bps": busy_Bps, "busy_peer_copy_Bps": peer})
     agent.close()
+
+
+# busy -> (the prefill GPU's load, the decode GPU's)
+BUSY = {"none": ("", ""), "decode": ("", "copy"), "prefill": ("copy", ""), "both": ("copy", "copy"),
+        "prefill-gemm": ("gemm", ""), "serving": ("gemm", "copy"), "decode-gemv": ("", "gemv"),
+        "serving-gemv": ("gemm", "gemv")}
 
 
 def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 15,
                poll_sleep: float = 0.0, device: str = "cpu", timeout: float = 120.0, shape: str = "smollm2",
-               pattern: str = "scattered", busy: str = "none") -> dict[str, Any]:
+               pattern: str = "scattered", busy: str = "none", engine: tuple[float, float, float] | None = None,
+               own_gpu: bool = False, pool_blocks: int = 0) -> dict[str, Any]:
     """One configuration in a fresh prefill + decode process pair; returns the decode side's measurements.
-    ``busy``: which GPUs copy memory the whole time (none, decode, prefill or both)."""
+    ``busy``: what keeps the GPUs busy (a key of BUSY); ``engine``: (step, Python a step, GIL switch interval)
+    seconds, the decode side polling as an engine does (None: a tight loop)."""
+    pre_busy, dec_busy = BUSY[busy]
     ctx = mp.get_context("spawn")
-    num_blocks = 2 * -(-max(sizes) // BLOCK) + 8
+    num_blocks = max(pool_blocks, 2 * -(-max(sizes) // BLOCK) + 8)
     a, b = ctx.Pipe()
     res_r, res_w = ctx.Pipe(duplex=False)
-    pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0], shape, busy in ("prefill", "both")), daemon=True)
-    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, busy in ("decode", "both")), daemon=True)
+    pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0], shape, pre_busy, own_gpu), daemon=True)
+    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, dec_busy, engine, device.split(",")[0] if "," in device else "", own_gpu), daemon=True)
     pre.start()
     dec.start()
     try:
@@ -287,12 +383,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=list(SHAPES), default="smollm2", help="the KV block's model shape")
     ap.add_argument("--pattern", choices=[*PATTERNS, "both"], default="both", help="block ids on both sides")
     ap.add_argument("--busy", default="none",
-                    help="comma-separated, each a run: none, decode, prefill, both: READ while that GPU's memory is "
-                         "busy with copies of its own (as a serving worker's steps keep it)")
+                    help=f"comma-separated, each a run, of {', '.join(BUSY)}: none, decode, prefill, both: READ while "
+                         "that GPU's memory is busy with copies of its own; decode-gemv: the decode GPU reads memory "
+                         "from its SMs (as its decode steps do); prefill-gemm: the prefill GPU runs matmuls (as its "
+                         "prompts do); serving: decode copies and prefill matmuls; serving-gemv: both from the SMs")
+    ap.add_argument("--pool-blocks", type=int, default=0,
+                    help="blocks in each side's pool (default: twice the largest READ's): a serving worker's pool "
+                         "fills its GPU, tens of GB")
+    ap.add_argument("--own-gpu", action="store_true",
+                    help="each process sees only its own GPU (CUDA_VISIBLE_DEVICES), as `tokenmill up` places "
+                         "workers; without it both see both")
+    ap.add_argument("--engine-step-ms", type=float, default=0.0,
+                    help="poll as a decode engine does, once a step of this many ms, the agent's poller thread "
+                         "seeing the READ end (0: a tight loop)")
+    ap.add_argument("--engine-python-ms", type=float, default=1.5,
+                    help="with --engine-step-ms: ms of Python (the GIL held) at each step's start (default 1.5)")
+    ap.add_argument("--engine-switch-ms", type=float, default=0.5,
+                    help="with --engine-step-ms: the decode process's GIL switch interval (default 0.5, the "
+                         "workers' cluster.worker_switch_interval_ms)")
     args = ap.parse_args(argv)
     busies = [b.strip() for b in args.busy.split(",") if b.strip()]
-    if not busies or set(busies) - {"none", "decode", "prefill", "both"}:
-        ap.error(f"--busy: each of none, decode, prefill, both; got {args.busy!r}")
+    if not busies or set(busies) - set(BUSY):
+        ap.error(f"--busy: each of {', '.join(BUSY)}; got {args.busy!r}")
     if busies != ["none"] and not all(d.startswith("cuda") for d in args.device.split(",")):
         ap.error("--busy needs the pools on GPUs")
     names = list(CONFIGS) if args.compare else (args.config or [next(iter(CONFIGS))])
@@ -301,14 +413,27 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         for pattern, busy in ((p, b) for p in patterns for b in busies):
             key = f"{name}; {pattern}" + ("" if busy == "none" else f"; busy GPU: {busy}")
+            engine = None
+            if args.own_gpu:
+                key += "; each process sees its own GPU"
+            if args.pool_blocks:
+                key += f"; pools of {args.pool_blocks} blocks"
+            if args.engine_step_ms > 0:
+                engine = (args.engine_step_ms / 1e3, args.engine_python_ms / 1e3, args.engine_switch_ms / 1e3)
+                key += (f"; engine {args.engine_step_ms:g} ms a step, {args.engine_python_ms:g} of Python, "
+                        f"switch {args.engine_switch_ms:g} ms")
             try:
                 r = run_config(CONFIGS[name], tuple(args.sizes), args.reps, args.poll_sleep_ms / 1e3, args.device,
-                               shape=args.shape, pattern=pattern, busy=busy)
+                               shape=args.shape, pattern=pattern, busy=busy, engine=engine, own_gpu=args.own_gpu,
+                               pool_blocks=args.pool_blocks)
                 if r["notifs"] != r["sent"]:
                     print(f"{key}: prefill saw {r['notifs']} of {r['sent']} notifications")
                 results[key] = r
                 if r["busy_Bps"]:
-                    print(f"{key}: the decode GPU's own copies ran at {r['busy_Bps'] / 1e12:.2f} TB/s (read + write)")
+                    print(f"{key}: the decode GPU's own work read and wrote {r['busy_Bps'] / 1e12:.2f} TB/s")
+                if r.get("busy_peer_copy_Bps"):
+                    print(f"{key}: torch's peer copy of the first size beside it: "
+                          f"{r['busy_peer_copy_Bps'] / 1e9:.1f} GB/s")
             except Exception as e:
                 results[key] = f"{type(e).__name__}: {e}"[:120]
             print(f"done: {key}", flush=True)
