@@ -69,6 +69,7 @@ _RATE_MIN_BYTES = 16 << 20  # READs this large or larger set the expected rate (
 # end, late by the checker's wake-up, fed that lateness back into the next READ's sleep: short READs settled at
 # four times the wake-up delay, whatever the copy took.)
 RATE_PROBE = 2.0
+_RATE_MAX = 10e12  # bytes/s, above any link or HBM copy: the rate's ceiling (a host pool's READs end at posting)
 
 _DESC_MAGIC = b"TMKV"
 _DESC_HEADER = struct.Struct("<4sHBxIQQ")  # magic, format version, mem type, pad, device id, count, bytes/desc
@@ -560,6 +561,7 @@ class KvTransferAgent:
             self._rate = 0.7 * self._rate + 0.3 * h.nbytes / max((h.checked + h.finished) / 2 - h.started, 1e-6)
         else:  # first seen DONE before or at the first check: the checks began too late
             self._rate = max(h.nbytes / max(h.finished - h.started, 1e-6), RATE_PROBE * self._rate)
+        self._rate = min(self._rate, _RATE_MAX)
 
     def release(self, handle: KvReadHandle) -> bool:
         """Free the NIXL request. Releasing one still in flight cancels it (counted as a failure); returns False
