@@ -287,6 +287,9 @@ class ClusterConfig:
     # a directory every service also writes its spans to, as JSON lines (common/telemetry.py); loadgen.trace_summary
     # breaks requests' time down from them. None: no files
     trace_dir: str | None = None
+    # where the model workers write torch profiler traces when an operator starts and stops one (the gateway's
+    # POST /start_profile and /stop_profile, vLLM's; WorkerAdmin.Profile). None: profiling is off
+    profile_dir: str | None = None
     # Python's GIL switch interval in the model workers: how long the engine thread can wait for the GIL while the
     # gRPC and detokenizer threads hold it (docs/benchmarks.md, the served cluster on a GPU). None: Python's 5 ms
     worker_switch_interval_ms: float | None = 0.5

@@ -54,6 +54,7 @@ from common.kv_transfer import KvCompat, KvHandshake, KvTransferAgent
 from common.load_report import engine_load
 from common.loader import load_model_source
 from common.model_runner import KV_LAYOUT
+from common.profiling import EngineProfiler
 from common.sampling import SamplingParams
 from common.sequence import PriorityClass
 from common.tokenizer import TextTokenizer
@@ -135,6 +136,7 @@ class WorkerCore:
         self.engine: LLMEngine | None = None
         self.agent: KvTransferAgent | None = None
         self.loop: EngineLoop | None = None
+        self.profiler = EngineProfiler(cfg.cluster.profile_dir, cfg.name)
 
     def setup(self) -> LLMEngine:
         """Build the engine and the agent (on the engine thread: the process's only torch thread)."""
@@ -220,7 +222,19 @@ class WorkerCore:
         assert self.agent is not None
         self.agent.remove_peer(name)
 
+    def profile(self, start: bool) -> str:
+        """Start the torch profiler around the engine's steps, or stop it and write its trace (its path)."""
+        if start:
+            self.profiler.start()
+            if self.loop is not None:
+                self.loop.profiling = True
+            return ""
+        if self.loop is not None:
+            self.loop.profiling = False
+        return self.profiler.stop()
+
     def close(self) -> None:
+        self.profiler.close()
         if self.engine is not None:
             self.engine.close()  # the engine thread has ended: stop the other tensor-parallel ranks, if any
         if self.agent is not None:

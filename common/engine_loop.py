@@ -19,7 +19,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from torch.profiler import record_function
+
 from common.engine import LLMEngine, RequestOutput
+from common.profiling import STEP_RANGE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,6 +68,7 @@ class EngineLoop:
         self._stopping = False
         self.error: BaseException | None = None
         self.idle_seconds = 0.0  # blocked for a command with no sequence to run (/metrics: tokenmill:engine_idle_seconds)
+        self.profiling = False  # each step in a profiler range of its own (common/profiling.py)
 
     def start(self) -> None:
         self._thread.start()
@@ -128,7 +132,11 @@ class EngineLoop:
                 if eng.has_unfinished():
                     if self._after is not None:
                         self._after(False)
-                    outs = eng.step()
+                    if self.profiling:
+                        with record_function(STEP_RANGE):
+                            outs = eng.step()
+                    else:
+                        outs = eng.step()
                     if outs:
                         self._on_outputs(outs)
                 if self._after is not None:

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from common import telemetry
 from common.cluster_config import ServiceConfig
 from common.gc_watch import GcWatch, freeze_startup_heap
+from common.profiling import ProfileStateError
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, ProfileStateError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"
     if isinstance(exc, ValueError):

@@ -11,9 +11,9 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from tokenmill.v1 import common_pb2, prefill_pb2, router_pb2
+from tokenmill.v1 import common_pb2, prefill_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-from common import gc_watch
+from common import gc_watch, rpc
 from common.cluster_config import ServiceConfig
 from common.engine import LLMEngine
 from common.engine_core import CoreHandle, CoreInfo, ProcessCore, ThreadCore, WorkerCore
@@ -290,8 +290,28 @@ class WorkerBase:
         if self.core is not None:
             await asyncio.to_thread(self.core.stop)
 
+    def register_admin(self, server: grpc.aio.Server) -> list[str]:
+        """Serve ``WorkerAdmin`` (every model worker's operator calls); its service name, for health and
+        reflection."""
+        worker_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(self), server)
+        return [worker_pb2.DESCRIPTOR.services_by_name["WorkerAdmin"].full_name]
+
     def call_in_aio(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the asyncio loop (from the engine thread, the core's pipe reader or the detok
         thread)."""
         assert self.aio is not None
         self.aio.call_soon_threadsafe(fn, *args)
+
+
+class WorkerAdminServicer(worker_pb2_grpc.WorkerAdminServicer):
+    """Operator calls on one model worker."""
+
+    def __init__(self, worker: WorkerBase) -> None:
+        self.worker = worker
+
+    @rpc.translate_errors
+    async def Profile(self, request: worker_pb2.ProfileRequest, context: grpc.aio.ServicerContext
+                      ) -> worker_pb2.ProfileResponse:
+        """Start or stop the engine's profiler (common/profiling.py), between two of its steps."""
+        path = await self.worker.call("profile", request.start)
+        return worker_pb2.ProfileResponse(worker_id=self.worker.cfg.name, trace_path=path)

@@ -193,7 +193,7 @@ class DecodeWorker(WorkerBase):
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
-        return [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name]
+        return [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name, *self.register_admin(server)]
 
     async def start(self) -> None:
         await super().start()

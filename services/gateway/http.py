@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
-from tokenmill.v1 import common_pb2, frontend_pb2, router_pb2, tokenizer_pb2
+from tokenmill.v1 import common_pb2, frontend_pb2, router_pb2, tokenizer_pb2, worker_pb2, worker_pb2_grpc
 
 from common import rpc, telemetry
 from services.gateway import openai_api as oa
@@ -68,7 +68,9 @@ _SUMMARY = {"/v1/chat/completions": "a chat completion (SSE with stream: true)",
             "/v1/completions": "a text completion (SSE with stream: true)", "/v1/models": "the served model names",
             "/tokenize": "vLLM's: a prompt or chat as the model's token ids",
             "/detokenize": "vLLM's: token ids as text", "/health": "200 while the cluster can serve, else 503",
-            "/metrics": "Prometheus metrics", "/openapi.json": "this document"}
+            "/metrics": "Prometheus metrics", "/openapi.json": "this document",
+            "/start_profile": "vLLM's: start the torch profiler in every model worker (with profile_dir set)",
+            "/stop_profile": "vLLM's: stop it; each worker writes its trace under profile_dir"}
 
 
 def _version() -> str:
@@ -163,6 +165,8 @@ class HttpFrontend:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/start_profile", functools.partial(self.profile, start=True))
+        app.router.add_post("/stop_profile", functools.partial(self.profile, start=False))
         return app
 
     async def start(self, host: str, port: int) -> None:
@@ -279,6 +283,40 @@ class HttpFrontend:
                       for r in request.app.router.routes() if r.method != "HEAD" and r.resource is not None]
             self._openapi = schema.openapi(routes, "Tokenmill OpenAI-compatible API", _version())
         return _json(self._openapi)
+
+    async def profile(self, request: web.Request, start: bool) -> web.Response:
+        """vLLM's ``/start_profile`` and ``/stop_profile``: every model worker the router knows starts (stops) the
+        torch profiler around its engine's steps (common/profiling.py); a stop answers each trace's path."""
+        self._auth(request)
+        if not self.gw.cfg.cluster.profile_dir:
+            raise oa.OpenAIError(400, "profiling is off on this cluster: start it with --set profile_dir=DIR, the "
+                                      "directory the model workers write their traces to")
+        try:
+            listed = await self.gw.routers.call(
+                lambda stub: stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=5.0), "router")
+        except (grpc.aio.AioRpcError, rpc.Unavailable) as e:
+            raise oa.OpenAIError(503, f"the router is not reachable ({e}); retry shortly") from e
+        if not listed.workers:
+            raise oa.OpenAIError(503, "no model worker has registered with the router yet; retry shortly")
+
+        async def one(w: router_pb2.WorkerLoad) -> worker_pb2.ProfileResponse:
+            stub = self.gw.workers.get(w.address, worker_pb2_grpc.WorkerAdminStub)
+            return await stub.Profile(worker_pb2.ProfileRequest(start=start), timeout=120.0)
+
+        results = await asyncio.gather(*(one(w) for w in listed.workers), return_exceptions=True)
+        failed = [(w.worker_id, r) for w, r in zip(listed.workers, results, strict=True) if isinstance(r, BaseException)]
+        if failed:
+            precondition = all(isinstance(r, grpc.aio.AioRpcError)
+                               and r.code() == grpc.StatusCode.FAILED_PRECONDITION for _, r in failed)
+            why = "; ".join(f"{wid}: {r.details() if isinstance(r, grpc.aio.AioRpcError) else r}"
+                            for wid, r in failed)
+            done = len(listed.workers) - len(failed)
+            raise oa.OpenAIError(400 if precondition else 503,
+                                 f"{'start' if start else 'stop'} of the profiler failed on {len(failed)} of "
+                                 f"{len(listed.workers)} workers ({done} did it): {why}")
+        workers = [{"worker_id": r.worker_id, **({"trace_path": r.trace_path} if not start else {})}
+                   for r in results if isinstance(r, worker_pb2.ProfileResponse)]
+        return _json({"profiling": start, "workers": workers})
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.gw.registry),

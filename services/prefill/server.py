@@ -50,7 +50,7 @@ class PrefillWorker(WorkerBase):
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(self), server)
-        return [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name]
+        return [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name, *self.register_admin(server)]
 
     # -- the core's events (engine thread or the core's pipe reader) ------------------------------------
     def ev_prefilled(self, done: list[tuple[RequestOutput, int]]) -> None:

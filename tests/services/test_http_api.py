@@ -288,6 +288,17 @@ def test_tokenize_and_detokenize_like_vllm(tok):
     asyncio.run(body())
 
 
+def test_profiling_is_a_400_that_says_how_when_profile_dir_is_not_set(tok):
+    async def body():
+        async with stack(tok, {"decode-a": FakeDecode()}) as st, aiohttp.ClientSession() as s:
+            for path in ("start_profile", "stop_profile"):
+                async with s.post(f"http://{HOST}:{st.gw.http.port}/{path}") as r:
+                    err = (await r.json())["error"]
+                    assert r.status == 400 and "--set profile_dir=DIR" in err["message"], err
+
+    asyncio.run(body())
+
+
 def test_openapi_document_lists_the_routes_and_their_bodies(tok):
     async def body():
         async with stack(tok, {"decode-a": FakeDecode(tokens=2)}) as st, aiohttp.ClientSession() as s:
@@ -297,7 +308,11 @@ def test_openapi_document_lists_the_routes_and_their_bodies(tok):
                 doc = await r.json()
             assert doc["openapi"].startswith("3.1")
             posts = {r.resource.canonical for r in st.gw.http.app().router.routes() if r.method == "POST"}
-            assert posts == {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
+            assert posts == {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
+                             "/start_profile", "/stop_profile"}
+            for path in ("/start_profile", "/stop_profile"):  # no body
+                assert "requestBody" not in doc["paths"][path]["post"] and doc["paths"][path]["post"]["summary"]
+                posts.discard(path)
             schemas = {}
             for path in posts:
                 ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
