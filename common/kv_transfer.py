@@ -40,6 +40,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ _RATE_MIN_BYTES = 16 << 20  # READs this large or larger set the expected rate (
 # four times the wake-up delay, whatever the copy took.)
 RATE_PROBE = 2.0
 _RATE_MAX = 10e12  # bytes/s, above any link or HBM copy: the rate's ceiling (a host pool's READs end at posting)
+
+POST_RANGE = "tokenmill.kv_read_post"  # the profiler's range around posting a READ
 
 _DESC_MAGIC = b"TMKV"
 _DESC_HEADER = struct.Struct("<4sHBxIQQ")  # magic, format version, mem type, pad, device id, count, bytes/desc
@@ -454,9 +457,10 @@ class KvTransferAgent:
             h = KvReadHandle(peer, n, n * self.bytes_per_block, time.perf_counter(), runs)
             self._expect(h)
             try:
-                h._xfer = self._agent.make_prepped_xfer("READ", self._local_prepped, local_idx,
-                                                        p.prepped, remote_idx, notif)
-                state = self._agent.transfer(h._xfer)
+                with record_function(POST_RANGE):  # a profile (common/profiling.py) shows where each READ began
+                    h._xfer = self._agent.make_prepped_xfer("READ", self._local_prepped, local_idx,
+                                                            p.prepped, remote_idx, notif)
+                    state = self._agent.transfer(h._xfer)
             except Exception as e:
                 self.failures += 1
                 if h._xfer is not None:

@@ -4,7 +4,8 @@
 gateway's HTTP API (the names vLLM serves under ``VLLM_TORCH_PROFILER_DIR``) start and stop it in every model worker,
 through each worker's ``WorkerAdmin.Profile``. The profiler runs on the engine thread, between two steps, so each
 step is one ``tokenmill.engine_step`` range with its torch ops under it; on a GPU, CUPTI records every kernel, graph
-replay and copy of the engine's process, including the ones NIXL's UCX posts for a KV READ. A stop writes one
+replay and copy of the engine's process, including the ones NIXL's UCX posts for a KV READ (each READ's posting is
+a ``tokenmill.kv_read_post`` range; ``python -m loadgen.profile_summary TRACE`` lines them up). A stop writes one
 gzipped Chrome trace per worker (chrome://tracing, ui.perfetto.dev):
 ``DIR/<worker>-<pid>-<UTC time>.trace.json.gz``.
 """

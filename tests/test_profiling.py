@@ -71,3 +71,31 @@ def test_profiles_asked_in_the_wrong_state_say_what_to_do(tmp_path):
     finally:
         prof.close()  # ends it without a trace
     assert not prof.active and not list(tmp_path.iterdir())
+
+
+def test_the_summary_pairs_each_read_post_with_the_copy_after_it(tmp_path, capsys):
+    """``loadgen.profile_summary`` on a trace in the profiler's format (a GPU's copies cannot be made here): each
+    posted READ with the first peer copy after it, the copy's rate, and the GPU work beside it."""
+    from common.kv_transfer import POST_RANGE
+    from loadgen import profile_summary
+
+    mib = 1 << 20
+    events = [
+        {"name": STEP_RANGE, "ph": "X", "cat": "user_annotation", "ts": 0, "dur": 4000},
+        {"name": POST_RANGE, "ph": "X", "cat": "user_annotation", "ts": 1000, "dur": 300},
+        {"name": "Memcpy PtoP (Device -> Device)", "ph": "X", "cat": "gpu_memcpy", "ts": 1200, "dur": 500,
+         "args": {"bytes": 128 * mib}},
+        {"name": "gemv", "ph": "X", "cat": "kernel", "ts": 1600, "dur": 200},
+        {"name": POST_RANGE, "ph": "X", "cat": "user_annotation", "ts": 9000, "dur": 100},  # no copy after it
+    ]
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = profile_summary.reads(profile_summary.load_events(path))
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r["copy_starts_us"], r["copy_us"], r["ends_us"], r["overlapping_ops"]) == (200, 500, 700, 1)
+    assert r["GBps"] == pytest.approx(128 * mib / 500e-6 / 1e9)
+    assert profile_summary.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 engine steps, host ms: p50 4.00" in out and "| 0 | 128 | 0.30 | 0.20 | 1 | 0.50 | 268 | 0.70 | 1 |" in out

@@ -1,0 +1,78 @@
+"""What a worker's profile shows (a trace from ``POST /stop_profile``, common/profiling.py): its engine steps and
+its KV READs.
+
+    python -m loadgen.profile_summary DIR/decode-0-*.trace.json.gz
+
+- steps: the ``tokenmill.engine_step`` ranges (host time of each ``engine.step()``), p50 / p90 / max;
+- READs: for each ``tokenmill.kv_read_post`` range (posting a READ on the engine thread), the first peer-to-peer
+  copy (``Memcpy PtoP``) that starts after it on the GPU: when it started after the post began, how long it ran,
+  its rate, and how many other GPU operations overlapped it. The copy is what UCX's ``cuda_ipc`` queued for the READ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from common.kv_transfer import POST_RANGE
+from common.profiling import STEP_RANGE
+
+
+def load_events(path: str | Path) -> list[dict[str, Any]]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def reads(events: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """One row per posted READ that a peer copy followed (times in µs, rate in GB/s)."""
+    posts = sorted((e for e in events if e.get("name") == POST_RANGE and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])
+    copies = sorted((e for e in events if str(e.get("name", "")).startswith("Memcpy PtoP")), key=lambda e: e["ts"])
+    others = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+              and not str(e.get("name", "")).startswith("Memcpy PtoP")]
+    rows = []
+    for i, p in enumerate(posts):
+        nxt = posts[i + 1]["ts"] if i + 1 < len(posts) else float("inf")
+        mine = [c for c in copies if p["ts"] <= c["ts"] < nxt]
+        if not mine:
+            continue
+        start = mine[0]["ts"]
+        end = max(c["ts"] + c["dur"] for c in mine)
+        nbytes = sum(float(c.get("args", {}).get("bytes", 0)) for c in mine)
+        busy = sum(c["dur"] for c in mine)
+        overlap = sum(1 for o in others if o["ts"] < end and o["ts"] + o["dur"] > start)
+        rows.append({"post_us": p["dur"], "copy_starts_us": start - p["ts"], "copies": len(mine),
+                     "copy_us": end - start, "bytes": nbytes, "GBps": nbytes / busy / 1e3 if busy else 0.0,
+                     "ends_us": end - p["ts"], "overlapping_ops": overlap})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", help="a worker's .trace.json.gz (or .json)")
+    a = ap.parse_args(argv)
+    events = load_events(a.trace)
+    steps = sorted(e["dur"] / 1e3 for e in events if e.get("name") == STEP_RANGE and e.get("ph") == "X")
+    if steps:
+        print(f"{len(steps)} engine steps, host ms: p50 {statistics.median(steps):.2f}, "
+              f"p90 {steps[int(0.9 * (len(steps) - 1))]:.2f}, max {steps[-1]:.2f}")
+    rows = reads(events)
+    if not rows:
+        print("no KV READ in this trace (no kv_read_post range followed by a peer-to-peer copy)")
+        return 0
+    print("| READ | MiB | post ms | copy starts after ms | copies | copy ms | GB/s | done after ms | GPU ops beside |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for i, r in enumerate(rows):
+        print(f"| {i} | {r['bytes'] / 2**20:.0f} | {r['post_us'] / 1e3:.2f} | {r['copy_starts_us'] / 1e3:.2f} | "
+              f"{r['copies']} | {r['copy_us'] / 1e3:.2f} | {r['GBps']:.0f} | {r['ends_us'] / 1e3:.2f} | "
+              f"{r['overlapping_ops']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
