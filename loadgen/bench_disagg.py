@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from common.machine import default_dtype
-from loadgen import bench_serve
+from loadgen import bench_serve, profile_summary
 from loadgen.bench_gpu_serving import (
     REPO_ROOT,
     BenchResult,
@@ -354,9 +354,10 @@ async def layout_runs(a: argparse.Namespace, layout: Layout, cluster: dict[str, 
                      f"{w.num_prompts / rate:.0f} s of arrivals")
                 with res.phase(f"{layout.name}: {w.name} at {rate:g} req/s"):
                     before = await asyncio.to_thread(scrape, decode + router)
-                    run = await bench_serve._one_run(sa, target, builder, [],
-                                                     LoadConfig(request_rate=rate, num_requests=w.num_prompts,
-                                                                seed=seed), bench_serve._metrics_urls(sa))
+                    async with profile_summary.profiled(cluster["http"] if a.profile_dir else None) as traces:
+                        run = await bench_serve._one_run(sa, target, builder, [],
+                                                         LoadConfig(request_rate=rate, num_requests=w.num_prompts,
+                                                                    seed=seed), bench_serve._metrics_urls(sa))
                     after = await asyncio.to_thread(scrape, decode + router)
                     row = run_row(layout.name, w.name, rate, run["summary"], slo)
                     # only the decode workers export NIXL figures, only the router its placements
@@ -367,6 +368,18 @@ async def layout_runs(a: argparse.Namespace, layout: Layout, cluster: dict[str, 
                     placed = remote + local
                     row["remote_prefill_share"] = remote / placed if layout.prefills and placed else None
                     row.update(seed=seed, summary=run["summary"], server=run["server"], records=run["records"])
+                    if traces:  # each worker's trace, and the decode workers' READs as their profiles show them
+                        row["profile"] = {"traces": traces, "reads": {
+                            wid: profile_summary.read_medians(profile_summary.reads(
+                                profile_summary.load_events(path))) for wid, path in traces.items()
+                            if wid.startswith("decode")}}
+                        for wid, r in row["profile"]["reads"].items():
+                            if r["reads"]:
+                                _say(f"{layout.name}: {w.name} at {rate:g} req/s: {wid}'s profile: {r['reads']} "
+                                     f"READs, median posting {r['post_ms']:.2f} ms, copy on the GPU "
+                                     f"{r['copy_ms']:.2f} ms ({r['copy_GBps']:.0f} GB/s) from "
+                                     f"{r['copy_starts_ms']:.2f} ms after the post began, done after "
+                                     f"{r['done_ms']:.2f} ms")
                     res.doc["runs"].append(row)
                     _say(f"{layout.name}: {w.name} at {rate:g} req/s: goodput {_f(row['goodput'])} req/s "
                          f"({_f(100 * row['slo_attainment'], '.0f')} % met), {row['completed']}/{row['requests']} "
@@ -501,6 +514,8 @@ def run(a: argparse.Namespace) -> int:
               "--device", a.device, "--set", f"engine.dtype={dtype}"]
         for item in a.set_items or []:
             up += ["--set", item]
+        if a.profile_dir:
+            up += ["--set", f"profile_dir={Path(a.profile_dir).resolve() / layout.name}"]
         res.doc["layouts"][layout.name] = {"up_args": up}
         try:
             with res.phase(f"{layout.name}: cluster start, runs, stop"), \
@@ -553,6 +568,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=50.0, help="TPOT bound per request (default 50)")
     p.add_argument("--temperature", type=float, default=1.0, help="sent with every request (default 1, OpenAI's)")
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times (default 0)")
+    p.add_argument("--profile-dir", metavar="DIR",
+                   help="profile every model worker through each run (the gateway's /start_profile and "
+                        "/stop_profile): traces under DIR/LAYOUT, and each decode worker's READs as its profile "
+                        "shows them (loadgen.profile_summary) in the result")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", dest="set_items",
                    help="passed to `tokenmill up --set` for both layouts (repeatable), e.g. tokenizer.count=1")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a cluster to be ready (600)")

@@ -407,6 +407,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--busy: each of {', '.join(BUSY)}; got {args.busy!r}")
     if busies != ["none"] and not all(d.startswith("cuda") for d in args.device.split(",")):
         ap.error("--busy needs the pools on GPUs")
+    if args.own_gpu and not all(d.startswith("cuda") for d in args.device.split(",")):
+        ap.error("--own-gpu needs the pools on GPUs")
     names = list(CONFIGS) if args.compare else (args.config or [next(iter(CONFIGS))])
     patterns = PATTERNS if args.pattern == "both" else (args.pattern,)
     results: dict[str, dict[str, Any] | str] = {}

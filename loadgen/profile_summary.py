@@ -12,9 +12,13 @@ its KV READs.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import gzip
 import json
 import statistics
+import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,38 @@ def reads(events: list[dict[str, Any]]) -> list[dict[str, float]]:
                      "copy_us": end - start, "bytes": nbytes, "GBps": nbytes / busy / 1e3 if busy else 0.0,
                      "ends_us": end - p["ts"], "overlapping_ops": overlap})
     return rows
+
+
+def read_medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The medians of ``reads``' rows (ms, GB/s), and how many READs."""
+    if not rows:
+        return {"reads": 0}
+    med = {k: statistics.median(r[k] for r in rows) for k in ("post_us", "copy_starts_us", "copy_us", "ends_us")}
+    return {"reads": len(rows), "post_ms": med["post_us"] / 1e3, "copy_starts_ms": med["copy_starts_us"] / 1e3,
+            "copy_ms": med["copy_us"] / 1e3, "done_ms": med["ends_us"] / 1e3,
+            "copy_GBps": statistics.median(r["GBps"] for r in rows)}
+
+
+def _post(url: str) -> dict[str, Any]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    with opener.open(urllib.request.Request(url, method="POST"), timeout=300) as r:
+        return json.loads(r.read())
+
+
+@contextlib.asynccontextmanager
+async def profiled(http_root: str | None) -> AsyncIterator[dict[str, str]]:
+    """The gateway's ``POST /start_profile`` on entry and ``/stop_profile`` at exit (the cluster runs with
+    ``profile_dir`` set); the dict yielded fills, at exit, with each worker's trace path. None: no profile."""
+    traces: dict[str, str] = {}
+    if http_root is None:
+        yield traces
+        return
+    await asyncio.to_thread(_post, f"{http_root}/start_profile")
+    try:
+        yield traces
+    finally:
+        stopped = await asyncio.to_thread(_post, f"{http_root}/stop_profile")
+        traces.update({w["worker_id"]: w["trace_path"] for w in stopped["workers"]})
 
 
 def main(argv: list[str] | None = None) -> int:

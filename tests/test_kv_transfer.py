@@ -389,16 +389,3 @@ def test_a_late_wake_up_does_not_slow_the_next_reads_checks(monkeypatch, wake_s)
             clock[0] += 0.01
         settled = seen[20:]
         assert max(settled) <= true_s + VRAM_POLL_S + 2 * wake_s + 1e-9, [round(x * 1e3, 3) for x in seen]
-
-
-def test_the_benchmark_reads_as_an_engine_polls_out_of_a_larger_pool():
-    """``loadgen.bench_kv_transfer`` in its engine mode (Python a step, one poll a step) from a pool larger than the
-    READs: every READ lands whole and is timed."""
-    from loadgen.bench_kv_transfer import CONFIGS, run_config
-
-    r = run_config(CONFIGS["defaults (kv_transfer.py)"], sizes=(64,), reps=2, pattern="contiguous",
-                   engine=(0.004, 0.001, 0.0005), pool_blocks=40)
-    row = r["rows"][0]
-    assert row["exact"] and row["blocks"] == 4 and row["bytes"] == 4 * 30 * 2 * 16 * 3 * 64 * 4  # smollm2, float32
-    assert r["sent"] == 3 and r["notifs"] == 3  # a warm-up and two timed READs, each notified
-    assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]

@@ -310,10 +310,13 @@ class HttpFrontend:
                                and r.code() == grpc.StatusCode.FAILED_PRECONDITION for _, r in failed)
             why = "; ".join(f"{wid}: {r.details() if isinstance(r, grpc.aio.AioRpcError) else r}"
                             for wid, r in failed)
+            written = "; ".join(f"{r.worker_id}: {r.trace_path}" for r in results
+                                if isinstance(r, worker_pb2.ProfileResponse) and r.trace_path)
             done = len(listed.workers) - len(failed)
             raise oa.OpenAIError(400 if precondition else 503,
                                  f"{'start' if start else 'stop'} of the profiler failed on {len(failed)} of "
-                                 f"{len(listed.workers)} workers ({done} did it): {why}")
+                                 f"{len(listed.workers)} workers ({done} did it{', writing ' + written if written else ''}"
+                                 f"): {why}")
         workers = [{"worker_id": r.worker_id, **({"trace_path": r.trace_path} if not start else {})}
                    for r in results if isinstance(r, worker_pb2.ProfileResponse)]
         return _json({"profiling": start, "workers": workers})

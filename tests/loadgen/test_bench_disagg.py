@@ -4,9 +4,12 @@ the refusal without two GPUs, and the whole command on the CPU (both layouts as 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from common.profiling import STEP_RANGE
+from loadgen import profile_summary
 from loadgen.bench_disagg import LAYOUTS, build_table, compare, delta, nixl_figures, run_row
 from loadgen.metrics import RequestRecord, Slo, summarize
 from services.cli import main
@@ -129,7 +132,8 @@ def test_both_layouts_end_to_end_on_the_cpu(tmp_path, capsys):
     out = tmp_path / "disagg.json"
     code = main(["bench", "disagg", "--device", "cpu", "--model", "smollm2", "--workloads", "long",
                  "--long-len", "300,400", "--long-output", "8", "--long-rates", "2", "--num-prompts", "4",
-                 "--set", "tokenizer.count=1", "--set", "engine.kv_cache_memory=128MiB", "--result-file", str(out)])
+                 "--set", "tokenizer.count=1", "--set", "engine.kv_cache_memory=128MiB", "--result-file", str(out),
+                 "--profile-dir", str(tmp_path / "prof")])
     text = capsys.readouterr().out
     assert code == 0, text
     res = json.loads(out.read_text())
@@ -148,6 +152,14 @@ def test_both_layouts_end_to_end_on_the_cpu(tmp_path, capsys):
     # the same prompts and arrival times for both layouts
     recs = {k: [(x["input_len"], x["scheduled"]) for x in r["records"]] for k, r in runs.items()}
     assert recs["1p1d"] == recs["2agg"] and all(300 <= n <= 400 for n, _ in recs["1p1d"])
+    for name, r in runs.items():  # every worker profiled through the run: a trace each, with its engine's steps
+        traces = r["profile"]["traces"]
+        assert set(traces) == ({"prefill-0", "decode-0"} if name == "1p1d" else {"decode-0", "decode-1"}), traces
+        for path in traces.values():
+            assert Path(path).parent == tmp_path / "prof" / name
+            assert any(e.get("name") == STEP_RANGE for e in profile_summary.load_events(path))
+        # host-memory pools: UCX copies on the CPU, so no GPU copy follows a READ's post in the trace
+        assert all(v == {"reads": 0} for v in r["profile"]["reads"].values()), r["profile"]["reads"]
     one_p, agg = runs["1p1d"], runs["2agg"]
     # prompts over router.prefill_threshold_tokens (256) go to the prefill worker; their KV comes over NIXL
     assert one_p["placements"]["remote"] >= 1 and 0 < one_p["remote_prefill_share"] <= 1
