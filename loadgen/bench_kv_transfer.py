@@ -16,6 +16,7 @@ once) of the largest size is timed in the same run, as the ceiling.
     python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1 --busy none,decode,both  # and beside HBM copies
     UCX_PROTO_INFO=y python -m loadgen.bench_kv_transfer ...      # UCX prints the transport of each protocol
     python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1 --busy serving --engine-step-ms 8 --engine-python-ms 1.5
+    python -m loadgen.bench_kv_transfer --device cuda:0,cuda:1 --profile   # each READ's copy timed on the GPU too
 
 ``--busy``: ``decode`` / ``prefill`` / ``both`` copy a 1 GiB buffer on that GPU the whole time (its memory busy
 through the copy engines); ``decode-gemv`` reads a 1 GiB matrix on the decode GPU from its SMs, over and over, as a
@@ -217,6 +218,31 @@ def _peer_copy_beside(device: str, src_device: str, nbytes: int, reps: int = 10)
     return nbytes / statistics.median(times[1:])
 
 
+def _start_profile() -> Any:
+    """The torch profiler over a size's READs (CPU ranges, and on a GPU UCX's copies as CUPTI sees them)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+def _stop_profile(prof: Any) -> dict[str, float]:
+    """The medians of the profiled READs but the first (the connection's set-up): loadgen.profile_summary's."""
+    import tempfile
+
+    from loadgen import profile_summary
+
+    prof.__exit__(None, None, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/trace.json"
+        prof.export_chrome_trace(path)
+        rows = profile_summary.reads(profile_summary.load_events(path))
+    return profile_summary.read_medians(rows[1:])
+
+
 def _python_for(seconds: float) -> None:
     """Pure Python work (the GIL held, as an engine thread's scheduling holds it) for ``seconds``."""
     end = time.perf_counter() + seconds
@@ -228,7 +254,8 @@ def _python_for(seconds: float) -> None:
 
 def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ...], reps: int,
             poll_sleep: float, device: str, shape: str, pattern: str, busy: str = "",
-            engine: tuple[float, float, float] | None = None, src_device: str = "", own_gpu: bool = False) -> None:
+            engine: tuple[float, float, float] | None = None, src_device: str = "", own_gpu: bool = False,
+            profile: bool = False) -> None:
     import random
 
     if own_gpu:
@@ -257,6 +284,7 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
         n = -(-tokens // BLOCK)
         times, posts = [], []
         cpu = 0.0
+        prof = _start_profile() if profile else None
         for i in range(reps + 1):
             if pattern == "scattered":  # every other block, shuffled: no two neighbours, both sides
                 remote = rng.sample(range(0, num_blocks, 2), n)
@@ -289,12 +317,13 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
                 cpu += c1 - c0
             else:
                 first_s = h.seconds
+        on_gpu = _stop_profile(prof) if prof is not None else None
         conn.send(("sha", remote))
         ok = conn.recv() == hashlib.sha256(_bytes(kv[local])).hexdigest()
         med = statistics.median(times)
         rows.append({"tokens": tokens, "blocks": n, "runs": h.runs, "bytes": n * agent.bytes_per_block, "median_s": med,
                      "min_s": min(times), "max_s": max(times), "first_s": first_s, "exact": ok,
-                     "post_s": statistics.median(posts), "cpu_per_read_s": cpu / reps})
+                     "post_s": statistics.median(posts), "cpu_per_read_s": cpu / reps, "profile": on_gpu})
     peer = _peer_copy_beside(device, src_device, rows[0]["bytes"]) if src_device and hbm is not None else None
     busy_Bps = hbm.close() if hbm is not None else None
     conn.send(("notifs", sent))
@@ -320,7 +349,7 @@ BUSY = {"none": ("", ""), "decode": ("", "copy"), "prefill": ("copy", ""), "both
 def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 15,
                poll_sleep: float = 0.0, device: str = "cpu", timeout: float = 120.0, shape: str = "smollm2",
                pattern: str = "scattered", busy: str = "none", engine: tuple[float, float, float] | None = None,
-               own_gpu: bool = False, pool_blocks: int = 0) -> dict[str, Any]:
+               own_gpu: bool = False, pool_blocks: int = 0, profile: bool = False) -> dict[str, Any]:
     """One configuration in a fresh prefill + decode process pair; returns the decode side's measurements.
     ``busy``: what keeps the GPUs busy (a key of BUSY); ``engine``: (step, Python a step, GIL switch interval)
     seconds, the decode side polling as an engine does (None: a tight loop)."""
@@ -330,7 +359,7 @@ def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps:
     a, b = ctx.Pipe()
     res_r, res_w = ctx.Pipe(duplex=False)
     pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0], shape, pre_busy, own_gpu), daemon=True)
-    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, dec_busy, engine, device.split(",")[0] if "," in device else "", own_gpu), daemon=True)
+    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, dec_busy, engine, device.split(",")[0] if "," in device else "", own_gpu, profile), daemon=True)
     pre.start()
     dec.start()
     try:
@@ -390,6 +419,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool-blocks", type=int, default=0,
                     help="blocks in each side's pool (default: twice the largest READ's): a serving worker's pool "
                          "fills its GPU, tens of GB")
+    ap.add_argument("--profile", action="store_true",
+                    help="time each READ's copy on the GPU with the torch profiler (loadgen.profile_summary): when "
+                         "it starts after the post began, how long it runs, at what rate")
     ap.add_argument("--own-gpu", action="store_true",
                     help="each process sees only its own GPU (CUDA_VISIBLE_DEVICES), as `tokenmill up` places "
                          "workers; without it both see both")
@@ -427,12 +459,19 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 r = run_config(CONFIGS[name], tuple(args.sizes), args.reps, args.poll_sleep_ms / 1e3, args.device,
                                shape=args.shape, pattern=pattern, busy=busy, engine=engine, own_gpu=args.own_gpu,
-                               pool_blocks=args.pool_blocks)
+                               pool_blocks=args.pool_blocks, profile=args.profile)
                 if r["notifs"] != r["sent"]:
                     print(f"{key}: prefill saw {r['notifs']} of {r['sent']} notifications")
                 results[key] = r
                 if r["busy_Bps"]:
                     print(f"{key}: the decode GPU's own work read and wrote {r['busy_Bps'] / 1e12:.2f} TB/s")
+                for row in r["rows"]:
+                    p = row.get("profile") or {}
+                    if p.get("reads"):
+                        print(f"{key}: {row['tokens']} tokens: the copy on the GPU {p['copy_ms']:.3f} ms "
+                              f"({p['copy_GBps']:.0f} GB/s), starting {p['copy_starts_ms']:.3f} ms after the post "
+                              f"began (posting {p['post_ms']:.3f} ms under the profiler), done after "
+                              f"{p['done_ms']:.3f} ms; median of {p['reads']} READs")
                 if r.get("busy_peer_copy_Bps"):
                     print(f"{key}: torch's peer copy of the first size beside it: "
                           f"{r['busy_peer_copy_Bps'] / 1e9:.1f} GB/s")

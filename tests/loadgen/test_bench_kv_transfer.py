@@ -42,8 +42,9 @@ def test_the_benchmark_reads_as_an_engine_polls_out_of_a_larger_pool():
     from loadgen.bench_kv_transfer import CONFIGS, run_config
 
     r = run_config(CONFIGS["defaults (kv_transfer.py)"], sizes=(64,), reps=2, pattern="contiguous",
-                   engine=(0.004, 0.001, 0.0005), pool_blocks=40)
+                   engine=(0.004, 0.001, 0.0005), pool_blocks=40, profile=True)
     row = r["rows"][0]
+    assert row["profile"] == {"reads": 0}  # profiled, but a host pool's READ copies on the CPU: no GPU copy
     assert row["exact"] and row["blocks"] == 4 and row["bytes"] == 4 * 30 * 2 * 16 * 3 * 64 * 4  # smollm2, float32
     assert r["sent"] == 3 and r["notifs"] == 3  # a warm-up and two timed READs, each notified
     assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
