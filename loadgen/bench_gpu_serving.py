@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from common.machine import default_dtype
-from loadgen import bench_serve
+from loadgen import bench_serve, profile_summary
 from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions
 from loadgen.metrics import RequestRecord, summarize
@@ -303,6 +303,9 @@ def served_cluster(model: str, a: argparse.Namespace, dtype: str,
             "--set", f"engine.dtype={dtype}", "--device", a.device, "--tokenizer", spec_arg(a.tokenizer)]
     for item in a.set_items or []:
         args += ["--set", item]
+    if getattr(a, "profile_dir", None):
+        slug = model.replace(":", "-").replace("/", "-")
+        args += ["--set", f"profile_dir={Path(a.profile_dir).resolve() / slug}"]
     return start_cluster(model, args, log_dir, a.startup_timeout)
 
 
@@ -369,14 +372,24 @@ async def served_runs(a: argparse.Namespace, cluster: dict[str, Any], builder: P
                 target.opts = dataclasses.replace(target.opts, cache_salt=uuid.uuid4().hex)
                 await run_warmups(target, iter(warm), LoadConfig(max_concurrency=a.max_concurrency,
                                                                  num_warmups=len(warm)))
-                run = await bench_serve._one_run(sa, target, builder, [], _load(a), urls)
+                async with profile_summary.profiled(cluster["http"] if a.profile_dir else None) as traces:
+                    run = await bench_serve._one_run(sa, target, builder, [], _load(a), urls)
             finally:
                 await target.close()
             s = run["summary"]
             _say(f"{model}: served {backend} {sampling.name}: {s['completed']}/{s['requests']} requests, "
                  f"{s['output_throughput']:.1f} output tok/s, TPOT p50 {s['tpot_ms']['p50'] or 0:.2f} ms, "
                  f"TTFT p50 {s['ttft_ms']['p50'] or 0:.1f} ms ({time.perf_counter() - t0:.1f} s)")
-            res.doc["rows"].append(_row(model, sampling.name, backend, s, run["server"]))
+            row = _row(model, sampling.name, backend, s, run["server"])
+            if traces:  # each worker's trace of the measured load, and its engine's steps as the trace shows them
+                row["profile"] = {"traces": traces, "steps": {
+                    wid: profile_summary.steps(profile_summary.load_events(path)) for wid, path in traces.items()}}
+                for wid, st in row["profile"]["steps"].items():
+                    if st["steps"]:
+                        _say(f"{model}: served {backend} {sampling.name}: {wid}'s profile: {st['steps']} steps, host "
+                             f"ms p50 {st['host_ms_p50']:.2f} / p90 {st['host_ms_p90']:.2f}, the GPU busy "
+                             f"{100 * st['gpu_busy_share']:.0f}% of their span")
+            res.doc["rows"].append(row)
             res.save()
 
 
@@ -679,6 +692,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "apply to the engine alone too")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for the cluster to be ready (600)")
     p.add_argument("--request-timeout", type=float, help="cancel a served request after this many seconds")
+    p.add_argument("--profile-dir", metavar="DIR",
+                   help="profile the served cluster's workers through each measured load (the gateway's "
+                        "/start_profile and /stop_profile): traces under DIR/MODEL, each worker's steps as its "
+                        "trace shows them (loadgen.profile_summary: host time, the GPU's busy share) in the result")
     p.add_argument("--result-file", help="write every number here as JSON (rewritten after each phase)")
     p.add_argument("--log-dir", help="the clusters' logs and state files (default beside --result-file, else a "
                                      "temporary directory)")

@@ -3,7 +3,8 @@ its KV READs.
 
     python -m loadgen.profile_summary DIR/decode-0-*.trace.json.gz
 
-- steps: the ``tokenmill.engine_step`` ranges (host time of each ``engine.step()``), p50 / p90 / max;
+- steps: the ``tokenmill.engine_step`` ranges (host time of each ``engine.step()``), p50 / p90 / max, and the share
+  of their span in which the GPU ran anything (an engine that waits on its host leaves the GPU idle);
 - READs: for each ``tokenmill.kv_read_post`` range (posting a READ on the engine thread), the first peer-to-peer
   copy (``Memcpy PtoP``) that starts after it on the GPU: when it started after the post began, how long it ran,
   its rate, and how many other GPU operations overlapped it. The copy is what UCX's ``cuda_ipc`` queued for the READ.
@@ -56,6 +57,25 @@ def reads(events: list[dict[str, Any]]) -> list[dict[str, float]]:
     return rows
 
 
+def steps(events: list[dict[str, Any]]) -> dict[str, float]:
+    """The engine's steps in a trace: how many, their host time (ms, p50 / p90 / max), and the share of the time
+    from the first step's start to the last one's end in which the GPU ran something (kernels, copies, sets)."""
+    ranges = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == STEP_RANGE and e.get("ph") == "X")
+    if not ranges:
+        return {"steps": 0}
+    host = sorted((b - a) / 1e3 for a, b in ranges)
+    lo, hi = ranges[0][0], max(b for _, b in ranges)
+    spans = sorted((max(lo, e["ts"]), min(hi, e["ts"] + e["dur"])) for e in events
+                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["ts"] < hi and e["ts"] + e["dur"] > lo)
+    busy, end = 0.0, lo
+    for a, b in spans:  # the union of the GPU's intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"steps": len(host), "host_ms_p50": statistics.median(host), "host_ms_p90": host[int(0.9 * (len(host) - 1))],
+            "host_ms_max": host[-1], "gpu_busy_share": busy / (hi - lo) if hi > lo else 0.0}
+
+
 def read_medians(rows: list[dict[str, float]]) -> dict[str, float]:
     """The medians of ``reads``' rows (ms, GB/s), and how many READs."""
     if not rows:
@@ -93,10 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("trace", help="a worker's .trace.json.gz (or .json)")
     a = ap.parse_args(argv)
     events = load_events(a.trace)
-    steps = sorted(e["dur"] / 1e3 for e in events if e.get("name") == STEP_RANGE and e.get("ph") == "X")
-    if steps:
-        print(f"{len(steps)} engine steps, host ms: p50 {statistics.median(steps):.2f}, "
-              f"p90 {steps[int(0.9 * (len(steps) - 1))]:.2f}, max {steps[-1]:.2f}")
+    st = steps(events)
+    if st["steps"]:
+        print(f"{st['steps']} engine steps, host ms: p50 {st['host_ms_p50']:.2f}, p90 {st['host_ms_p90']:.2f}, max "
+              f"{st['host_ms_max']:.2f}; the GPU busy {100 * st['gpu_busy_share']:.0f}% of the time from the first "
+              f"step's start to the last one's end")
     rows = reads(events)
     if not rows:
         print("no KV READ in this trace (no kv_read_post range followed by a peer-to-peer copy)")

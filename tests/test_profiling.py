@@ -98,4 +98,6 @@ def test_the_summary_pairs_each_read_post_with_the_copy_after_it(tmp_path, capsy
     assert r["GBps"] == pytest.approx(128 * mib / 500e-6 / 1e9)
     assert profile_summary.main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "1 engine steps, host ms: p50 4.00" in out and "| 0 | 128 | 0.30 | 0.20 | 1 | 0.50 | 268 | 0.70 | 1 |" in out
+    st = profile_summary.steps(profile_summary.load_events(path))
+    assert st["steps"] == 1 and st["gpu_busy_share"] == pytest.approx(600 / 4000)  # the copy and the gemv overlap
+    assert "1 engine steps, host ms: p50 4.00" in out and "the GPU busy 15%" in out and "| 0 | 128 | 0.30 | 0.20 | 1 | 0.50 | 268 | 0.70 | 1 |" in out

@@ -47,7 +47,8 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
     out = tmp_path / "gs.json"
     code = main(["bench", "gpu-serving", "--device", "cpu", "--models", "smollm2", "--num-prompts", "4",
                  "--input-len", "32", "--output-len", "4", "--max-concurrency", "4", "--backends", "grpc",
-                 "--steps", "3", "--step-rounds", "3", "--set", "tokenizer.count=1", "--result-file", str(out)])
+                 "--steps", "3", "--step-rounds", "3", "--set", "tokenizer.count=1", "--result-file", str(out),
+                 "--profile-dir", str(tmp_path / "prof")])
     text = capsys.readouterr().out
     assert code == 0, text
     res = json.loads(out.read_text())
@@ -63,6 +64,12 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
     for sampling in ("greedy", "sampled"):  # each served run has its own cache salt: no prefix-cache hit
         assert rows["grpc", sampling]["server"]["prefix_cache_hits"] == 0
     assert rows["engine", "greedy"]["vs_engine_greedy"] == 1.0
+    for sampling in ("greedy", "sampled"):  # the served decode worker profiled through each load: its steps
+        prof = rows["grpc", sampling]["profile"]
+        assert set(prof["traces"]) == {"decode-0"}
+        assert all(p.startswith(str(tmp_path / "prof" / "smollm2")) for p in prof["traces"].values())
+        st = prof["steps"]["decode-0"]
+        assert st["steps"] >= 4 and 0 < st["host_ms_p50"] <= st["host_ms_max"] and st["gpu_busy_share"] == 0
     for sampling in ("greedy", "sampled"):  # the engines' own queue time and TTFT, alone and served
         eng, served = rows["engine", sampling]["server"], rows["grpc", sampling]["server"]
         assert eng["engine_queue_count"] == eng["engine_ttft_count"] == 4 and eng["engine_ttft_mean_ms"] > 0
