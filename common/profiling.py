@@ -7,7 +7,8 @@ step is one ``tokenmill.engine_step`` range with its torch ops under it; on a GP
 replay and copy of the engine's process, including the ones NIXL's UCX posts for a KV READ (each READ's posting is
 a ``tokenmill.kv_read_post`` range; ``python -m loadgen.profile_summary TRACE`` lines them up). A stop writes one
 gzipped Chrome trace per worker (chrome://tracing, ui.perfetto.dev):
-``DIR/<worker>-<pid>-<UTC time>.trace.json.gz``.
+``DIR/<worker>-<pid>-<UTC time>.trace.json.gz``. A tensor-parallel engine is profiled in rank 0's process (its
+scheduler, sampler and kernels), not in the other ranks'.
 """
 
 from __future__ import annotations
