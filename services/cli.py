@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     machine.use_huge_pages()  # before torch allocates anything, here or in the processes started from here
-    if argv[:1] in (["health"], ["ray"]):  # health: every few seconds in a container; neither needs the engine
+    if argv[:1] in (["health"], ["ray"], ["profile"]):  # health: every few seconds in a container; none needs the engine
         from services.cluster.__main__ import main as cluster_main
 
         return cluster_main(argv)

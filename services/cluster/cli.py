@@ -131,6 +131,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     health.add_argument("--timeout", type=float, default=2.0, help="seconds (default %(default)g)")
     health.set_defaults(func=cmd_health)
 
+    prof = sub.add_parser("profile", help="profile the model workers' engines (needs --set profile_dir=DIR at up)",
+                          description="Start or stop the torch profiler in every model worker of the running "
+                                      "cluster, through the gateway's POST /start_profile and /stop_profile (vLLM's); "
+                                      "`for SECONDS` starts, waits and stops. A stop prints each worker's trace.")
+    prof.add_argument("action", choices=["start", "stop", "for"], help="start, stop, or for SECONDS")
+    prof.add_argument("seconds", nargs="?", type=float, help="with `for`: how long to profile")
+    prof.add_argument("--url", help="the gateway's HTTP root, e.g. http://127.0.0.1:8000 (default: from the state "
+                                    "file)")
+    prof.add_argument("--state-file", type=Path, help="the file `tokenmill up` wrote (default as for up)")
+    prof.add_argument("--api-key", help="a key, where the cluster has tenants' keys (default $TOKENMILL_API_KEY)")
+    prof.set_defaults(func=cmd_profile)
+
     keys = sub.add_parser("keys", help="API keys for the tenants: section (stored as SHA-256 hashes)")
     ksub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
     khash = ksub.add_parser("hash", help="print the SHA-256 of a key, for tenants.NAME.keys_sha256",
@@ -300,6 +312,57 @@ def cmd_status(a: argparse.Namespace) -> int:
             print(f"{p['name']:<12} {p['pid']:>8}  {p['address']:<21} {p['metrics_port']:>7}  "
                   f"{p.get('devices') or '-':<16} {p.get('restarts', 0):>8}  {p['health']}")
     return 0 if healthy else 1
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    import contextlib
+    import os
+    import time
+    import urllib.error
+    import urllib.request
+
+    from services.cluster.launcher import default_state_file, read_state
+
+    if (a.action == "for") != (a.seconds is not None) or (a.seconds is not None and a.seconds <= 0):
+        print("tokenmill profile: `for` takes a positive number of seconds (tokenmill profile for 5); start and stop "
+              "take none", file=sys.stderr)
+        return 2
+    url = a.url
+    if url is None:
+        path = a.state_file or default_state_file()
+        state = read_state(path) or {}
+        gws = [p for p in state.get("processes", []) if p.get("role") == "gateway" and p.get("http_port")]
+        if not gws:
+            print(f"tokenmill profile: no gateway in {path}: is a cluster running (tokenmill status)? Or give --url",
+                  file=sys.stderr)
+            return 3
+        url = f"http://{gws[0]['address'].rsplit(':', 1)[0]}:{gws[0]['http_port']}"
+    key = a.api_key or os.environ.get("TOKENMILL_API_KEY")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def post(what: str) -> dict[str, Any]:
+        req = urllib.request.Request(f"{url.rstrip('/')}/{what}_profile", method="POST",
+                                     headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with opener.open(req, timeout=300) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # an OpenAI error: its message
+                body = json.loads(body)["error"]["message"]
+            raise SystemExit(f"tokenmill profile: {what}: {e.code}: {body}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise SystemExit(f"tokenmill profile: {what}: the gateway at {url} did not answer ({e})") from None
+
+    if a.action in ("start", "for"):
+        started = post("start")
+        print(f"profiling {', '.join(w['worker_id'] for w in started['workers'])}")
+        if a.action == "start":
+            return 0
+        time.sleep(a.seconds)
+    for w in post("stop")["workers"]:
+        print(f"{w['worker_id']}: {w['trace_path']}")
+    return 0
 
 
 def cmd_health(a: argparse.Namespace) -> int:

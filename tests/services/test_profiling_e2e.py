@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
 from common.profiling import STEP_RANGE
+from services.cli import main
 from tests.services.harness import running_cluster
 
 
@@ -25,7 +27,7 @@ def _post(url: str) -> tuple[int, dict[str, Any]]:
         return e.code, json.loads(e.read())
 
 
-def test_start_a_request_stop_writes_a_trace_per_worker(tmp_path):
+def test_start_a_request_stop_writes_a_trace_per_worker(tmp_path, capsys):
     traces = tmp_path / "traces"
     with running_cluster(tmp_path, "--tokenizers", "1", "--grace", "3", "--set", f"profile_dir={traces}") as info:
         root = info["http"]
@@ -49,3 +51,12 @@ def test_start_a_request_stop_writes_a_trace_per_worker(tmp_path):
         assert steps >= 8  # the request's prompt step and a step a token, in the worker that ran it
         status, late = _post(f"{root}/stop_profile")
         assert status == 400 and "is not profiling: start it first" in late["error"]["message"], late
+        # the same from the command line, the gateway found through the state file
+        assert main(["profile", "for", "0.5", "--state-file", info["state"]]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith("profiling ") and len(lines) == 1 + len(started["workers"]), lines
+        for line in lines[1:]:
+            worker, path = line.split(": ", 1)
+            assert Path(path).is_file() and Path(path).name.startswith(worker)
+        with pytest.raises(SystemExit, match=r"stop: 400: .*is not profiling: start it first"):
+            main(["profile", "stop", "--state-file", info["state"]])
