@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 from torch.profiler import record_function
 
 from common.engine import LLMEngine, RequestOutput
-from common.profiling import STEP_RANGE
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+STEP_RANGE = "tokenmill.engine_step"  # a profile's range around each step (common/profiling.py)
 
 
 class EngineLoop:

@@ -3,7 +3,7 @@
 ``tokenmill up --set profile_dir=DIR`` turns it on; then ``POST /start_profile`` and ``POST /stop_profile`` on the
 gateway's HTTP API (the names vLLM serves under ``VLLM_TORCH_PROFILER_DIR``) start and stop it in every model worker,
 through each worker's ``WorkerAdmin.Profile``. The profiler runs on the engine thread, between two steps, so each
-step is one ``tokenmill.engine_step`` range with its torch ops under it; on a GPU, CUPTI records every kernel, graph
+step is one ``tokenmill.engine_step`` range (``engine_loop.STEP_RANGE``) with its torch ops under it; on a GPU, CUPTI records every kernel, graph
 replay and copy of the engine's process, including the ones NIXL's UCX posts for a KV READ (each READ's posting is
 a ``tokenmill.kv_read_post`` range; ``python -m loadgen.profile_summary TRACE`` lines them up). A stop writes one
 gzipped Chrome trace per worker (chrome://tracing, ui.perfetto.dev):
@@ -21,12 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-STEP_RANGE = "tokenmill.engine_step"
+from common.rpc import FailedPrecondition
 
 
-class ProfileStateError(Exception):
-    """A profile asked for in the wrong state: profiling off, a start while one runs, a stop with none running
-    (FAILED_PRECONDITION over gRPC, ``rpc.status_for``)."""
+class ProfileStateError(FailedPrecondition):
+    """A profile asked for in the wrong state: profiling off, a start while one runs, a stop with none running."""
 
 
 class EngineProfiler:

@@ -40,7 +40,6 @@ from prometheus_client import CollectorRegistry, start_http_server
 from common import telemetry
 from common.cluster_config import ServiceConfig
 from common.gc_watch import GcWatch, freeze_startup_heap
-from common.profiling import ProfileStateError
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +75,10 @@ class Unavailable(Exception):
     """Nothing can serve the request right now (no workers, draining); the client may retry elsewhere."""
 
 
+class FailedPrecondition(Exception):
+    """The call does not fit the service's state or configuration now (e.g. a profile stopped that never started)."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and message for an exception raised while serving a request.
 
@@ -92,7 +95,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAUTHENTICATED, str(exc)
     if isinstance(exc, Unavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, ProfileStateError):
+    if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "timed out"

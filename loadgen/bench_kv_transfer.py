@@ -39,6 +39,7 @@ import hashlib
 import multiprocessing as mp
 import resource
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -218,28 +219,17 @@ def _peer_copy_beside(device: str, src_device: str, nbytes: int, reps: int = 10)
     return nbytes / statistics.median(times[1:])
 
 
-def _start_profile() -> Any:
-    """The torch profiler over a size's READs (CPU ranges, and on a GPU UCX's copies as CUPTI sees them)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=acts)
-    prof.__enter__()
-    return prof
-
-
-def _stop_profile(prof: Any) -> dict[str, float]:
-    """The medians of the profiled READs but the first (the connection's set-up): loadgen.profile_summary's."""
-    import tempfile
+def _profiled_reads(prof: Any) -> dict[str, float]:
+    """Stop ``prof`` (a started ``common.profiling.EngineProfiler``) and return the medians of its READs but the
+    first (the connection's set-up), as loadgen.profile_summary reads them off the trace."""
+    import shutil
 
     from loadgen import profile_summary
 
-    prof.__exit__(None, None, None)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/trace.json"
-        prof.export_chrome_trace(path)
-        rows = profile_summary.reads(profile_summary.load_events(path))
+    try:
+        rows = profile_summary.reads(profile_summary.load_events(prof.stop()))
+    finally:
+        shutil.rmtree(prof.out_dir, ignore_errors=True)
     return profile_summary.read_medians(rows[1:])
 
 
@@ -284,7 +274,12 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
         n = -(-tokens // BLOCK)
         times, posts = [], []
         cpu = 0.0
-        prof = _start_profile() if profile else None
+        prof = None
+        if profile:  # the torch profiler over this size's READs: the workers' own (CPU ranges, CUPTI's copies)
+            from common.profiling import EngineProfiler
+
+            prof = EngineProfiler(tempfile.mkdtemp(prefix="kv-bench-"), "bench-decode")
+            prof.start()
         for i in range(reps + 1):
             if pattern == "scattered":  # every other block, shuffled: no two neighbours, both sides
                 remote = rng.sample(range(0, num_blocks, 2), n)
@@ -317,7 +312,7 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
                 cpu += c1 - c0
             else:
                 first_s = h.seconds
-        on_gpu = _stop_profile(prof) if prof is not None else None
+        on_gpu = _profiled_reads(prof) if prof is not None else None
         conn.send(("sha", remote))
         ok = conn.recv() == hashlib.sha256(_bytes(kv[local])).hexdigest()
         med = statistics.median(times)

@@ -18,13 +18,13 @@ import contextlib
 import gzip
 import json
 import statistics
-import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from common.engine_loop import STEP_RANGE
 from common.kv_transfer import POST_RANGE
-from common.profiling import STEP_RANGE
+from services.cluster.cli import profile_call
 
 
 def load_events(path: str | Path) -> list[dict[str, Any]]:
@@ -86,12 +86,6 @@ def read_medians(rows: list[dict[str, float]]) -> dict[str, float]:
             "copy_GBps": statistics.median(r["GBps"] for r in rows)}
 
 
-def _post(url: str) -> dict[str, Any]:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
-    with opener.open(urllib.request.Request(url, method="POST"), timeout=300) as r:
-        return json.loads(r.read())
-
-
 @contextlib.asynccontextmanager
 async def profiled(http_root: str | None) -> AsyncIterator[dict[str, str]]:
     """The gateway's ``POST /start_profile`` on entry and ``/stop_profile`` at exit (the cluster runs with
@@ -100,11 +94,11 @@ async def profiled(http_root: str | None) -> AsyncIterator[dict[str, str]]:
     if http_root is None:
         yield traces
         return
-    await asyncio.to_thread(_post, f"{http_root}/start_profile")
+    await asyncio.to_thread(profile_call, http_root, "start")
     try:
         yield traces
     finally:
-        stopped = await asyncio.to_thread(_post, f"{http_root}/stop_profile")
+        stopped = await asyncio.to_thread(profile_call, http_root, "stop")
         traces.update({w["worker_id"]: w["trace_path"] for w in stopped["workers"]})
 
 

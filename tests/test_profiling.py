@@ -12,8 +12,8 @@ import pytest
 
 from common.config import EngineConfig
 from common.engine import LLMEngine
-from common.engine_loop import EngineLoop
-from common.profiling import STEP_RANGE, EngineProfiler, ProfileStateError
+from common.engine_loop import STEP_RANGE, EngineLoop
+from common.profiling import EngineProfiler, ProfileStateError
 from common.rpc import status_for
 from common.sampling import SamplingParams
 

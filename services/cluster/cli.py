@@ -314,12 +314,31 @@ def cmd_status(a: argparse.Namespace) -> int:
     return 0 if healthy else 1
 
 
-def cmd_profile(a: argparse.Namespace) -> int:
+def profile_call(url: str, what: str, api_key: str | None = None) -> dict[str, Any]:
+    """The gateway's ``POST /start_profile`` (``what`` "start") or ``/stop_profile`` ("stop") at the HTTP root
+    ``url``: its JSON answer. RuntimeError with the gateway's message (or why it did not answer) otherwise."""
     import contextlib
-    import os
-    import time
     import urllib.error
     import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    req = urllib.request.Request(f"{url.rstrip('/')}/{what}_profile", method="POST",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with opener.open(req, timeout=300) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # an OpenAI error: its message
+            body = json.loads(body)["error"]["message"]
+        raise RuntimeError(f"{what}: {e.code}: {body}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise RuntimeError(f"{what}: the gateway at {url} did not answer ({e})") from None
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    import os
+    import time
 
     from services.cluster.launcher import default_state_file, read_state
 
@@ -338,21 +357,12 @@ def cmd_profile(a: argparse.Namespace) -> int:
             return 3
         url = f"http://{gws[0]['address'].rsplit(':', 1)[0]}:{gws[0]['http_port']}"
     key = a.api_key or os.environ.get("TOKENMILL_API_KEY")
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def post(what: str) -> dict[str, Any]:
-        req = urllib.request.Request(f"{url.rstrip('/')}/{what}_profile", method="POST",
-                                     headers={"Authorization": f"Bearer {key}"} if key else {})
         try:
-            with opener.open(req, timeout=300) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            body = e.read().decode(errors="replace")
-            with contextlib.suppress(ValueError, KeyError, TypeError):  # an OpenAI error: its message
-                body = json.loads(body)["error"]["message"]
-            raise SystemExit(f"tokenmill profile: {what}: {e.code}: {body}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise SystemExit(f"tokenmill profile: {what}: the gateway at {url} did not answer ({e})") from None
+            return profile_call(url, what, key)
+        except RuntimeError as e:
+            raise SystemExit(f"tokenmill profile: {e}") from None
 
     if a.action in ("start", "for"):
         started = post("start")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.profiling import STEP_RANGE
+from common.engine_loop import STEP_RANGE
 from loadgen import profile_summary
 from loadgen.bench_disagg import LAYOUTS, build_table, compare, delta, nixl_figures, run_row
 from loadgen.metrics import RequestRecord, Slo, summarize

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from common.profiling import STEP_RANGE
+from common.engine_loop import STEP_RANGE
 from services.cli import main
 from tests.services.harness import running_cluster
 
