@@ -36,6 +36,7 @@ import time
 import traceback
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,6 +239,12 @@ def build_table(doc: dict[str, Any]) -> str:
             by = lay.get("nixl_by_workload") or {}
             if len(by) > 1:
                 lines += [f"{name}, {w} runs: {_nixl_line(m)}" for w, m in by.items() if m["Bps"]]
+            for w, m in by.items():
+                ipc = (doc.get("idle_peer_copy") or {}).get(w)
+                if ipc and m.get("vs_idle_peer_copy"):
+                    lines.append(f"{name}, {w} runs: the peer copy of a READ's mean {ipc['bytes'] / 2**20:.0f} MiB "
+                                 f"after {ipc['idle_s'] * 1e3:.0f} ms idle: {ipc['Bps'] / 1e9:.1f} GB/s; NIXL "
+                                 f"{m['vs_idle_peer_copy']:.2f}× that")
     return "\n".join(lines)
 
 
@@ -246,10 +253,13 @@ def _gbs(bps: float | None) -> str:
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
-def copy_bandwidth_between(src: str, dst: str, nbytes: int, iters: int = COPY_ITERS) -> dict[str, Any]:
+def copy_bandwidth_between(src: str, dst: str, nbytes: int, iters: int = COPY_ITERS,
+                           idle_s: float = 0.0) -> dict[str, Any]:
     """One ``nbytes`` tensor copied from device ``src`` to ``dst`` (torch's ``copy_``: a peer copy between two
     GPUs), wall time between synchronizations of both, median of ``iters`` after 3 untimed copies. Bytes are counted
-    once, as NIXL counts them (the bytes that cross), not read + written."""
+    once, as NIXL counts them (the bytes that cross), not read + written. ``idle_s``: both GPUs and the link sit
+    idle this long before each timed copy, as between the KV pulls of a light load (an NVLink idle for 20 ms or
+    more starts a copy slowly: docs/performance-notes.md, "A cold link")."""
     import torch
 
     a = torch.empty(nbytes, dtype=torch.uint8, device=src).random_()
@@ -265,11 +275,13 @@ def copy_bandwidth_between(src: str, dst: str, nbytes: int, iters: int = COPY_IT
     sync()
     times = []
     for _ in range(iters):
+        if idle_s:
+            time.sleep(idle_s)
         t0 = time.perf_counter()
         b.copy_(a)
         sync()
         times.append(time.perf_counter() - t0)
-    out: dict[str, Any] = {"src": src, "dst": dst, "bytes": nbytes, "iters": iters,
+    out: dict[str, Any] = {"src": src, "dst": dst, "bytes": nbytes, "iters": iters, "idle_s": idle_s,
                            "seconds_p50": statistics.median(times), "Bps": nbytes / statistics.median(times)}
     if cuda:
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -279,11 +291,12 @@ def copy_bandwidth_between(src: str, dst: str, nbytes: int, iters: int = COPY_IT
     return out
 
 
-def measure_peer_copy(src: str, dst: str, nbytes: int) -> dict[str, Any]:
+def measure_peer_copy(src: str, dst: str, nbytes: int, idle_s: float = 0.0) -> dict[str, Any]:
     """``copy_bandwidth_between`` in a subprocess: its CUDA context and buffers are gone before a cluster starts."""
     code = ("import json, sys; from loadgen.bench_disagg import copy_bandwidth_between as f; "
-            "print(json.dumps(f(sys.argv[1], sys.argv[2], int(sys.argv[3]))))")
-    r = subprocess.run([sys.executable, "-c", code, src, dst, str(nbytes)], cwd=REPO_ROOT, capture_output=True,
+            "print(json.dumps(f(sys.argv[1], sys.argv[2], int(sys.argv[3]), idle_s=float(sys.argv[4]))))")
+    r = subprocess.run([sys.executable, "-c", code, src, dst, str(nbytes), str(idle_s)], cwd=REPO_ROOT,
+                       capture_output=True,
                        text=True, timeout=300)
     if r.returncode != 0:
         raise RuntimeError(f"the peer copy ({src} → {dst}) failed: {r.stderr.strip()[-2000:]}")
@@ -402,6 +415,28 @@ def _layout_nixl(doc: dict[str, Any]) -> None:
         lay["nixl"] = total(rs)
         lay["nixl_by_workload"] = {w: total([r for r in rs if r["workload"] == w])
                                    for w in dict.fromkeys(r["workload"] for r in rs)}
+
+
+IDLE_COPY_S = 0.1  # the link idle before each copy of idle_peer_copies: past the 20-50 ms in which NVLink falls asleep
+
+
+def idle_peer_copies(doc: dict[str, Any], src: str, dst: str,
+                     measure: Callable[..., dict[str, Any]] = measure_peer_copy) -> None:
+    """For each workload whose runs made READs: torch's peer copy of its mean READ's bytes after the link sat idle
+    ``IDLE_COPY_S`` (``doc["idle_peer_copy"]``), and each layout's NIXL rate for that workload ÷ it
+    (``vs_idle_peer_copy``). The peak peer copy (``peer_copy``: 2 GiB back to back) is the link's best; this is the
+    same link as a short READ meets it under a light load, so the two ratios part NIXL's own costs from the link's."""
+    sizes: dict[str, int] = {}
+    for lay in doc["layouts"].values():
+        for w, m in (lay.get("nixl_by_workload") or {}).items():
+            if m.get("reads") and m.get("bytes"):
+                sizes.setdefault(w, int(m["bytes"] / m["reads"]))
+    doc["idle_peer_copy"] = {w: measure(src, dst, n, IDLE_COPY_S) for w, n in sizes.items()}
+    for lay in doc["layouts"].values():
+        for w, m in (lay.get("nixl_by_workload") or {}).items():
+            bps = doc["idle_peer_copy"].get(w, {}).get("Bps")
+            m["idle_peer_copy_Bps"] = bps
+            m["vs_idle_peer_copy"] = m["Bps"] / bps if bps and m.get("Bps") else None
 
 
 def _csv(text: str, what: str) -> list[str]:
@@ -530,6 +565,13 @@ def run(a: argparse.Namespace) -> int:
         _layout_nixl(res.doc)
         res.save()
 
+    if res.doc["peer_copy"]:
+        with res.phase("peer copies from an idle link"):
+            try:
+                idle_peer_copies(res.doc, src, dst)
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                res.doc["errors"].append(f"idle peer copies: {e}")
+                _say(f"FAILED: idle peer copies: {e}")
     res.doc["comparisons"] = compare(res.doc["runs"])
     res.doc["table"] = table = build_table(res.doc)
     res.save()

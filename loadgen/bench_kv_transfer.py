@@ -219,9 +219,9 @@ def _peer_copy_beside(device: str, src_device: str, nbytes: int, reps: int = 10)
     return nbytes / statistics.median(times[1:])
 
 
-def _profiled_reads(prof: Any) -> dict[str, float]:
-    """Stop ``prof`` (a started ``common.profiling.EngineProfiler``) and return the medians of its READs but the
-    first (the connection's set-up), as loadgen.profile_summary reads them off the trace."""
+def _profiled_reads(prof: Any, nbytes: int) -> dict[str, float]:
+    """Stop ``prof`` (a started ``common.profiling.EngineProfiler``) and return the medians of its READs of
+    ``nbytes`` but the first (the connection's set-up), as loadgen.profile_summary reads them off the trace."""
     import shutil
 
     from loadgen import profile_summary
@@ -230,7 +230,7 @@ def _profiled_reads(prof: Any) -> dict[str, float]:
         rows = profile_summary.reads(profile_summary.load_events(prof.stop()))
     finally:
         shutil.rmtree(prof.out_dir, ignore_errors=True)
-    return profile_summary.read_medians(rows[1:])
+    return profile_summary.read_medians([r for r in rows if r["bytes"] == nbytes][1:])
 
 
 def _python_for(seconds: float) -> None:
@@ -245,7 +245,7 @@ def _python_for(seconds: float) -> None:
 def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ...], reps: int,
             poll_sleep: float, device: str, shape: str, pattern: str, busy: str = "",
             engine: tuple[float, float, float] | None = None, src_device: str = "", own_gpu: bool = False,
-            profile: bool = False) -> None:
+            profile: bool = False, gap: float = 0.0, warm_lead: float | None = None) -> None:
     import random
 
     if own_gpu:
@@ -281,12 +281,21 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
             prof = EngineProfiler(tempfile.mkdtemp(prefix="kv-bench-"), "bench-decode")
             prof.start()
         for i in range(reps + 1):
+            if gap:  # the GPUs idle before each READ, as between the requests of a light load
+                time.sleep(gap)
+            usable = num_blocks - (warm_lead is not None)  # the last block of each pool: the warm-up READ's
             if pattern == "scattered":  # every other block, shuffled: no two neighbours, both sides
-                remote = rng.sample(range(0, num_blocks, 2), n)
-                local = rng.sample(range(1, num_blocks, 2), n)
+                remote = rng.sample(range(0, usable, 2), n)
+                local = rng.sample(range(1, usable, 2), n)
             else:  # one run a side, descending
-                r0, l0 = rng.randrange(num_blocks - n + 1), rng.randrange(num_blocks - n + 1)
+                r0, l0 = rng.randrange(usable - n + 1), rng.randrange(usable - n + 1)
                 remote, local = list(range(r0 + n - 1, r0 - 1, -1)), list(range(l0 + n - 1, l0 - 1, -1))
+            warm = None
+            if warm_lead is not None:  # one block over the same link, warm_lead seconds before the measured READ
+                warm = agent.start_read(hs.agent_name, [num_blocks - 1], [num_blocks - 1])
+                end = time.perf_counter() + warm_lead
+                while time.perf_counter() < end:
+                    pass
             c0, t0 = _cpu_seconds(), time.perf_counter()
             h = agent.start_read(hs.agent_name, remote, local, notif=f"{tokens}:{i}".encode())
             post = time.perf_counter() - t0
@@ -306,13 +315,17 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
             sent += 1
             assert h.state == "DONE", h.error
             agent.release(h)
+            if warm is not None:
+                while agent.poll(warm) == "PROC":
+                    pass
+                agent.release(warm)
             if i:  # the first one is a warm-up (connection set-up)
                 times.append(h.seconds)
                 posts.append(post)
                 cpu += c1 - c0
             else:
                 first_s = h.seconds
-        on_gpu = _profiled_reads(prof) if prof is not None else None
+        on_gpu = _profiled_reads(prof, n * agent.bytes_per_block) if prof is not None else None
         conn.send(("sha", remote))
         ok = conn.recv() == hashlib.sha256(_bytes(kv[local])).hexdigest()
         med = statistics.median(times)
@@ -344,17 +357,19 @@ BUSY = {"none": ("", ""), "decode": ("", "copy"), "prefill": ("copy", ""), "both
 def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps: int = 15,
                poll_sleep: float = 0.0, device: str = "cpu", timeout: float = 120.0, shape: str = "smollm2",
                pattern: str = "scattered", busy: str = "none", engine: tuple[float, float, float] | None = None,
-               own_gpu: bool = False, pool_blocks: int = 0, profile: bool = False) -> dict[str, Any]:
+               own_gpu: bool = False, pool_blocks: int = 0, profile: bool = False, gap: float = 0.0,
+               warm_lead: float | None = None) -> dict[str, Any]:
     """One configuration in a fresh prefill + decode process pair; returns the decode side's measurements.
     ``busy``: what keeps the GPUs busy (a key of BUSY); ``engine``: (step, Python a step, GIL switch interval)
-    seconds, the decode side polling as an engine does (None: a tight loop)."""
+    seconds, the decode side polling as an engine does (None: a tight loop); ``gap``: seconds of sleep before each
+    READ; ``warm_lead``: post a one-block READ this many seconds before each measured one (None: none)."""
     pre_busy, dec_busy = BUSY[busy]
     ctx = mp.get_context("spawn")
     num_blocks = max(pool_blocks, 2 * -(-max(sizes) // BLOCK) + 8)
     a, b = ctx.Pipe()
     res_r, res_w = ctx.Pipe(duplex=False)
     pre = ctx.Process(name="prefill", target=_prefill, args=(a, _side(kw, "prefill"), num_blocks, device.split(",")[0], shape, pre_busy, own_gpu), daemon=True)
-    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, dec_busy, engine, device.split(",")[0] if "," in device else "", own_gpu, profile), daemon=True)
+    dec = ctx.Process(name="decode", target=_decode, args=(b, res_w, _side(kw, "decode"), num_blocks, sizes, reps, poll_sleep, device.split(",")[-1], shape, pattern, dec_busy, engine, device.split(",")[0] if "," in device else "", own_gpu, profile, gap, warm_lead), daemon=True)
     pre.start()
     dec.start()
     try:
@@ -417,6 +432,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="time each READ's copy on the GPU with the torch profiler (loadgen.profile_summary): when "
                          "it starts after the post began, how long it runs, at what rate")
+    ap.add_argument("--gap-ms", type=float, default=0.0,
+                    help="sleep this long before each READ (the GPUs idle between requests, as under a light load)")
+    ap.add_argument("--warm-lead-ms", type=float, default=-1.0,
+                    help="post a one-block READ over the same link this long before each measured READ (<0: none)")
     ap.add_argument("--own-gpu", action="store_true",
                     help="each process sees only its own GPU (CUDA_VISIBLE_DEVICES), as `tokenmill up` places "
                          "workers; without it both see both")
@@ -447,6 +466,10 @@ def main(argv: list[str] | None = None) -> None:
                 key += "; each process sees its own GPU"
             if args.pool_blocks:
                 key += f"; pools of {args.pool_blocks} blocks"
+            if args.gap_ms:
+                key += f"; {args.gap_ms:g} ms idle before each READ"
+            if args.warm_lead_ms >= 0:
+                key += f"; a one-block READ {args.warm_lead_ms:g} ms before each"
             if args.engine_step_ms > 0:
                 engine = (args.engine_step_ms / 1e3, args.engine_python_ms / 1e3, args.engine_switch_ms / 1e3)
                 key += (f"; engine {args.engine_step_ms:g} ms a step, {args.engine_python_ms:g} of Python, "
@@ -454,7 +477,8 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 r = run_config(CONFIGS[name], tuple(args.sizes), args.reps, args.poll_sleep_ms / 1e3, args.device,
                                shape=args.shape, pattern=pattern, busy=busy, engine=engine, own_gpu=args.own_gpu,
-                               pool_blocks=args.pool_blocks, profile=args.profile)
+                               pool_blocks=args.pool_blocks, profile=args.profile, gap=args.gap_ms / 1e3,
+                               warm_lead=args.warm_lead_ms / 1e3 if args.warm_lead_ms >= 0 else None)
                 if r["notifs"] != r["sent"]:
                     print(f"{key}: prefill saw {r['notifs']} of {r['sent']} notifications")
                 results[key] = r
@@ -478,12 +502,14 @@ def main(argv: list[str] | None = None) -> None:
     print(_table(results))
     devices = args.device.split(",")
     if len(devices) == 2 and devices[0] != devices[1] and devices[0].startswith("cuda"):
-        nbytes = -(-max(args.sizes) // BLOCK) * _block_bytes(args.shape)
         from loadgen.bench_disagg import copy_bandwidth_between
 
-        gbs = copy_bandwidth_between(devices[0], devices[1], nbytes)["Bps"] / 1e9
-        print(f"\ntorch peer copy {devices[0]} -> {devices[1]}, {nbytes / 2**20:.0f} MiB (bytes counted once): "
-              f"{gbs:.1f} GB/s")
+        idle = f" after {args.gap_ms:g} ms idle each" if args.gap_ms else ""
+        for tokens in sorted(set(args.sizes)):  # torch's copy of each READ's bytes, the link as idle as for the READs
+            nbytes = -(-tokens // BLOCK) * _block_bytes(args.shape)
+            pc = copy_bandwidth_between(devices[0], devices[1], nbytes, idle_s=args.gap_ms / 1e3)
+            print(f"\ntorch peer copy {devices[0]} -> {devices[1]}, {nbytes / 2**20:.0f} MiB{idle} (bytes counted "
+                  f"once): {pc['seconds_p50'] * 1e3:.3f} ms, {pc['Bps'] / 1e9:.1f} GB/s")
 
 
 def _block_bytes(shape: str) -> int:

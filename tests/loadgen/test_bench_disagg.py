@@ -10,7 +10,16 @@ import pytest
 
 from common.engine_loop import STEP_RANGE
 from loadgen import profile_summary
-from loadgen.bench_disagg import LAYOUTS, build_table, compare, delta, nixl_figures, run_row
+from loadgen.bench_disagg import (
+    IDLE_COPY_S,
+    LAYOUTS,
+    build_table,
+    compare,
+    delta,
+    idle_peer_copies,
+    nixl_figures,
+    run_row,
+)
 from loadgen.metrics import RequestRecord, Slo, summarize
 from services.cli import main
 
@@ -116,6 +125,22 @@ def test_comparison_marks_the_higher_goodput_and_the_itl_ratio():
             "20.00 ms each with 2.5 descriptors, 0.25 ms of it posting") in table
     assert "1p1d, long runs: NIXL 30.00 GB/s (0.60× the peer copy)" in table
     assert "1p1d, short runs: NIXL 16.67 GB/s (0.33× the peer copy)" in table
+    assert "idle" not in table  # no idle-link copies measured: no line for them
+
+    asked = []
+
+    def measure(src, dst, nbytes, idle_s):
+        asked.append((src, dst, nbytes, idle_s))
+        return {"src": src, "dst": dst, "bytes": nbytes, "idle_s": idle_s, "iters": 10, "Bps": 2.5e10}
+
+    idle_peer_copies(doc, "cuda:0", "cuda:1", measure)
+    # one copy per workload with READs, of its mean READ's bytes, after the link sat idle
+    assert asked == [("cuda:0", "cuda:1", 1_000_000_000, IDLE_COPY_S), ("cuda:0", "cuda:1", 200_000_000, IDLE_COPY_S)]
+    by = doc["layouts"]["1p1d"]["nixl_by_workload"]
+    assert by["long"]["vs_idle_peer_copy"] == approx(1.2) and by["short"]["vs_idle_peer_copy"] == approx(16.67 / 25, 1e-3)
+    table = build_table(doc)
+    assert ("1p1d, short runs: the peer copy of a READ's mean 191 MiB after 100 ms idle: 25.0 GB/s; NIXL 0.67× "
+            "that") in table
 
 
 def test_refuses_without_two_gpus(monkeypatch, capsys):
@@ -139,6 +164,11 @@ def test_both_layouts_end_to_end_on_the_cpu(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert set(res["layouts"]) == {"1p1d", "2agg"} and res["errors"] == []
     assert res["peer_copy"]["Bps"] > 0 and res["peer_copy"]["src"] == res["peer_copy"]["dst"] == "cpu"
+    # the copy of the long READs' mean bytes from an idle link, and NIXL's rate against it
+    idle = res["idle_peer_copy"]["long"]
+    assert idle["idle_s"] == IDLE_COPY_S and idle["Bps"] > 0
+    assert idle["bytes"] == int(res["layouts"]["1p1d"]["nixl"]["bytes"] / res["layouts"]["1p1d"]["nixl"]["reads"])
+    assert res["layouts"]["1p1d"]["nixl_by_workload"]["long"]["vs_idle_peer_copy"] > 0
     runs = {r["layout"]: r for r in res["runs"]}
     assert set(runs) == {"1p1d", "2agg"}
     for r in runs.values():

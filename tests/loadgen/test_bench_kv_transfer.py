@@ -48,3 +48,28 @@ def test_the_benchmark_reads_as_an_engine_polls_out_of_a_larger_pool():
     assert row["exact"] and row["blocks"] == 4 and row["bytes"] == 4 * 30 * 2 * 16 * 3 * 64 * 4  # smollm2, float32
     assert r["sent"] == 3 and r["notifs"] == 3  # a warm-up and two timed READs, each notified
     assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
+
+
+def test_idle_gaps_and_a_warm_up_read_before_each():
+    """``--gap-ms`` and ``--warm-lead-ms`` (the instruments of docs/performance-notes.md, "A cold link"): every
+    measured READ still lands whole, the warm-up READs carry no notification, and the gap lengthens the run."""
+    import time
+
+    from loadgen.bench_kv_transfer import CONFIGS, run_config
+
+    t0 = time.monotonic()
+    r = run_config(CONFIGS["defaults (kv_transfer.py)"], sizes=(64, 32), reps=2, pattern="scattered", gap=0.2,
+                   warm_lead=0.001)
+    assert time.monotonic() - t0 >= 6 * 0.2  # three READs a size, each after its gap
+    assert [row["exact"] for row in r["rows"]] == [True, True]
+    assert r["sent"] == 6 and r["notifs"] == 6  # the measured READs' notifications only
+    # each warm-up READ was one block, posted through the same agent: 6 measured + 6 warm-up
+    assert r["counters"]["posted"] == 12 and r["counters"]["failures"] == 0
+
+
+def test_the_module_prints_its_gap_in_each_row():
+    r = _run("--reps", "1", "--sizes", "64", "--pattern", "contiguous", "--gap-ms", "5", "--warm-lead-ms", "0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| defaults")]
+    assert len(rows) == 1 and "5 ms idle before each READ; a one-block READ 0 ms before each" in rows[0], rows
+    assert " | yes | " in rows[0]
