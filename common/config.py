@@ -136,6 +136,9 @@ class EngineConfig:
     # where blocks travel over NIXL, an allocation of several blocks looks for contiguous runs among this many
     # times as many of the least recently freed (common/block_manager.py); 0 takes the least recently freed
     kv_run_window: int = 8
+    # a decode worker wakes the link to a prefill worker with a one-block READ as a request with a lease comes in,
+    # when the link sat idle (common/kv_transfer.py, KvTransferAgent.warm_link). None: for pools on GPUs
+    kv_warm_links: bool | None = None
     enable_chunked_prefill: bool = True
     # the most prompt tokens batch-class sequences get in a step that also runs an interactive or standard one: their
     # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit)

@@ -91,7 +91,7 @@ def make_agent(cfg: ServiceConfig, engine: LLMEngine) -> KvTransferAgent:
         raise ValueError(f"{cfg.name}: a KV transfer agent belongs to a prefill or decode worker")
     # the name is unique to this process: a restarted worker's peers see a new agent, never READ through the old
     return KvTransferAgent(f"{cfg.name}.{os.getpid()}", kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT),
-                           role=role)
+                           role=role, warm_links=engine.cfg.kv_warm_links if role == "decode" else False)
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ class WorkerCore:
         if a is not None:
             s.update(nixl_bytes=a.bytes_transferred, nixl_seconds=a.transfer_seconds, nixl_busy=a.busy_seconds,
                      nixl_failures=a.failures, nixl_reads=a.posted, nixl_descriptors=a.posted_descriptors,
-                     nixl_post=a.post_seconds)
+                     nixl_post=a.post_seconds, nixl_warmups=a.warmups)
         return s
 
     # -- calls every worker takes -----------------------------------------------------------------------
@@ -258,6 +258,12 @@ class CoreHandle:
     def validate(self, prompt: list[int], params: SamplingParams) -> Future[int]:
         raise NotImplementedError
 
+    def now(self, method: str, *args: Any) -> None:
+        """Run ``core.method(*args)`` at once, off the engine thread (in the child, on the thread that reads the
+        pipe; here, on the caller's), for a method safe beside the engine thread that must not wait for a step
+        (``warm_link``). No result; an error is logged."""
+        raise NotImplementedError
+
     def stop(self, timeout: float = 30.0) -> None:
         raise NotImplementedError
 
@@ -291,6 +297,9 @@ class ThreadCore(CoreHandle):
     def call(self, method: str, *args: Any) -> Future[Any]:
         fn = getattr(self.core, method)
         return _detached(self.loop.submit(lambda e: fn(*args)))
+
+    def now(self, method: str, *args: Any) -> None:
+        _run_now(self.core, method, args)
 
     def validate(self, prompt: list[int], params: SamplingParams) -> Future[int]:
         out: Future[int] = Future()
@@ -379,6 +388,9 @@ class ProcessCore(CoreHandle):
         self._send(("validate", (prompt, params)), fut)
         return fut
 
+    def now(self, method: str, *args: Any) -> None:
+        self._send(("now", method, args), None)
+
     def _resolve(self, call_id: int, ok: bool, value: Any) -> None:
         with self._send_lock:
             fut = self._pending.pop(call_id, None)
@@ -441,6 +453,14 @@ class ProcessCore(CoreHandle):
             self._closed = True
         self._conn.close()
         self._reader.join(5)
+
+
+def _run_now(core: WorkerCore, method: str, args: tuple[Any, ...]) -> None:
+    """``CoreHandle.now``'s body: the call, its error logged, never raised into the thread that runs it."""
+    try:
+        getattr(core, method)(*args)
+    except Exception:
+        log.exception("%s: %s%r failed", core.cfg.name, method, args)
 
 
 def _picklable(e: BaseException) -> BaseException:
@@ -529,6 +549,8 @@ def _child_main(conn: Connection, core_cls: type[WorkerCore], cfg: ServiceConfig
                 loop.submit(runner(call_id, getattr(core, method), args))
             elif kind == "validate":  # beside the reader: a grammar's compile must not hold up the calls behind it
                 checks.submit(check, msg[1], msg[2])
+            elif kind == "now":
+                _run_now(core, msg[1], msg[2])
             elif kind == "stop":
                 break
     except (EOFError, OSError):

@@ -50,6 +50,13 @@ PROTOCOL_VERSION = 1
 # mid-READ fails the READ at once; measured against the other transports in docs/performance-notes.md. UCX_TLS in
 # the environment overrides it.
 CPU_UCX_TLS = "tcp,cma"
+# Warming the link before a READ (KvTransferAgent.warm_link), by pool memory. A copy over an NVLink that sat idle
+# for 20 ms or more starts slowly: on two H200s (NV18) torch's own peer copy of 128 MiB took 0.365 ms back to back,
+# 0.518 ms after 20 ms idle and 0.699 ms after 150 ms, and a READ of the same bytes to the end of its copy 0.38 /
+# 0.48 / 0.68 ms; a one-block READ shortly before wakes it (docs/performance-notes.md, "A cold link"). A host
+# pool's READ is a copy by the CPU: no link to wake.
+WARM_LINKS_BY_MEM = {"VRAM": True, "DRAM": False}
+WARM_IDLE_S = 0.005  # a link with traffic this recently is still awake: no warm-up READ
 UCX_ERROR_HANDLING_MODE = "peer"
 # NIXL's progress thread per role (docs/performance-notes.md): the reader (decode) runs none, since its cma copy
 # runs inline in start_read() and its poll() drives UCX; the target (prefill) pauses 100 µs between rounds, enough to
@@ -292,10 +299,12 @@ class KvTransferAgent:
     def __init__(self, name: str, kv_cache: torch.Tensor, compat: KvCompat, *,
                  role: Literal["prefill", "decode", "both"] = "both", ucx_tls: str | None = None,
                  error_handling_mode: Literal["peer", "none"] | None = None,
-                 progress_thread: ProgressThread | Literal["by-role"] = "by-role") -> None:
+                 progress_thread: ProgressThread | Literal["by-role"] = "by-role",
+                 warm_links: bool | None = None) -> None:
         """``role``: "prefill" (its blocks are read), "decode" (it reads) or "both"; picks the progress thread
         (:data:`PROGRESS_THREAD_BY_ROLE`). ``ucx_tls`` / ``error_handling_mode`` / ``progress_thread`` (µs
-        between rounds, or "off") override the defaults, for benchmarks. For a CPU pool UCX_TLS is set to
+        between rounds, or "off") and ``warm_links`` (:data:`WARM_LINKS_BY_MEM`) override the defaults, for
+        benchmarks and tests. For a CPU pool UCX_TLS is set to
         :data:`CPU_UCX_TLS` unless the environment already sets it; a CUDA pool keeps UCX's own choice (cuda_ipc,
         NVLink). UCX reads the variable when the backend is created: once per process."""
         if kv_cache.dim() != 6 or not kv_cache.is_contiguous():
@@ -336,6 +345,7 @@ class KvTransferAgent:
         self.posted_descriptors = 0
         self.post_seconds = 0.0
         self.notifications_received = 0
+        self.warmups = 0  # one-block READs into the scratch block (warm_link), counted in none of the above
 
         self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
@@ -345,6 +355,9 @@ class KvTransferAgent:
         self._poll_kick = threading.Event()  # a READ was posted: the poller's sleep ends
         self._rate = 0.0  # bytes/s of recent large READs (0: none yet), for when to check the next one
         self._stuck: list[Any] = []  # xfer handles NIXL refused to release (retried at close)
+        self.warm_links = WARM_LINKS_BY_MEM[self.mem_type] if warm_links is None else warm_links
+        self._warm: list[tuple[str, Any]] = []  # (peer, xfer) of warm-up READs not yet seen over
+        self._last_traffic: dict[str, float] = {}  # peer -> perf_counter of the last READ posted to it or ended
         # No listener thread: metadata travels in our own handshake RPC. The progress thread lets UCX serve a
         # peer's READ (tcp emulates RMA on the target), answer connection set-up and deliver notifications
         # between our calls; see PROGRESS_THREAD_BY_ROLE for who gets one and why it pauses.
@@ -367,6 +380,13 @@ class KvTransferAgent:
                           np.full(self.num_blocks, self.bytes_per_block, dtype=np.uint64),
                           np.full(self.num_blocks, self.device_id, dtype=np.uint64)], axis=1)
         self._local_prepped = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, self.mem_type)
+        # warm-up READs land in a block of their own, outside the pool (the peers never read it)
+        self._scratch = self._scratch_reg = self._scratch_prepped = None
+        if self.warm_links:
+            self._scratch = torch.empty(self.bytes_per_block, dtype=torch.uint8, device=kv_cache.device)
+            self._scratch_reg = self._agent.register_memory(self._scratch)
+            self._scratch_prepped = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", np.array(
+                [[self._scratch.data_ptr(), self.bytes_per_block, self.device_id]], dtype=np.uint64), self.mem_type)
         self._metadata: bytes = self._agent.get_agent_metadata()
         self._descriptors = encode_descriptors(self._addresses, self.bytes_per_block, self.mem_type, self.device_id)
 
@@ -421,6 +441,8 @@ class KvTransferAgent:
     def _drop_peer(self, name: str, peer: _Peer) -> None:
         for h in [h for h in self._inflight if h.peer == name]:  # they use the descriptors released below
             self.release(h)
+        self._reap_warm(peer=name)
+        self._last_traffic.pop(name, None)
         if peer.prepped is not None:
             peer.prepped.release()
         del self._peers[name]
@@ -471,6 +493,9 @@ class KvTransferAgent:
             self.posted += 1
             self.posted_descriptors += runs
             self.post_seconds += time.perf_counter() - h.started
+            self._last_traffic[peer] = h.started
+            if self._warm:
+                self._reap_warm()
             if not self._inflight:
                 self._busy_since = h.started
             self._inflight.add(h)
@@ -535,6 +560,7 @@ class KvTransferAgent:
             h.checked = time.perf_counter()
             return h.state
         h.finished = time.perf_counter()
+        self._last_traffic[h.peer] = h.finished
         self._inflight.discard(h)
         if not self._inflight:
             self.busy_seconds += h.finished - self._busy_since
@@ -589,6 +615,61 @@ class KvTransferAgent:
             self._stuck.append(xfer)
             return False
 
+    def warm_link(self, peer: str, remote_block: int) -> bool:
+        """Wake the link to ``peer`` ahead of a READ: post a one-block READ of its block ``remote_block`` into
+        this agent's scratch block, unless warm-ups are off (a host pool), the peer is unknown or not readable, or
+        the link had traffic within :data:`WARM_IDLE_S` or has a READ in flight. Nothing waits for it and nothing
+        tells the peer. The decode worker calls it as a request with a lease comes in, a few ms before the
+        request's own READ. Returns whether one was posted."""
+        if not self.warm_links:
+            return False
+        with self._lock:
+            if self._agent is None:
+                return False
+            self._reap_warm()
+            p = self._peers.get(peer)
+            if p is None or p.prepped is None or not 0 <= remote_block < p.num_blocks:
+                return False
+            now = time.perf_counter()
+            if (now - self._last_traffic.get(peer, -WARM_IDLE_S) < WARM_IDLE_S
+                    or any(h.peer == peer for h in self._inflight) or any(w == peer for w, _ in self._warm)):
+                return False
+            try:
+                xfer = self._agent.make_prepped_xfer("READ", self._scratch_prepped, [0], p.prepped, [remote_block],
+                                                     b"")
+            except Exception as e:
+                log.debug("warm-up READ from %s not made: %s", peer, e)
+                return False
+            try:
+                state = self._agent.transfer(xfer)
+            except Exception as e:
+                log.debug("warm-up READ from %s not posted: %s", peer, e)
+                state = "ERR"
+            self._last_traffic[peer] = now
+            if state == "PROC":
+                self._warm.append((peer, xfer))
+            else:
+                self._release_xfer(xfer)
+            self.warmups += state != "ERR"
+            return state != "ERR"
+
+    def _reap_warm(self, peer: str | None = None) -> None:
+        """Release the warm-up READs that are over (with ``peer``: that peer's, over or not). Under the lock."""
+        keep = []
+        for name, xfer in self._warm:
+            if peer is None:
+                try:
+                    if self._agent.check_xfer_state(xfer) == "PROC":
+                        keep.append((name, xfer))
+                        continue
+                except Exception as e:
+                    log.debug("warm-up READ from %s: %s", name, e)
+            elif name != peer:
+                keep.append((name, xfer))
+                continue
+            self._release_xfer(xfer)
+        self._warm = keep
+
     def read_blocks(self, peer: str, remote_block_ids: list[int], local_block_ids: list[int],
                     notif: bytes = b"", timeout: float = 30.0) -> float:
         """Blocking READ (tests and tools); returns its seconds. Raises on error or timeout."""
@@ -626,7 +707,8 @@ class KvTransferAgent:
                 "busy_seconds": self.busy_seconds,
                 "transfers": self.transfers, "failures": self.failures,
                 "notifications_received": self.notifications_received, "posted": self.posted,
-                "posted_descriptors": self.posted_descriptors, "post_seconds": self.post_seconds}
+                "posted_descriptors": self.posted_descriptors, "post_seconds": self.post_seconds,
+                "warmups": self.warmups}
 
     def _check_open(self) -> None:
         if self._agent is None:
@@ -641,6 +723,9 @@ class KvTransferAgent:
             self._poll_kick.set()
             for h in list(self._inflight):
                 self.release(h)
+            for _, xfer in self._warm:
+                self._release_xfer(xfer)
+            self._warm.clear()
             for xfer in self._stuck:
                 try:
                     xfer.release()
@@ -654,6 +739,12 @@ class KvTransferAgent:
                 self._agent.deregister_memory(self._reg)
             except Exception as e:
                 log.warning("deregistering the KV pool: %s", e)
+            if self._scratch_prepped is not None:
+                self._scratch_prepped.release()
+                try:
+                    self._agent.deregister_memory(self._scratch_reg)
+                except Exception as e:
+                    log.warning("deregistering the warm-up block: %s", e)
             self._agent = None
 
     def __enter__(self) -> KvTransferAgent:

@@ -74,6 +74,8 @@ class WorkerMetrics:
                                       "mean per READ (UCX copies each on its own)", registry=r)
         self.nixl_post = Gauge("tokenmill:nixl_xfer_post_seconds", "Seconds the engine thread spent posting NIXL "
                                "READs, summed", registry=r)
+        self.nixl_warmups = Gauge("tokenmill:nixl_xfer_warmups", "One-block READs that woke an idle link ahead of a "
+                                  "pull (not in the READs, bytes or seconds above)", registry=r)
         self.steps = Gauge("tokenmill:engine_steps", "Engine steps run", registry=r)
         self.step_seconds = Gauge("tokenmill:engine_step_seconds", "Seconds spent in engine steps (schedule, "
                                   "forward, sampling, outputs), summed: ÷ engine_steps is the mean step", registry=r)
@@ -127,7 +129,7 @@ class WorkerMetrics:
 # the gauges ``WorkerMetrics.bind`` reads from the engine core's counters, by attribute (= the counter's key)
 STATS_GAUGES = ("steps", "step_seconds", "step_decode_rows", "step_prompt_tokens", "idle_seconds", "running", "waiting",
                 "kv_used", "kv_free", "kv_total", "prefix_queries", "prefix_hits", "nixl_bytes", "nixl_seconds",
-                "nixl_busy", "nixl_failures", "nixl_reads", "nixl_descriptors", "nixl_post")
+                "nixl_busy", "nixl_failures", "nixl_reads", "nixl_descriptors", "nixl_post", "nixl_warmups")
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:
@@ -212,6 +214,11 @@ class WorkerBase:
         """``call`` without waiting for it (any thread)."""
         assert self.core is not None
         self.core.call(method, *args)
+
+    def now(self, method: str, *args: Any) -> None:
+        """``core.method(*args)`` at once, off the engine thread, without waiting (``CoreHandle.now``)."""
+        assert self.core is not None
+        self.core.now(method, *args)
 
     async def validate(self, prompt: list[int], params: SamplingParams) -> int:
         """The engine's checks of a request (off the engine thread); raises RequestError."""

@@ -142,25 +142,27 @@ def run_row(layout: str, workload: str, rate: float, summary: dict[str, Any], sl
 
 
 def nixl_figures(nbytes: float, seconds: float, peer_Bps: float | None, reads: float = 0.0,
-                 descriptors: float = 0.0, post_seconds: float = 0.0) -> dict[str, float | None]:
+                 descriptors: float = 0.0, post_seconds: float = 0.0, warmups: float = 0.0) -> dict[str, float | None]:
     """NIXL's bytes and seconds over a span, its bandwidth (None without a transfer) and that ÷ the peer copy's;
-    with the READs posted, their descriptors and the seconds spent posting them: each per READ."""
+    with the READs posted, their descriptors and the seconds spent posting them: each per READ; and the warm-up
+    READs that woke an idle link before them (counted in none of the others)."""
     bps = nbytes / seconds if nbytes > 0 and seconds > 0 else None
     per = (lambda v: v / reads) if reads > 0 else (lambda v: None)
     return {"bytes": nbytes, "seconds": seconds, "Bps": bps,
             "vs_peer_copy": bps / peer_Bps if bps is not None and peer_Bps else None,
-            "reads": reads, "descriptors": descriptors, "post_seconds": post_seconds,
+            "reads": reads, "descriptors": descriptors, "post_seconds": post_seconds, "warmups": warmups,
             "descriptors_per_read": per(descriptors), "busy_ms_per_read": per(1e3 * seconds),
             "post_ms_per_read": per(1e3 * post_seconds)}
 
 
 NIXL_METRICS = {"bytes": "tokenmill:nixl_xfer_bytes", "seconds": "tokenmill:nixl_xfer_busy_seconds",
                 "reads": "tokenmill:nixl_xfer_reads", "descriptors": "tokenmill:nixl_xfer_descriptors",
-                "post_seconds": "tokenmill:nixl_xfer_post_seconds"}
+                "post_seconds": "tokenmill:nixl_xfer_post_seconds", "warmups": "tokenmill:nixl_xfer_warmups"}
 
 
 def _nixl_of(v: dict[str, float], peer_Bps: float | None) -> dict[str, float | None]:
-    return nixl_figures(v["bytes"], v["seconds"], peer_Bps, v["reads"], v["descriptors"], v["post_seconds"])
+    return nixl_figures(v["bytes"], v["seconds"], peer_Bps, v["reads"], v["descriptors"], v["post_seconds"],
+                        v.get("warmups", 0.0))
 
 
 def _nixl_line(n: dict[str, Any]) -> str:
@@ -172,6 +174,8 @@ def _nixl_line(n: dict[str, Any]) -> str:
     if n.get("reads"):
         per = (f"; {n['reads']:.0f} READs, {n['busy_ms_per_read']:.2f} ms each with {n['descriptors_per_read']:.1f} "
                f"descriptors, {n['post_ms_per_read']:.2f} ms of it posting")
+        if n.get("warmups"):
+            per += f"; {n['warmups']:.0f} warm-up READs before them"
     return f"NIXL {n['Bps'] / 1e9:.2f} GB/s{vs}, {n['bytes'] / 1e9:.2f} GB in {n['seconds']:.3f} s busy{per}"
 
 

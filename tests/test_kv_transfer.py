@@ -83,7 +83,8 @@ def _decode_main(conn, device: str) -> None:
     agent = None
     try:
         hs = conn.recv()
-        agent = KvTransferAgent("test-decode", kv, KvCompat.for_pool(kv, "smollm2"), role="decode")
+        # warm-ups on in every scenario (a host pool's default is off), so the host run checks them too
+        agent = KvTransferAgent("test-decode", kv, KvCompat.for_pool(kv, "smollm2"), role="decode", warm_links=True)
         conn.send(agent.handshake_payload())
         out = {}
         try:  # no handshake with this peer yet
@@ -125,6 +126,18 @@ def _decode_main(conn, device: str) -> None:
         out["run_state"], out["runs"] = h.state, h.runs
         agent.release(h)
         out["run_blocks"] = kv[RUN_LOCAL].cpu()
+        from common.kv_transfer import WARM_IDLE_S
+
+        out["warm_recent"] = agent.warm_link(hs.agent_name, REMOTE[0])  # a READ just ended: the link is awake
+        time.sleep(2 * WARM_IDLE_S)
+        out["warm_idle"] = agent.warm_link(hs.agent_name, REMOTE[0])
+        out["warm_again"] = agent.warm_link(hs.agent_name, REMOTE[0])  # one just posted
+        out["warm_unknown"] = agent.warm_link("nobody", REMOTE[0])
+        out["warm_out_of_range"] = agent.warm_link(hs.agent_name, 64)
+        if kv.is_cuda:
+            torch.cuda.synchronize()  # UCX's copy streams are this process's too
+        out["scratch"] = agent._scratch.cpu().numpy().tobytes()
+        out["warm_counters"] = agent.counters()
         conn.send(out)
         conn.recv()  # prefill is gone now: a READ must fail or (VRAM) bring the exact bytes, never hang
         t0 = time.monotonic()
@@ -227,6 +240,27 @@ def test_counters(scenario):
     # one READ posted; remote 5, 9-10, 40 against local 0, 1-2, 3: three runs contiguous on both sides
     assert c["posted"] == 1 and c["posted_descriptors"] == 3
     assert 0 < c["post_seconds"] <= c["transfer_seconds"]
+
+
+def test_a_warm_up_read_wakes_an_idle_link_and_only_then(scenario):
+    """``warm_link``: one block of the peer's into the agent's own scratch block, only after the link sat idle
+    ``WARM_IDLE_S``, once, and only from a known peer's real block; no notification, no transfer counted."""
+    assert scenario["warm_recent"] is False and scenario["warm_idle"] is True and scenario["warm_again"] is False
+    assert scenario["warm_unknown"] is False and scenario["warm_out_of_range"] is False
+    assert scenario["scratch"] == scenario["expected"][0].numpy().tobytes()  # REMOTE[0]'s bytes, exact
+    c = scenario["warm_counters"]
+    assert c["warmups"] == 1 and c["transfers"] == 3 and c["failures"] == 0  # the three READs before it
+    assert scenario["notifs"] == [("test-decode", NOTIF)]  # the one notified READ's, nothing from the warm-up
+
+
+def test_host_pools_do_not_warm_links_by_default():
+    """A host pool's READ is a copy by the CPU: no link to wake, so no scratch block and no warm-up READ."""
+    from common.kv_transfer import KvTransferAgent
+
+    kv = torch.zeros(SHAPE)
+    with KvTransferAgent("test-no-warm", kv, KvCompat.for_pool(kv, "smollm2"), role="decode") as agent:
+        assert agent.warm_links is False and agent._scratch is None
+        assert agent.warm_link("anyone", 0) is False and agent.counters()["warmups"] == 0
 
 
 def test_notification_reaches_prefill(scenario):

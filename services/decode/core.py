@@ -1,6 +1,7 @@
 """The decode worker's engine core (common/engine_core.py): requests into the engine, and KV pulls (``KvPulls``).
 
-The front (services/decode/server.py) calls ``admit`` once a request is checked and its lease claimed, ``end_stream``
+The front (services/decode/server.py) calls ``warm_link`` as a request with a lease comes in (off the engine thread,
+at once), ``admit`` once a request is checked and its lease claimed, ``end_stream``
 when a stream ends unfinished, and ``abort`` when the detokenizer saw a stop string or the output filter blocked
 the stream. The step's outputs go to the front as ``outputs`` events; a pull's as ``first_token``, ``release_lease``,
 ``span``, ``recompute`` and ``transfer``.
@@ -47,6 +48,11 @@ class DecodeCore(WorkerCore):
         meta = req.meta
         self.engine.add_request(rid, list(req.prompt_token_ids), params, meta.priority, meta.cache_salt,
                                 prior_output_ids=list(req.prior_output_ids), tenancy=tenancy)
+
+    def warm_link(self, peer: str, remote_block: int) -> None:
+        """Off the engine thread (``CoreHandle.now``): wake the link to ``peer`` ahead of a pull from it."""
+        if self.agent is not None:
+            self.agent.warm_link(peer, remote_block)
 
     def end_stream(self, rid: str, lease: Lease | None, admitted: bool) -> None:
         """The stream ended unfinished. ``admitted``: its ``admit`` call was made (and so ran before this one)."""

@@ -236,9 +236,11 @@ class KvPeers:
     """The handshakes, claims and releases with prefill workers (the front's asyncio loop). ``call(method, *args)``
     awaits a call of the engine core (its agent's handshake, peers)."""
 
-    def __init__(self, name: str, call: Callable[..., Awaitable[Any]]) -> None:
+    def __init__(self, name: str, call: Callable[..., Awaitable[Any]],
+                 now: Callable[..., None] | None = None) -> None:
         self.name = name
         self._call = call
+        self._now = now  # a core call at once, off the engine thread (CoreHandle.now)
         self._peers: dict[str, str] = {}  # prefill address → its agent name (handshake done)
         self._peer_locks: dict[str, asyncio.Lock] = {}
         self._prefills = rpc.StubCache()  # Claim, Release and KvHandshake, one channel per prefill worker
@@ -247,6 +249,14 @@ class KvPeers:
     async def close(self) -> None:
         await self._background.drain(timeout=2)  # the releases in flight, before their channels close
         await self._prefills.close()
+
+    def warm(self, kv: common_pb2.KvHandle) -> None:
+        """Wake the link to the lease's prefill worker ahead of the READ, which follows after the claim and the
+        request's admission (a few ms): the engine core's agent reads one of the lease's blocks into its scratch
+        block if the link sat idle (``KvTransferAgent.warm_link``). Only once the handshake with that worker is
+        done; a first request to it goes without."""
+        if self._now is not None and kv.block_ids and self._peers.get(kv.address) == kv.worker_id:
+            self._now("warm_link", kv.worker_id, kv.block_ids[0])
 
     async def claim(self, lease: Lease) -> None:
         """Handshake with the lease's prefill worker if need be, then claim the lease: sets ``lease.deadline``

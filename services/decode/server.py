@@ -13,7 +13,8 @@ the stream's outbox, and each message out carries every delta produced since the
 sequences costs one gRPC message instead of 64. Both share the request's set-up and clean-up
 (``DecodeWorker._prepare`` / ``_begin`` / ``_end``).
 
-A request with a KV handle (its prompt computed by a prefill worker) first claims its lease, streams its first
+A request with a KV handle (its prompt computed by a prefill worker) first wakes the link to that worker if it sat
+idle (a one-block READ into a scratch block, ``KvTransferAgent.warm_link``), claims its lease, streams its first
 token, then pulls the prompt's blocks while the running batch goes on (services/decode/kv_pull.py): ``KvPeers`` does
 the handshakes, claims and releases here, ``KvPulls`` the pulls in the engine core, and ``Lease`` says when the lease
 changes hands. Fault injection for its tests: ``KV_PULL_FAULT`` (see there).
@@ -187,7 +188,7 @@ class DecodeWorker(WorkerBase):
         self.streams: dict[str, _Sink] = {}
         self._detok_q: queue.SimpleQueue[_DetokMsg] = queue.SimpleQueue()
         self._detok_thread: threading.Thread | None = None
-        self.peers = KvPeers(cfg.name, self.call)
+        self.peers = KvPeers(cfg.name, self.call, self.now)
         self._trace: dict[str, Any] = {}  # request id → its ``decode`` span's context, for its KV pull's span
         self.policies = PolicySet(cfg.cluster.output_filter, cfg.cluster.model)
 
@@ -263,6 +264,7 @@ class DecodeWorker(WorkerBase):
                                       attributes={"request_id": r.rid, "prompt_tokens": len(r.prompt)})
         if r.lease is not None:
             self._trace[r.rid] = telemetry.context_with(r.span)
+            self.peers.warm(r.lease.kv)  # the link to the prefill worker wakes while the claim and admission run
             await self.peers.claim(r.lease)  # before the first token; no claim: the prompt is recomputed here
         self._detok_q.put(_Add(r.rid, r.prompt, r.params, r.prior, self.policies.for_request(r.request.meta.tenant_id)))
         r.admitted = True

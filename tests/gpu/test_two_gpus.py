@@ -68,3 +68,4 @@ def test_workers_are_on_their_own_gpus(late):
 
 class TestKvPullsAcrossCards(kv_pulls.KvPullTests):
     read_may_complete = True  # VRAM: the decode worker's cuda_ipc mapping keeps a dead peer's pool alive
+    warm_links = True

@@ -124,9 +124,13 @@ def prompts(tokenizer: Any) -> list[list[int]]:
 
 
 # -- the checks ------------------------------------------------------------------------------------------------
-def check_pd_equals_engine(info: dict[str, Any], ids: list[list[int]], refs: list[list[int]]) -> None:
-    """Greedy through 1P+1D equals one engine's; every prompt's KV moved over NIXL, seen on both sides."""
+def check_pd_equals_engine(info: dict[str, Any], ids: list[list[int]], refs: list[list[int]],
+                           warm_links: bool = False) -> None:
+    """Greedy through 1P+1D equals one engine's; every prompt's KV moved over NIXL, seen on both sides. With
+    ``warm_links`` (VRAM pools), a request to a prefill worker already met woke the idle link before its READ; a
+    host pool never does."""
     moved0 = role_metric(info, "decode", "tokenmill:nixl_xfer_bytes")
+    warm0 = role_metric(info, "decode", "tokenmill:nixl_xfer_warmups")
     dec0 = role_metric(info, "decode", "tokenmill:kv_transfer_seconds_count")
     pre0 = role_metric(info, "prefill", "tokenmill:kv_transfer_seconds_count")
     ids, refs = [ids[i] for i in PD], [refs[i] for i in PD]
@@ -139,6 +143,10 @@ def check_pd_equals_engine(info: dict[str, Any], ids: list[list[int]], refs: lis
              lambda: "the prefill workers did not record every transfer")
     blocks = role_metric(info, "decode", "tokenmill:kv_transfer_blocks_sum")
     assert blocks >= sum(len(p) // 16 for p in ids)
+    # three requests, each held longer than WARM_IDLE_S before its READ, to at most two prefill workers: at least
+    # one went to a worker this decode worker had met, over a link idle since
+    warmed = role_metric(info, "decode", "tokenmill:nixl_xfer_warmups") - warm0
+    assert (warmed >= 1) if warm_links else (warmed == 0), f"{warmed:.0f} warm-up READs (warm links: {warm_links})"
     wait_all_blocks_free(info)
 
 
@@ -290,6 +298,7 @@ class KvPullTests:
     of those layouts) and ``ids_and_refs`` (``prompts`` and one engine's greedy outputs of them)."""
 
     read_may_complete = False  # see check_killed_prefill_recomputes
+    warm_links = False  # the pools' memory wakes idle links before a READ (common/kv_transfer.py, WARM_LINKS_BY_MEM)
 
     def test_claim_after_expiry_is_refused_and_recomputed(self, late, ids_and_refs):
         ids, refs = ids_and_refs
@@ -300,7 +309,7 @@ class KvPullTests:
         check_pull_outliving_its_hold_recomputes(late, ids[1], refs[1])
 
     def test_disaggregated_equals_one_engine_and_counts_transfers(self, held, ids_and_refs):
-        check_pd_equals_engine(held, *ids_and_refs)
+        check_pd_equals_engine(held, *ids_and_refs, warm_links=self.warm_links)
 
     def test_a_handle_naming_missing_blocks_is_recomputed(self, held, ids_and_refs):
         ids, refs = ids_and_refs

@@ -26,9 +26,12 @@ def late(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def held(late, tmp_path_factory):  # after ``late``: one cluster at a time on two cores
-    with running_cluster(tmp_path_factory.mktemp("held"), *kv_pulls.HELD["args"], env=kv_pulls.HELD["env"]) as c:
+    # warm-ups on (a host pool's default is off), so the front-to-agent path of warm_link runs here too
+    with running_cluster(tmp_path_factory.mktemp("held"), *kv_pulls.HELD["args"], "--set", "engine.kv_warm_links=true",
+                         env=kv_pulls.HELD["env"]) as c:
         yield c
 
 
 class TestKvPullsInHostMemory(kv_pulls.KvPullTests):
     read_may_complete = False
+    warm_links = True
