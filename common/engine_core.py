@@ -260,8 +260,8 @@ class CoreHandle:
 
     def now(self, method: str, *args: Any) -> None:
         """Run ``core.method(*args)`` at once, off the engine thread (in the child, on the thread that reads the
-        pipe; here, on the caller's), for a method safe beside the engine thread that must not wait for a step
-        (``warm_link``). No result; an error is logged."""
+        pipe; on a thread of its own beside an engine thread), for a method safe beside the engine thread that must
+        not wait for a step (``warm_link``). No result; an error is logged."""
         raise NotImplementedError
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -275,6 +275,7 @@ class ThreadCore(CoreHandle):
                  on_failure: Callable[[BaseException], None]) -> None:
         self.core = core_cls(cfg, on_event)
         self.ready = Future()
+        self._now: ThreadPoolExecutor | None = None
 
         def setup() -> LLMEngine:
             engine = self.core.setup()
@@ -299,7 +300,10 @@ class ThreadCore(CoreHandle):
         return _detached(self.loop.submit(lambda e: fn(*args)))
 
     def now(self, method: str, *args: Any) -> None:
-        _run_now(self.core, method, args)
+        # a thread of its own, so the caller (the front's asyncio loop) never waits on the core's locks
+        if self._now is None:
+            self._now = ThreadPoolExecutor(1, thread_name_prefix="engine-core-now")
+        self._now.submit(_run_now, self.core, method, args)
 
     def validate(self, prompt: list[int], params: SamplingParams) -> Future[int]:
         out: Future[int] = Future()
@@ -311,6 +315,8 @@ class ThreadCore(CoreHandle):
 
     def stop(self, timeout: float = 30.0) -> None:
         self.loop.stop(timeout)
+        if self._now is not None:
+            self._now.shutdown(wait=True, cancel_futures=True)
         self.core.close()
 
 

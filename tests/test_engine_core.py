@@ -43,9 +43,12 @@ class _Front:
         self.failures: list[BaseException] = []
         self.failed = threading.Event()
         self.collections: list[tuple[int, float]] = []
+        self.marks: list[tuple[Any, ...]] = []
 
     def on_event(self, kind: str, *args: Any) -> None:
         self.kinds.append(kind)
+        if kind == "marked":
+            self.marks.append(args)
         if kind == "engine_gc":
             self.collections.append(args)
         if kind == "stats":
@@ -85,6 +88,32 @@ def _running(handle: type[ProcessCore] | type[ThreadCore] = ProcessCore,
         yield _Running(core, front, core.ready.result(timeout=120), cfg)
     finally:
         core.stop()
+
+
+class _MarkingCore(DecodeCore):
+    """A decode core with one more method: it says which thread ran it."""
+
+    def mark(self, value: int) -> None:
+        self.emit("marked", value, threading.current_thread().name)
+
+
+@pytest.mark.parametrize("handle", [ProcessCore, ThreadCore])
+def test_now_runs_at_once_off_the_engine_thread_and_survives_an_error(
+        handle: type[ProcessCore] | type[ThreadCore]) -> None:
+    """``CoreHandle.now`` (the decode front's link warm-ups): not on the engine thread, no result, and a method
+    that raises is logged without taking the core down."""
+    with _running(handle, _MarkingCore) as r:
+        r.core.call("mark", 1).result(timeout=30)  # on the engine thread
+        r.core.now("mark", 2)
+        r.core.now("no_such_method")
+        r.core.call("mark", 3).result(timeout=30)
+        deadline = time.monotonic() + 30
+        while len(r.front.marks) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        by_value = {v: thread for v, thread in r.front.marks}
+        assert set(by_value) == {1, 2, 3}, r.front.marks
+        assert by_value[1] == by_value[3] != by_value[2], by_value
+        assert not r.front.failures
 
 
 def _request(rid: str) -> decode_pb2.DecodeRequest:
