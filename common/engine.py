@@ -51,6 +51,12 @@ from common.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
+# where an engine step's host time goes (LLMEngine.step_phase_seconds, summed; "other" is the rest of step_seconds):
+# schedule (the scheduler, and the step's bookkeeping before the forward), launch (inputs staged, the forward
+# launched: a graph replay, or eager kernels), wait (blocked on the device for a step's picked tokens), outputs (the
+# tokens handed out: appended, stop checks, finished requests freed), sample (the pick queued)
+STEP_PHASES = ("schedule", "launch", "wait", "outputs", "sample")
+
 # a decode worker's own prompts beside its decoding sequences, in a disaggregated layout (LLMEngine.pulls_kv;
 # docs/benchmarks.md, "GPU: prefill and decode on two GPUs")
 DISAGG_PROMPT_TOKENS_BESIDE_DECODES = 1024
@@ -441,6 +447,7 @@ class LLMEngine:
         ``tokenmill:engine_step*``), from zero."""
         self.num_steps = 0
         self.step_seconds = 0.0
+        self.step_phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
         self.step_decode_rows = 0
         self.step_prompt_tokens = 0
         # requests: arrival to the first step that computes their prompt (``queued``), and arrival to a first token
@@ -466,6 +473,7 @@ class LLMEngine:
         scheduling, those of the step before (its own are read by the next call: ``has_unfinished`` stays true
         until they are)."""
         t0 = time.perf_counter()
+        phase = self.step_phase_seconds
         prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
         deferred = prev is not None and prev.picks is None  # its masks fill while the host schedules this step
@@ -473,10 +481,13 @@ class LLMEngine:
             assert prev is not None
             prev = self._live_rows(prev)  # rows aborted since its step() call are dropped
         if out.is_empty:
-            if prev is None:
+            if prev is None:  # nothing to run: no step, in no counter
                 return []
+            t1 = time.perf_counter()
+            phase["schedule"] += t1 - t0
             if deferred:
                 self._queue_pick(prev)
+                phase["sample"] += time.perf_counter() - t1
             outputs = self._resolve(prev)
             self.step_seconds += time.perf_counter() - t0
             return outputs
@@ -491,6 +502,8 @@ class LLMEngine:
                 if self.track_latencies:
                     self._queue_times.append(now - seq.arrival)
         sampling = [it.seq for it in (*out.prefills, *out.decodes) if it.samples]
+        t1 = time.perf_counter()
+        phase["schedule"] += t1 - t0
         staged = None
         if deferred and prev is not None:
             # this step's rows staged first, so the masks have that long too; then the pick, then the launch
@@ -498,10 +511,13 @@ class LLMEngine:
             self._queue_pick(prev)
             self._send_early(prev)
         logits = self.runner.execute(out, self._feed(out, prev), staged)
+        phase["launch"] += time.perf_counter() - t1  # the deferred pick queued above counts here too
         self.num_steps += 1
         outputs = self._resolve(prev) if prev is not None else []
         self.scheduler.update_after_step(out)
+        t2 = time.perf_counter()
         picks = self._launch(sampling, logits)
+        phase["sample"] += time.perf_counter() - t2
         if picks is not None:
             if picks.overlap:
                 self._inflight = picks
@@ -577,7 +593,10 @@ class LLMEngine:
     def _resolve(self, step: _InFlight) -> list[RequestOutput]:
         """Read a step's tokens and hand them out: appended, stop checks, finished requests freed."""
         assert step.picks is not None
+        t0 = time.perf_counter()
         result = step.picks.result()
+        t1 = time.perf_counter()
+        self.step_phase_seconds["wait"] += t1 - t0
         sampling, toks, lps = step.seqs, result.token_ids, result.logprobs
         for s in sampling:
             s.pending, s.pending_final = 0, False
@@ -614,6 +633,7 @@ class LLMEngine:
                 self._seqs.pop(s.request_id, None)
             outputs.append(o)
         self.num_generated_tokens += len(outputs)
+        self.step_phase_seconds["outputs"] += time.perf_counter() - t1
         return outputs
 
     def _send_tokens(self, seqs: list[Sequence], toks: list[int]) -> None:

@@ -182,6 +182,8 @@ class WorkerCore:
             "running": e.num_running, "waiting": e.num_waiting, "kv_used": bm.usage(),
             "kv_free": bm.num_free_blocks, "kv_total": bm.num_blocks, "prefix_queries": bm.stats.queries,
             "prefix_hits": bm.stats.hits,
+            **{f"phase_{k}": v for k, v in e.step_phase_seconds.items()},
+            "phase_other": max(0.0, e.step_seconds - sum(e.step_phase_seconds.values())),
         }
         for klass in PriorityClass:
             waiting, running = e.num_by_class(klass)

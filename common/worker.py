@@ -15,7 +15,7 @@ from tokenmill.v1 import common_pb2, prefill_pb2, router_pb2, worker_pb2, worker
 
 from common import gc_watch, rpc
 from common.cluster_config import ServiceConfig
-from common.engine import LLMEngine
+from common.engine import STEP_PHASES, LLMEngine
 from common.engine_core import CoreHandle, CoreInfo, ProcessCore, ThreadCore, WorkerCore
 from common.engine_loop import EngineLoop
 from common.kv_transfer import KvCompat
@@ -86,6 +86,10 @@ class WorkerMetrics:
         self.engine_gc_pause = Histogram("tokenmill:engine_gc_pause_seconds", "Garbage collection pauses in the "
                                          "engine core's process, by generation collected", ["generation"],
                                          registry=r, buckets=gc_watch.BUCKETS)
+        self.step_phase_seconds = Gauge("tokenmill:engine_step_phase_seconds", "Seconds of the engine steps' host "
+                                        "time by phase, summed (schedule, launch, wait: blocked on the device for "
+                                        "picked tokens, outputs, sample, other): common/engine.py, STEP_PHASES",
+                                        ["phase"], registry=r)
         self.idle_seconds = Gauge("tokenmill:engine_idle_seconds", "Seconds the engine thread waited for work with "
                                   "no sequence to run", registry=r)
         self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
@@ -120,6 +124,8 @@ class WorkerMetrics:
 
         for key in STATS_GAUGES:
             getattr(self, key).set_function(read(key))
+        for phase in (*STEP_PHASES, "other"):
+            self.step_phase_seconds.labels(phase).set_function(read(f"phase_{phase}"))
         for klass in PriorityClass:
             label = klass.name.lower()
             self.class_waiting.labels(label).set_function(read(f"waiting_{label}"))

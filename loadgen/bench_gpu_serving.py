@@ -54,7 +54,7 @@ from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions
 from loadgen.metrics import RequestRecord, summarize
 from loadgen.runner import LoadConfig, run_warmups
-from loadgen.server_metrics import fold_means
+from loadgen.server_metrics import ENGINE_STEP_PHASES, fold_means
 from loadgen.workloads import PromptBuilder, RequestSpec, build_requests
 
 DEFAULT_MODELS = ("dummy:llama-3.1-8b", "dummy:llama-3.2-1b")
@@ -176,7 +176,9 @@ def engine_closed_loop(eng: Any, specs: list[RequestSpec], sampling: Sampling, c
 
 def engine_counters(eng: Any) -> dict[str, float]:
     """The engine's step counters under the names the workers' /metrics deltas get (loadgen/server_metrics.py)."""
-    return {"engine_steps": eng.num_steps, "engine_step_seconds": eng.step_seconds,
+    phases = {f"engine_phase_{k}": v for k, v in eng.step_phase_seconds.items()}
+    phases["engine_phase_other"] = max(0.0, eng.step_seconds - sum(eng.step_phase_seconds.values()))
+    return {**phases, "engine_steps": eng.num_steps, "engine_step_seconds": eng.step_seconds,
             "engine_step_decode_rows": eng.step_decode_rows, "engine_step_prompt_tokens": eng.step_prompt_tokens,
             "engine_queue_sum": eng.queue_seconds, "engine_queue_count": eng.num_queued,
             "engine_ttft_sum": eng.first_token_seconds, "engine_ttft_count": eng.num_first_tokens}
@@ -454,6 +456,17 @@ def build_table(result: dict[str, Any]) -> str:
                      f"{e['engine_step_prompt_tokens'] / n:.0f} | {e['engine_step_seconds'] / dur:.0%} | "
                      f"{e.get('engine_idle_seconds', 0.0) / dur:.0%} | {_mean_ms(e, 'engine_queue')} | "
                      f"{_mean_ms(e, 'engine_ttft')} | {_mean_ms(e, 'ttft')} |")
+    phase_rows = [r for r in result["rows"] if (r.get("server") or {}).get("engine_steps")
+                  and any(f"engine_phase_{p}" in r["server"] for p in ENGINE_STEP_PHASES)]
+    if phase_rows:
+        lines += ["", "Where a step's host time went, ms a step (common/engine.py, STEP_PHASES; wait = the engine thread "
+                  "blocked on the device for picked tokens: with async scheduling the GPU's time it did not hide):",
+                  "", "| model | sampling | client | " + " | ".join(ENGINE_STEP_PHASES) + " |",
+                  "|---|---|---|" + "---:|" * len(ENGINE_STEP_PHASES)]
+        for r in phase_rows:
+            e = r["server"]
+            lines.append(f"| {r['model']} | {r['sampling']} | {r['client']} | " + " | ".join(
+                f"{1000 * e.get(f'engine_phase_{p}', 0.0) / e['engine_steps']:.2f}" for p in ENGINE_STEP_PHASES) + " |")
     heads = [f"{r['model']} {r['client']} {r['vs_engine_greedy']:.2f}×" for r in result["rows"]
              if r["client"] != "engine" and r["sampling"] == "sampled" and r["vs_engine_greedy"]]
     if heads:

@@ -27,6 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 Sample = dict[str, float]  # metric sample name (labels folded in) → value, summed over endpoints
 
+# where the engine steps' host time went: common/engine.py's STEP_PHASES and "other", the rest of the step
+ENGINE_STEP_PHASES = ("schedule", "launch", "wait", "outputs", "sample", "other")
+
 # (report key, sample names that mean it in Tokenmill and in vLLM)
 _COUNTERS = {
     "prefix_cache_queries": ("tokenmill:prefix_cache_queries", "vllm:prefix_cache_queries_total"),
@@ -40,6 +43,7 @@ _COUNTERS = {
     "engine_step_decode_rows": ("tokenmill:engine_step_decode_rows",),
     "engine_step_prompt_tokens": ("tokenmill:engine_step_prompt_tokens",),
     "engine_idle_seconds": ("tokenmill:engine_idle_seconds",),
+    **{f"engine_phase_{p}": (f'tokenmill:engine_step_phase_seconds{{"phase": "{p}"}}',) for p in ENGINE_STEP_PHASES},
     # the workers' engines: arrival to the first prompt step, and to a first token computed there
     "engine_queue_sum": ("tokenmill:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_sum"),
     "engine_queue_count": ("tokenmill:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count"),

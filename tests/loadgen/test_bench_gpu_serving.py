@@ -11,6 +11,7 @@ from common.config import ModelConfig
 from common.loader import load_model_source
 from loadgen.bench_gpu_serving import SAMPLINGS, served_target, step_limit
 from loadgen.clients import SAMPLING_FIELDS
+from loadgen.server_metrics import ENGINE_STEP_PHASES
 from loadgen.workloads import RequestSpec
 from services.cli import main
 
@@ -41,6 +42,12 @@ def test_every_client_sends_the_samplings_fields_and_completions_the_token_ids()
             p = served_target(backend, cluster, s, None).payload(spec)
             assert {k: p[k] for k in SAMPLING_FIELDS if k in p} == want and p["ignore_eos"] and p.get("prompt") == prompt
     assert SAMPLINGS[1].fields() == {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+
+
+def test_the_reported_step_phases_are_the_engines():
+    from common.engine import STEP_PHASES
+
+    assert (*STEP_PHASES, "other") == ENGINE_STEP_PHASES
 
 
 def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
@@ -75,6 +82,12 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
         assert eng["engine_queue_count"] == eng["engine_ttft_count"] == 4 and eng["engine_ttft_mean_ms"] > 0
         assert 0 <= served["engine_queue_mean_ms"] <= served["engine_ttft_mean_ms"] <= served["ttft_mean_ms"]
         assert rows["grpc", sampling]["summary"]["client_processes"] == 4  # the default: 4 client processes
+    for r in rows.values():  # the steps' host time by phase, alone and served, adds up to the steps' seconds
+        e = r["server"]
+        phases = [e[f"engine_phase_{p}"] for p in ENGINE_STEP_PHASES]
+        assert min(phases) >= 0 and e["engine_phase_launch"] > 0, e
+        assert sum(phases) == pytest.approx(e["engine_step_seconds"], rel=1e-3), e
+    assert "Where a step's host time went" in text and "| schedule | launch | wait | outputs | sample | other |" in text
     m = res["models"]["smollm2"]
     assert m["limit"]["limit_ms"] > 0 and m["limit"]["batch"] == 4 and m["limit"]["context"] == 34
     assert m["step"]["batch"] == 4 and m["step"]["greedy_ms"] > 0 and m["step"]["sampled_ms"] > 0

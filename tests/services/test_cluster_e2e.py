@@ -301,6 +301,11 @@ def test_metrics_count_requests(cluster):
         for p in procs(cluster, role):
             steps, secs = metric(p, "tokenmill:engine_steps"), metric(p, "tokenmill:engine_step_seconds")
             assert steps > 0 and 0 < secs < 1e4, (p["name"], steps, secs)
+            # the steps' host time by phase adds up to their seconds; the forward is launched and outputs handed out
+            phases = {ph: metric(p, f'tokenmill:engine_step_phase_seconds{{phase="{ph}"}}')
+                      for ph in ("schedule", "launch", "wait", "outputs", "sample", "other")}
+            assert sum(phases.values()) == pytest.approx(secs, rel=1e-3), (p["name"], phases, secs)
+            assert min(phases.values()) >= 0 and phases["launch"] > 0 and phases["outputs"] > 0, (p["name"], phases)
             assert metric(p, "tokenmill:engine_idle_seconds") > 0, p["name"]
             assert metric(p, "tokenmill:engine_step_prompt_tokens") > 0, p["name"]
             rows = metric(p, "tokenmill:engine_step_decode_rows")
