@@ -9,6 +9,7 @@ one descriptor per block, and a :class:`KvCompat`; a peer whose compat differs i
 Decode side::
 
     agent.add_peer(*prefill_handshake)                   # once per peer; cached, idempotent
+    agent.warm_link(peer, remote_ids[0])                 # optional, ms ahead: wakes a GPU link that sat idle
     h = agent.start_read(peer, remote_ids, local_ids, notif=lease_id.encode())
     ... once per engine step: agent.poll(h) -> "PROC" | "DONE" | "ERR"; then agent.release(h)
 
