@@ -31,7 +31,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 typecheck: install
-	$(VENV)/bin/mypy common services
+	$(VENV)/bin/mypy common services loadgen
 
 test: install lint typecheck
 	$(VENV)/bin/pytest -q

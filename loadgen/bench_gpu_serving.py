@@ -48,10 +48,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.config import DType
 from common.machine import default_dtype
 from loadgen import bench_serve, profile_summary
 from loadgen.bench_offline import _machine, _say, _source_state
-from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SendOptions
+from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SamplingFields, SendOptions
 from loadgen.metrics import RequestRecord, summarize
 from loadgen.runner import LoadConfig, run_warmups
 from loadgen.server_metrics import ENGINE_STEP_PHASES, fold_means
@@ -73,9 +74,9 @@ class Sampling:
     top_k: int = 0
     repetition_penalty: float = 1.0
 
-    def fields(self) -> dict[str, float | int]:
+    def fields(self) -> SamplingFields:
         """The request fields that differ from the defaults (the same names in SamplingParams, the proto, OpenAI)."""
-        out: dict[str, float | int] = {"temperature": self.temperature}
+        out: SamplingFields = {"temperature": self.temperature}
         if self.top_p != 1.0:
             out["top_p"] = self.top_p
         if self.top_k:
@@ -87,7 +88,7 @@ class Sampling:
     def params(self, max_tokens: int) -> Any:
         from common.sampling import SamplingParams
 
-        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **self.fields())  # type: ignore[arg-type]
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **self.fields())
 
 
 SAMPLINGS = (Sampling("greedy", 0.0), Sampling("sampled", 1.0, top_p=0.9, top_k=50, repetition_penalty=1.1))
@@ -529,7 +530,7 @@ class BenchResult:
             self.save()
 
 
-def engine_phase(a: argparse.Namespace, model: str, dtype: str, specs: list[RequestSpec], builder: PromptBuilder,
+def engine_phase(a: argparse.Namespace, model: str, dtype: DType, specs: list[RequestSpec], builder: PromptBuilder,
                  res: BenchResult) -> None:
     """The engine alone: load, warm-up, the decode step timed greedy and sampled, the load with each sampling."""
     from common.cluster_config import load_cluster_config, parse_set_option

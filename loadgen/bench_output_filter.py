@@ -20,6 +20,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import NotRequired, TypedDict
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
@@ -83,6 +84,15 @@ def _decode_step(batch: int, steps: int) -> float:
     return dt
 
 
+class _Row(TypedDict):
+    """A policy's row of the table and of the JSON; the filter's columns are filled as the table is printed."""
+
+    case: str
+    us_per_token: float
+    filter_us_per_token: NotRequired[float]
+    filter_share_of_step: NotRequired[float]  # with a decode step measured
+
+
 def run(a: argparse.Namespace) -> int:
     from common.loader import load_tokenizer
     from common.output_filter import PatternPolicy
@@ -90,7 +100,7 @@ def run(a: argparse.Namespace) -> int:
     tok = load_tokenizer("smollm2")
     ids = tok.encode(TEXT * 200, add_special_tokens=False)[: a.tokens]
     prompt = tok.encode("Tell me something.")
-    cases = [("no filter (baseline)", None)]
+    cases: list[tuple[str, PatternPolicy | None]] = [("no filter (baseline)", None)]
     for n in a.words:
         cases.append((f"{n} words", PatternPolicy(words=_words(n))))
     cases.append((f"{len(REGEXES)} regexes", PatternPolicy(regexes=REGEXES)))
@@ -101,7 +111,7 @@ def run(a: argparse.Namespace) -> int:
     for _ in range(a.repeats):  # rows interleaved, so a busy moment of the machine hits them all alike
         for i, (_name, policy) in enumerate(cases):
             best[i] = min(best[i], _time_processor(tok, ids, prompt, a.streams, policy))
-    rows = [{"case": name, "us_per_token": t * 1e6} for (name, _), t in zip(cases, best, strict=True)]
+    rows: list[_Row] = [{"case": name, "us_per_token": t * 1e6} for (name, _), t in zip(cases, best, strict=True)]
     base = rows[0]["us_per_token"]
     step = None
     if a.batch > 0:

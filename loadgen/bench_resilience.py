@@ -416,11 +416,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", help="write the result JSON here")
 
 
-def _state_default(a: argparse.Namespace) -> None:
+def _state_default(a: argparse.Namespace) -> argparse.Namespace:
+    """``a``, its state file defaulted to the launcher's when the run neither starts a cluster nor names one."""
     if not a.up and not a.state_file:
         from services.cluster.launcher import default_state_file
 
         a.state_file = str(default_state_file())
+    return a
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -432,7 +434,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     soak.add_argument("--fraction", type=float, default=0.5, help="of the probed capacity (0.5)")
     soak.add_argument("--probe-s", type=float, default=60, help="seconds of capacity probe (60)")
     soak.add_argument("--interval", type=float, default=30, help="seconds between samples (30)")
-    soak.set_defaults(func=lambda a: (_state_default(a), run_soak(a))[1])
+    soak.set_defaults(func=lambda a: run_soak(_state_default(a)))
     chaos = sub.add_parser("chaos", help="kill each role in turn under load: errors, lost and migrated streams, "
                            "time to recover", description="Under Poisson load, SIGKILL one process of each role "
                            "in turn; the launcher restarts it. Reports failed, lost and migrated streams and the "
@@ -444,4 +446,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     chaos.add_argument("--before-s", type=float, default=5, help="seconds of load before each kill (5)")
     chaos.add_argument("--after-s", type=float, default=10, help="seconds of load after the process is back (10)")
     chaos.add_argument("--recover-timeout", type=float, default=120, help="seconds to wait for a restart (120)")
-    chaos.set_defaults(func=lambda a: (_state_default(a), run_chaos(a))[1])
+    chaos.set_defaults(func=lambda a: run_chaos(_state_default(a)))

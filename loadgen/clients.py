@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict, cast
 
 import aiohttp
 
@@ -20,8 +20,20 @@ from loadgen.metrics import CANCELLED, OK, RequestRecord
 from loadgen.workloads import RequestSpec, structured_output_valid
 
 BACKENDS = ("grpc", "openai", "openai-chat")
-# SendOptions' sampling fields: the same names in the tokenmill.v1 proto and the OpenAI API (with vLLM's extras)
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class SamplingFields(TypedDict, total=False):
+    """SendOptions' sampling fields that are set (``SendOptions.sampling()``): the same names in the tokenmill.v1
+    proto and the OpenAI API (with vLLM's extras), with the types both take."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+
+
+SAMPLING_FIELDS = tuple(SamplingFields.__annotations__)
 
 
 @dataclass(frozen=True)
@@ -38,9 +50,10 @@ class SendOptions:
     api_key: str | None = None  # the default key; a tenant's own key wins
     cache_salt: str | None = None  # scopes the server's prefix cache: runs with different salts share no blocks
 
-    def sampling(self) -> dict[str, float | int]:
+    def sampling(self) -> SamplingFields:
         """The sampling fields that are set, by their request names (the same on every target)."""
-        return {k: v for k in SAMPLING_FIELDS if (v := getattr(self, k)) is not None}
+        # the keys are SamplingFields' own and the values this dataclass's fields of the same types
+        return cast(SamplingFields, {k: v for k in SAMPLING_FIELDS if (v := getattr(self, k)) is not None})
 
 
 class Target(Protocol):

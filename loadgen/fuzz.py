@@ -242,7 +242,7 @@ def http_cases(max_len: int, max_body_bytes: int = 4 << 20) -> st.SearchStrategy
     """OpenAI bodies (half), and malformed ones: corrupted bodies, deep nesting, huge number literals, invalid
     UTF-8 inside strings, raw bytes, JSON that is not an object, empty and oversized bodies."""
     paths = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-    kind = st.sampled_from(["chat", "completion"])
+    kind: st.SearchStrategy[Literal["chat", "completion"]] = st.sampled_from(["chat", "completion"])
     bodies = kind.flatmap(lambda k: st.builds(
         lambda b: HttpCase(paths[k], json.dumps(b).encode(), f"{k} body"), openai_body(k, max_len)))
     either = kind.map(lambda k: paths[k])
