@@ -4,7 +4,7 @@ The front (services/decode/server.py) calls ``warm_link`` as a request with a le
 at once), ``admit`` once a request is checked and its lease claimed, ``end_stream``
 when a stream ends unfinished, and ``abort`` when the detokenizer saw a stop string or the output filter blocked
 the stream. The step's outputs go to the front as ``outputs`` events; a pull's as ``first_token``, ``release_lease``,
-``span``, ``recompute`` and ``transfer``.
+``span``, ``recompute``, ``transfer`` and ``peer_dropped``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ request's lease (``Prefill.Claim``: the prefill worker holds the blocks for a st
 adds the prefilled request (its first token streams at once) and posts one NIXL READ of the prompt's blocks;
 ``on_tick`` checks every READ once per step while the running batch goes on, and a landed READ makes the sequence
 join the batch. What the front must do about a pull, KvPulls sends it as an event (``emit``): ``first_token``,
-``release_lease``, ``span``, ``recompute`` and ``transfer`` (services/decode/server.py takes them). A refused claim, a READ that fails or cannot be posted, or a READ still
+``release_lease``, ``span``, ``recompute``, ``transfer`` and ``peer_dropped`` (services/decode/server.py takes
+them). A refused claim, a READ that fails or cannot be posted, or a READ still
 running ``LEASE_SAFETY_S`` before the claim's hold ends (timed on this worker's monotonic clock from before the Claim
 was sent) is given up and the prompt recomputed here, so no READ ever runs past the hold. An aborted request's
 blocks are freed only when its READ is over, never under it.
@@ -189,6 +190,14 @@ class KvPulls:
             else:
                 log.warning("KV pull for %s from %s failed (%s): recomputing here", rid, pull.peer, h.error)
                 self._recompute(engine, rid, "read_failed")
+            if state != "DONE":
+                self._report_if_dropped(pull.peer)
+
+    def _report_if_dropped(self, peer: str) -> None:
+        """After a failed READ: if the agent forgot the peer (it disconnected), tell the front, whose handshake
+        cache (``KvPeers``) then handshakes again with that worker's next request."""
+        if self.agent is not None and not self.agent.has_peer(peer):
+            self.emit("peer_dropped", peer)
 
     def _recompute(self, engine: LLMEngine, rid: str, reason: str) -> None:
         self.emit("recompute", reason)
@@ -221,6 +230,7 @@ class KvPulls:
             del self._pulls[rid]
             self._give_back(pull)
             log.warning("KV pull for %s from %s could not start (%s): recomputing here", rid, pull.peer, e)
+            self._report_if_dropped(pull.peer)
             self._recompute(engine, rid, "read_failed")
             return
         pull.started_ns = time.time_ns()
@@ -249,6 +259,13 @@ class KvPeers:
     async def close(self) -> None:
         await self._background.drain(timeout=2)  # the releases in flight, before their channels close
         await self._prefills.close()
+
+    def forget(self, agent_name: str) -> None:
+        """The engine core's agent dropped this prefill worker's agent (``peer_dropped``): the next request to
+        that worker handshakes again."""
+        for address, name in list(self._peers.items()):
+            if name == agent_name:
+                del self._peers[address]
 
     def warm(self, kv: common_pb2.KvHandle) -> None:
         """Wake the link to the lease's prefill worker ahead of the READ, which follows after the claim and the
@@ -292,9 +309,12 @@ class KvPeers:
 
     async def ensure_peer(self, kv: common_pb2.KvHandle) -> None:
         """Handshake with a prefill worker once; again when the handle names another agent at that address (the
-        worker restarted: an agent's name is unique to its process) or the agent dropped the peer (it died)."""
+        worker restarted: an agent's name is unique to its process) or the agent dropped the peer (it died: the
+        core reports it, ``forget``). A known peer costs no call to the engine core, whose calls wait for a step
+        boundary: a request's first token would wait with them. A peer dropped since its report was sent costs one
+        recompute, as any READ that cannot be posted does."""
         known = self._peers.get(kv.address)
-        if known == kv.worker_id and await self._call("has_peer", known):
+        if known == kv.worker_id:
             return
         lock = self._peer_locks.setdefault(kv.address, asyncio.Lock())
         async with lock:

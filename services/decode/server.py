@@ -237,6 +237,9 @@ class DecodeWorker(WorkerBase):
     def ev_transfer(self, seconds: float, nbytes: int, blocks: int) -> None:
         self.metrics.observe_transfer(seconds, nbytes, blocks)
 
+    def ev_peer_dropped(self, agent_name: str) -> None:
+        self.call_in_aio(self.peers.forget, agent_name)
+
     # -- a request's set-up and clean-up (asyncio loop), shared by Decode and DecodeStream --------------------
     async def _prepare(self, request: decode_pb2.DecodeRequest) -> _Req:
         """Check the request (raises before anything is held)."""
