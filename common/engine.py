@@ -51,11 +51,11 @@ from common.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
-# where an engine step's host time goes (LLMEngine.step_phase_seconds, summed; "other" is the rest of step_seconds):
-# schedule (the scheduler, and the step's bookkeeping before the forward), launch (inputs staged, the forward
-# launched: a graph replay, or eager kernels), wait (blocked on the device for a step's picked tokens), outputs (the
-# tokens handed out: appended, stop checks, finished requests freed), sample (the pick queued)
-STEP_PHASES = ("schedule", "launch", "wait", "outputs", "sample")
+# where an engine step's host time goes (LLMEngine.step_phases(), seconds summed over the steps): schedule (the
+# scheduler, and the step's bookkeeping before the forward), launch (inputs staged, the forward launched: a graph
+# replay, or eager kernels), wait (blocked on the device for a step's picked tokens), outputs (the tokens handed out:
+# appended, stop checks, finished requests freed), sample (the pick queued), other (the rest of step_seconds)
+STEP_PHASES = ("schedule", "launch", "wait", "outputs", "sample", "other")
 
 # a decode worker's own prompts beside its decoding sequences, in a disaggregated layout (LLMEngine.pulls_kv;
 # docs/benchmarks.md, "GPU: prefill and decode on two GPUs")
@@ -447,7 +447,7 @@ class LLMEngine:
         ``tokenmill:engine_step*``), from zero."""
         self.num_steps = 0
         self.step_seconds = 0.0
-        self.step_phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
+        self.step_phase_seconds = dict.fromkeys(STEP_PHASES[:-1], 0.0)  # timed; "other" is what is left
         self.step_decode_rows = 0
         self.step_prompt_tokens = 0
         # requests: arrival to the first step that computes their prompt (``queued``), and arrival to a first token
@@ -527,6 +527,11 @@ class LLMEngine:
         self.step_prompt_tokens += out.num_tokens - len(out.decodes)
         self.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def step_phases(self) -> dict[str, float]:
+        """Seconds of the steps' host time by phase (STEP_PHASES), "other" the rest of ``step_seconds``."""
+        timed = self.step_phase_seconds
+        return {**timed, "other": max(0.0, self.step_seconds - sum(timed.values()))}
 
     def _feed(self, out: SchedulerOutput, prev: _InFlight | None) -> TokenFeed | None:
         """The decodes whose input id the previous step sampled and the host has not read yet."""

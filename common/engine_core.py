@@ -91,7 +91,7 @@ def make_agent(cfg: ServiceConfig, engine: LLMEngine) -> KvTransferAgent:
         raise ValueError(f"{cfg.name}: a KV transfer agent belongs to a prefill or decode worker")
     # the name is unique to this process: a restarted worker's peers see a new agent, never READ through the old
     return KvTransferAgent(f"{cfg.name}.{os.getpid()}", kv, KvCompat.for_pool(kv, engine.source.model_id, KV_LAYOUT),
-                           role=role, warm_links=engine.cfg.kv_warm_links if role == "decode" else False)
+                           role=role, warm_links=engine.cfg.kv_warm_links)
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,7 @@ class WorkerCore:
             "running": e.num_running, "waiting": e.num_waiting, "kv_used": bm.usage(),
             "kv_free": bm.num_free_blocks, "kv_total": bm.num_blocks, "prefix_queries": bm.stats.queries,
             "prefix_hits": bm.stats.hits,
-            **{f"phase_{k}": v for k, v in e.step_phase_seconds.items()},
-            "phase_other": max(0.0, e.step_seconds - sum(e.step_phase_seconds.values())),
+            **{f"phase_{k}": v for k, v in e.step_phases().items()},
         }
         for klass in PriorityClass:
             waiting, running = e.num_by_class(klass)

@@ -81,6 +81,7 @@ RATE_PROBE = 2.0
 _RATE_MAX = 10e12  # bytes/s, above any link or HBM copy: the rate's ceiling (a host pool's READs end at posting)
 
 POST_RANGE = "tokenmill.kv_read_post"  # the profiler's range around posting a READ
+WARM_RANGE = "tokenmill.kv_warm_post"  # and around posting a warm-up READ (warm_link): its copy is not a READ's
 
 _DESC_MAGIC = b"TMKV"
 _DESC_HEADER = struct.Struct("<4sHBxIQQ")  # magic, format version, mem type, pad, device id, count, bytes/desc
@@ -356,7 +357,8 @@ class KvTransferAgent:
         self._poll_kick = threading.Event()  # a READ was posted: the poller's sleep ends
         self._rate = 0.0  # bytes/s of recent large READs (0: none yet), for when to check the next one
         self._stuck: list[Any] = []  # xfer handles NIXL refused to release (retried at close)
-        self.warm_links = WARM_LINKS_BY_MEM[self.mem_type] if warm_links is None else warm_links
+        # only a reader warms links: a prefill agent's blocks are read, it reads nothing
+        self.warm_links = role != "prefill" and (WARM_LINKS_BY_MEM[self.mem_type] if warm_links is None else warm_links)
         self._warm: list[tuple[str, Any]] = []  # (peer, xfer) of warm-up READs not yet seen over
         self._last_traffic: dict[str, float] = {}  # peer -> perf_counter of the last READ posted to it or ended
         # No listener thread: metadata travels in our own handshake RPC. The progress thread lets UCX serve a
@@ -635,17 +637,18 @@ class KvTransferAgent:
             if (now - self._last_traffic.get(peer, -WARM_IDLE_S) < WARM_IDLE_S
                     or any(h.peer == peer for h in self._inflight) or any(w == peer for w, _ in self._warm)):
                 return False
-            try:
-                xfer = self._agent.make_prepped_xfer("READ", self._scratch_prepped, [0], p.prepped, [remote_block],
-                                                     b"")
-            except Exception as e:
-                log.debug("warm-up READ from %s not made: %s", peer, e)
-                return False
-            try:
-                state = self._agent.transfer(xfer)
-            except Exception as e:
-                log.debug("warm-up READ from %s not posted: %s", peer, e)
-                state = "ERR"
+            with record_function(WARM_RANGE):
+                try:
+                    xfer = self._agent.make_prepped_xfer("READ", self._scratch_prepped, [0], p.prepped,
+                                                         [remote_block], b"")
+                except Exception as e:
+                    log.debug("warm-up READ from %s not made: %s", peer, e)
+                    return False
+                try:
+                    state = self._agent.transfer(xfer)
+                except Exception as e:
+                    log.debug("warm-up READ from %s not posted: %s", peer, e)
+                    state = "ERR"
             self._last_traffic[peer] = now
             if state == "PROC":
                 self._warm.append((peer, xfer))

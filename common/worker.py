@@ -124,7 +124,7 @@ class WorkerMetrics:
 
         for key in STATS_GAUGES:
             getattr(self, key).set_function(read(key))
-        for phase in (*STEP_PHASES, "other"):
+        for phase in STEP_PHASES:
             self.step_phase_seconds.labels(phase).set_function(read(f"phase_{phase}"))
         for klass in PriorityClass:
             label = klass.name.lower()

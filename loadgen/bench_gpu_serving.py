@@ -177,9 +177,7 @@ def engine_closed_loop(eng: Any, specs: list[RequestSpec], sampling: Sampling, c
 
 def engine_counters(eng: Any) -> dict[str, float]:
     """The engine's step counters under the names the workers' /metrics deltas get (loadgen/server_metrics.py)."""
-    phases = {f"engine_phase_{k}": v for k, v in eng.step_phase_seconds.items()}
-    phases["engine_phase_other"] = max(0.0, eng.step_seconds - sum(eng.step_phase_seconds.values()))
-    return {**phases, "engine_steps": eng.num_steps, "engine_step_seconds": eng.step_seconds,
+    return {**{f"engine_phase_{k}": v for k, v in eng.step_phases().items()}, "engine_steps": eng.num_steps, "engine_step_seconds": eng.step_seconds,
             "engine_step_decode_rows": eng.step_decode_rows, "engine_step_prompt_tokens": eng.step_prompt_tokens,
             "engine_queue_sum": eng.queue_seconds, "engine_queue_count": eng.num_queued,
             "engine_ttft_sum": eng.first_token_seconds, "engine_ttft_count": eng.num_first_tokens}

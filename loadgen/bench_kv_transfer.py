@@ -262,6 +262,8 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
         sys.setswitchinterval(engine[2])
     hs = conn.recv()
     kv = _pool(num_blocks, fill=False, device=device, shape=shape)
+    if warm_lead is not None:  # the workers' own warm-up, on whatever pool (a host pool's default is off)
+        kw = {**kw, "warm_links": True}
     agent = KvTransferAgent("bench-decode", kv, hs.compat, **kw)
     t0 = time.perf_counter()
     agent.add_peer(*hs)
@@ -283,16 +285,14 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
         for i in range(reps + 1):
             if gap:  # the GPUs idle before each READ, as between the requests of a light load
                 time.sleep(gap)
-            usable = num_blocks - (warm_lead is not None)  # the last block of each pool: the warm-up READ's
             if pattern == "scattered":  # every other block, shuffled: no two neighbours, both sides
-                remote = rng.sample(range(0, usable, 2), n)
-                local = rng.sample(range(1, usable, 2), n)
+                remote = rng.sample(range(0, num_blocks, 2), n)
+                local = rng.sample(range(1, num_blocks, 2), n)
             else:  # one run a side, descending
-                r0, l0 = rng.randrange(usable - n + 1), rng.randrange(usable - n + 1)
+                r0, l0 = rng.randrange(num_blocks - n + 1), rng.randrange(num_blocks - n + 1)
                 remote, local = list(range(r0 + n - 1, r0 - 1, -1)), list(range(l0 + n - 1, l0 - 1, -1))
-            warm = None
-            if warm_lead is not None:  # one block over the same link, warm_lead seconds before the measured READ
-                warm = agent.start_read(hs.agent_name, [num_blocks - 1], [num_blocks - 1])
+            if warm_lead is not None:  # KvTransferAgent.warm_link, as a decode worker wakes the link before a pull
+                agent.warm_link(hs.agent_name, remote[0])
                 end = time.perf_counter() + warm_lead
                 while time.perf_counter() < end:
                     pass
@@ -315,10 +315,6 @@ def _decode(conn, out, kw: dict[str, Any], num_blocks: int, sizes: tuple[int, ..
             sent += 1
             assert h.state == "DONE", h.error
             agent.release(h)
-            if warm is not None:
-                while agent.poll(warm) == "PROC":
-                    pass
-                agent.release(warm)
             if i:  # the first one is a warm-up (connection set-up)
                 times.append(h.seconds)
                 posts.append(post)
@@ -362,7 +358,8 @@ def run_config(kw: dict[str, Any], sizes: tuple[int, ...] = DEFAULT_SIZES, reps:
     """One configuration in a fresh prefill + decode process pair; returns the decode side's measurements.
     ``busy``: what keeps the GPUs busy (a key of BUSY); ``engine``: (step, Python a step, GIL switch interval)
     seconds, the decode side polling as an engine does (None: a tight loop); ``gap``: seconds of sleep before each
-    READ; ``warm_lead``: post a one-block READ this many seconds before each measured one (None: none)."""
+    READ; ``warm_lead``: the agent's ``warm_link`` this many seconds before each measured READ (None: none; it posts
+    nothing over a link with traffic in the last WARM_IDLE_S)."""
     pre_busy, dec_busy = BUSY[busy]
     ctx = mp.get_context("spawn")
     num_blocks = max(pool_blocks, 2 * -(-max(sizes) // BLOCK) + 8)
@@ -435,7 +432,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gap-ms", type=float, default=0.0,
                     help="sleep this long before each READ (the GPUs idle between requests, as under a light load)")
     ap.add_argument("--warm-lead-ms", type=float, default=-1.0,
-                    help="post a one-block READ over the same link this long before each measured READ (<0: none)")
+                    help="this long before each measured READ, the agent's warm_link: a one-block READ over a link "
+                         "idle for 5 ms or more, as a decode worker does before a pull (<0: none)")
     ap.add_argument("--own-gpu", action="store_true",
                     help="each process sees only its own GPU (CUDA_VISIBLE_DEVICES), as `tokenmill up` places "
                          "workers; without it both see both")
@@ -469,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.gap_ms:
                 key += f"; {args.gap_ms:g} ms idle before each READ"
             if args.warm_lead_ms >= 0:
-                key += f"; a one-block READ {args.warm_lead_ms:g} ms before each"
+                key += f"; warm_link {args.warm_lead_ms:g} ms before each"
             if args.engine_step_ms > 0:
                 engine = (args.engine_step_ms / 1e3, args.engine_python_ms / 1e3, args.engine_switch_ms / 1e3)
                 key += (f"; engine {args.engine_step_ms:g} ms a step, {args.engine_python_ms:g} of Python, "

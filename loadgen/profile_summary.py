@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import gzip
 import json
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from common.engine_loop import STEP_RANGE
-from common.kv_transfer import POST_RANGE
+from common.kv_transfer import POST_RANGE, WARM_RANGE
 from services.cluster.cli import profile_call
 
 
@@ -34,15 +35,18 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
 
 
 def reads(events: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """One row per posted READ that a peer copy followed (times in µs, rate in GB/s)."""
+    """One row per posted READ that a peer copy followed (times in µs, rate in GB/s): its copies are those that
+    start after its post and before the next post, a READ's or a warm-up's (``warm_link``, whose copy is left out)."""
     posts = sorted((e for e in events if e.get("name") == POST_RANGE and e.get("cat") == "user_annotation"),
                    key=lambda e: e["ts"])
+    marks = sorted(e["ts"] for e in events
+                   if e.get("name") in (POST_RANGE, WARM_RANGE) and e.get("cat") == "user_annotation")
     copies = sorted((e for e in events if str(e.get("name", "")).startswith("Memcpy PtoP")), key=lambda e: e["ts"])
     others = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
               and not str(e.get("name", "")).startswith("Memcpy PtoP")]
     rows = []
-    for i, p in enumerate(posts):
-        nxt = posts[i + 1]["ts"] if i + 1 < len(posts) else float("inf")
+    for p in posts:
+        nxt = marks[bisect.bisect_right(marks, p["ts"])] if marks[-1] > p["ts"] else float("inf")
         mine = [c for c in copies if p["ts"] <= c["ts"] < nxt]
         if not mine:
             continue

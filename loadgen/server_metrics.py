@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 Sample = dict[str, float]  # metric sample name (labels folded in) → value, summed over endpoints
 
-# where the engine steps' host time went: common/engine.py's STEP_PHASES and "other", the rest of the step
+# where the engine steps' host time went: common/engine.py's STEP_PHASES (this module stays free of torch)
 ENGINE_STEP_PHASES = ("schedule", "launch", "wait", "outputs", "sample", "other")
 
 # (report key, sample names that mean it in Tokenmill and in vLLM)

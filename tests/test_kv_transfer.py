@@ -258,7 +258,7 @@ def test_a_warm_up_read_wakes_an_idle_link_and_only_then(scenario):
     assert scenario["notifs"] == [("test-decode", NOTIF)]  # the one notified READ's, nothing from the warm-up
 
 
-def test_host_pools_do_not_warm_links_by_default():
+def test_host_pools_and_prefill_agents_do_not_warm_links():
     """A host pool's READ is a copy by the CPU: no link to wake, so no scratch block and no warm-up READ."""
     from common.kv_transfer import KvTransferAgent
 
@@ -266,6 +266,10 @@ def test_host_pools_do_not_warm_links_by_default():
     with KvTransferAgent("test-no-warm", kv, KvCompat.for_pool(kv, "smollm2"), role="decode") as agent:
         assert agent.warm_links is False and agent._scratch is None
         assert agent.warm_link("anyone", 0) is False and agent.counters()["warmups"] == 0
+    # a prefill agent reads nothing, so it warms nothing, even when asked (engine.kv_warm_links=true)
+    with KvTransferAgent("test-prefill-no-warm", kv, KvCompat.for_pool(kv, "smollm2"), role="prefill",
+                         warm_links=True) as agent:
+        assert agent.warm_links is False and agent._scratch is None
 
 
 def test_notification_reaches_prefill(scenario):

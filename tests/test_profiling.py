@@ -76,7 +76,7 @@ def test_profiles_asked_in_the_wrong_state_say_what_to_do(tmp_path):
 def test_the_summary_pairs_each_read_post_with_the_copy_after_it(tmp_path, capsys):
     """``loadgen.profile_summary`` on a trace in the profiler's format (a GPU's copies cannot be made here): each
     posted READ with the first peer copy after it, the copy's rate, and the GPU work beside it."""
-    from common.kv_transfer import POST_RANGE
+    from common.kv_transfer import POST_RANGE, WARM_RANGE
     from loadgen import profile_summary
 
     mib = 1 << 20
@@ -86,6 +86,10 @@ def test_the_summary_pairs_each_read_post_with_the_copy_after_it(tmp_path, capsy
         {"name": "Memcpy PtoP (Device -> Device)", "ph": "X", "cat": "gpu_memcpy", "ts": 1200, "dur": 500,
          "args": {"bytes": 128 * mib}},
         {"name": "gemv", "ph": "X", "cat": "kernel", "ts": 1600, "dur": 200},
+        # a warm-up READ before the next one: its copy is nobody's READ
+        {"name": WARM_RANGE, "ph": "X", "cat": "user_annotation", "ts": 5000, "dur": 100},
+        {"name": "Memcpy PtoP (Device -> Device)", "ph": "X", "cat": "gpu_memcpy", "ts": 5050, "dur": 20,
+         "args": {"bytes": 2 * mib}},
         {"name": POST_RANGE, "ph": "X", "cat": "user_annotation", "ts": 9000, "dur": 100},  # no copy after it
     ]
     path = tmp_path / "t.trace.json.gz"
