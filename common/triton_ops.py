@@ -528,3 +528,118 @@ def apply_token_bitmask_(x: torch.Tensor, masks: torch.Tensor, mask_rows: torch.
         _apply_token_bitmask_kernel[(n, triton.cdiv(vocab, MASK_BLOCK))](x, x.stride(0), masks, masks.stride(0),
                                                                           mask_rows, vocab, BLOCK=MASK_BLOCK,
                                                                           num_warps=8)
+
+
+# ---- the sampler's pick (common/sampler.py) ------------------------------------------------------------------
+# The kept penalty state: a slot's row of ``ids`` holds its distinct tokens, ``counts`` how often each came out,
+# ``nseen`` how many of its columns are its own; the step's parameter table has a row per pick and the column
+# numbers the sampler passes (``*_COL``).
+SAMPLER_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "stride_t"])
+def _penalize_kernel(x_ptr, stride_x, prm_ptr, stride_p, ids_ptr, counts_ptr, stride_t, nseen_ptr,
+                     REP_COL: tl.constexpr, PRES_COL: tl.constexpr, FREQ_COL: tl.constexpr, SLOT_COL: tl.constexpr,
+                     REP: tl.constexpr, FREQ_PRES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    p = prm_ptr + row * stride_p
+    slot = tl.load(p + SLOT_COL).to(tl.int64)
+    n = tl.where(slot > 0, tl.load(nseen_ptr + slot), 0)  # slot 0: no penalties
+    rp, pres, freq = tl.load(p + REP_COL), tl.load(p + PRES_COL), tl.load(p + FREQ_COL)
+    xrow = x_ptr + row.to(tl.int64) * stride_x
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inb = cols < n
+        t = tl.load(ids_ptr + slot * stride_t + cols, mask=inb, other=0)
+        v = tl.load(xrow + t, mask=inb, other=0.0)
+        if REP:  # x / rp where x > 0, x · rp elsewhere
+            v = tl.where(v > 0, tl.math.div_rn(v, rp), v * rp)
+        if FREQ_PRES:  # x − frequency · count − presence · (count > 0)
+            c = tl.load(counts_ptr + slot * stride_t + cols, mask=inb, other=0.0)
+            v = v + c * -freq
+            v = v + tl.where(c > 0, 1.0, 0.0) * -pres
+        tl.store(xrow + t, v, mask=inb)
+
+
+def penalize_(x: torch.Tensor, prm: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, nseen: torch.Tensor,
+              cols: tuple[int, int, int, int], rep: bool, freq_pres: bool) -> None:
+    """In place: each row of ``x`` [N, V] (float32) penalized over its slot's distinct tokens (``cols``: the
+    table's repetition, presence, frequency and slot columns). One pass over the columns each row owns."""
+    n = x.shape[0]
+    assert x.stride(1) == 1 and x.dtype == torch.float32 and ids.stride(1) == 1 and counts.stride() == ids.stride()
+    if n:
+        _penalize_kernel[(n,)](x, x.stride(0), prm, prm.stride(0), ids, counts, ids.stride(0), nseen, *cols,
+                               REP=rep, FREQ_PRES=freq_pres, BLOCK=SAMPLER_BLOCK, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["stride_p", "stride_t"])
+def _fold_kernel(tok_ptr, prm_ptr, stride_p, ids_ptr, counts_ptr, stride_t, nseen_ptr, SLOT_COL: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    slot = tl.load(prm_ptr + row * stride_p + SLOT_COL).to(tl.int64)
+    live = slot > 0
+    n = tl.where(live, tl.load(nseen_ptr + slot), 0)
+    t = tl.load(tok_ptr + row)
+    first = n  # the token's column; n: a new one
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        v = tl.load(ids_ptr + slot * stride_t + cols, mask=cols < n, other=-1)
+        first = tl.minimum(first, tl.min(tl.where(v == t, cols.to(tl.int64), n), 0))
+    at = slot * stride_t + first
+    c = tl.load(counts_ptr + at, mask=live, other=0.0)  # a new column's is 0 (padding)
+    tl.store(counts_ptr + at, c + 1.0, mask=live)
+    new = live & (first == n)
+    tl.store(ids_ptr + at, t, mask=new)
+    tl.store(nseen_ptr + slot, n + 1, mask=new)
+
+
+def fold_(tok: torch.Tensor, prm: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor, nseen: torch.Tensor,
+          slot_col: int) -> None:
+    """Each row's picked token ``tok`` [N] into its slot (table column ``slot_col``; slot 0: none): one more count
+    of the column holding it, or a new column. The caller leaves room for one more column in every slot."""
+    n = tok.shape[0]
+    assert tok.is_contiguous() and ids.stride(1) == 1 and counts.stride() == ids.stride()
+    if n:
+        _fold_kernel[(n,)](tok, prm, prm.stride(0), ids, counts, ids.stride(0), nseen, slot_col,
+                           BLOCK=SAMPLER_BLOCK, num_warps=4)
+
+
+@triton.jit(do_not_specialize=["k", "stride_p"])
+def _pick_candidates_kernel(vals_ptr, cand_ptr, k, prm_ptr, stride_p, out_ptr, TEMP_COL: tl.constexpr,
+                            TOPK_COL: tl.constexpr, TOPP_COL: tl.constexpr, MINP_COL: tl.constexpr,
+                            U_COL: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, KP: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, KP)
+    inb = offs < k
+    p = prm_ptr + row * stride_p
+    v = tl.load(vals_ptr + row * k + offs, mask=inb, other=float("-inf"))
+    ids = tl.load(cand_ptr + row * k + offs, mask=inb, other=0)
+    v = tl.math.div_rn(v, tl.load(p + TEMP_COL))
+    v = tl.where(offs.to(tl.float32) >= tl.load(p + TOPK_COL), float("-inf"), v)  # the row's own top-k
+    e = tl.exp(v - tl.max(v, 0))
+    pr = tl.math.div_rn(e, tl.sum(e, 0))
+    if TOP_P:  # the smallest set whose mass reaches top_p (candidates come largest first)
+        pr = tl.where(tl.cumsum(pr, 0) - pr >= tl.load(p + TOPP_COL), 0.0, pr)
+    if MIN_P:
+        pr = tl.where(pr < tl.load(p + MINP_COL) * tl.max(pr, 0), 0.0, pr)
+    # back to vocabulary order (the full-vocabulary path's order): sort (id, rank) keys, padding last
+    key = tl.sort(tl.where(inb, ids * KP + offs, tl.full([KP], 1 << 60, tl.int64) + offs), 0)
+    ps = tl.gather(pr, (key % KP).to(tl.int32), 0)
+    cdf = tl.cumsum(ps, 0)
+    target = tl.load(p + U_COL) * tl.max(cdf, 0)  # u < 1: below the total
+    j = tl.minimum(tl.sum((cdf <= target).to(tl.int32), 0), k - 1)  # the first entry whose running mass passes it
+    tl.store(out_ptr + row, tl.sum(tl.where(offs == j, key // KP, 0), 0))
+
+
+def pick_candidates(vals: torch.Tensor, cand: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int, int],
+                    top_p: bool, min_p: bool) -> torch.Tensor:
+    """The pick among each row's top-k candidates (``vals`` [N, k] float32, largest first, ``cand`` their int64 token
+    ids): temperature, the row's own top-k, top-p, min-p, then the inverse CDF in vocabulary order at the row's
+    uniform number (``cols``: the table's temperature, top-k, top-p, min-p and uniform columns). int64 [N]."""
+    n, k = vals.shape
+    assert vals.is_contiguous() and cand.is_contiguous() and k <= 1024
+    out = torch.empty(n, dtype=torch.int64, device=vals.device)
+    if n:
+        _pick_candidates_kernel[(n,)](vals, cand, k, prm, prm.stride(0), out, *cols, TOP_P=top_p, MIN_P=min_p,
+                                      KP=max(16, triton.next_power_of_2(k)), num_warps=4)
+    return out

@@ -314,7 +314,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     patch(sampler_mod._Readback, "__call__", into(phase, "pick: readback queued"))
     for k in ("tensor", "copy_into"):
         patch(sampler_mod.PinnedUploads, k, into(phase, "pick: pinned uploads"))
-    ops = sampler_mod._mask_kernels(eng.runner.device)
+    ops = sampler_mod._cuda_ops(eng.runner.device)
     for k in ("masked_argmax", "apply_token_bitmask_") if ops is not None else ():
         patch(ops, k, into(phase, f"pick: triton_ops.{k}"))
     patch(MaskTable, "fill", into(parts, "fill"))

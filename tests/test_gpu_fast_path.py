@@ -240,3 +240,16 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_sampler_kernels_in_triton_interpreter():
+    """The pick's Triton kernels (penalties, the fold of picked tokens, the pick among candidates) against the
+    sampler's portable path, on the CPU through Triton's interpreter."""
+    code = """
+from tests.gpu.test_kernels import check_sampler_kernels
+check_sampler_kernels("cpu")
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -307,6 +307,31 @@ def test_logprobs_of_mixed_rows_come_back_per_row(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_the_pick_folds_its_tokens_into_the_kept_state(device):
+    """A request's slot is built once from its token ids; from then on each pick adds its own token on the device
+    (no rebuild, no host write), and the penalties still equal the reference, across repeated and new tokens. An
+    output the sampler did not pick (appended by hand) makes the counts disagree: the slot is rebuilt."""
+    rng = random.Random(4)
+    vocab = 64  # small: picks repeat tokens as well as add new ones
+    p = SamplingParams(temperature=1.0, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.3)
+    r = SampleRow(p, 5, 0, [rng.randrange(vocab) for _ in range(10)], [], eos_ids=(2,), key="r")
+    sampler = Sampler(vocab, device)
+    for step in range(30):
+        logits = torch.randn(1, vocab) * 2
+        got = sampler.processed_logits(logits.to(device), [r]).cpu()
+        torch.testing.assert_close(got[0], _reference(logits[0], r), rtol=1e-6, atol=1e-5, msg=f"step {step}")
+        r.output_ids.append(sampler.sample(logits.to(device), [r]).token_ids[0])
+        r.position += 1
+    assert sampler._slots.rebuilt == 1
+    assert len(set(r.output_ids)) < 30 and set(r.output_ids) - set(r.prompt_ids)  # repeats and new tokens both
+    r.output_ids.append(7)
+    logits = torch.randn(1, vocab)
+    torch.testing.assert_close(sampler.processed_logits(logits.to(device), [r]).cpu()[0], _reference(logits[0], r),
+                               rtol=1e-6, atol=1e-5)
+    assert sampler._slots.rebuilt == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_long_history_grows_the_kept_state(device):
     """More distinct tokens than the kept state's first width (1,024), then than its doubled width: penalties still
     equal the reference."""
@@ -324,7 +349,7 @@ def test_a_long_history_grows_the_kept_state(device):
         new = fresh[150 * step : 150 * (step + 1)]  # 2,250 distinct tokens by the last step: past 2 × 1,024
         r.output_ids += [*sampler.sample(logits.to(device), [r]).token_ids, prompt[0], *new]
         r.position += 2 + len(new)
-    assert sampler._slots.ids.shape[1] == 4096 and len(sampler._slots.cols[1]) > 2048  # 1,024 → 2,048 → 4,096
+    assert sampler._slots.ids.shape[1] == 4096 and int(sampler._slots.nseen[1]) > 2048  # 1,024 → 2,048 → 4,096
 
 
 @pytest.mark.gpu

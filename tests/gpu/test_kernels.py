@@ -293,6 +293,79 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
     assert tk.masked_argmax(logits, host_masks.tensor, host_rows.tensor).tolist() == logits.float().argmax(-1).tolist()
 
 
+def check_sampler_kernels(device: str) -> None:
+    """The sampler's kernels against its portable PyTorch path on the CPU: penalties over each slot's own columns,
+    the fold of picked tokens (repeated and new) into the kept tables, and the pick among top-k candidates
+    (temperature, per-row top-k, top-p, min-p, the inverse CDF in vocabulary order)."""
+    from common import sampler as sm
+    from common import triton_ops as tk
+
+    g = torch.Generator().manual_seed(3)
+    vocab, n, width, slots_n = 5000, 24, 64, 30
+    ids = torch.zeros(slots_n + 1, width, dtype=torch.long)
+    counts = torch.zeros(slots_n + 1, width)
+    nseen = torch.zeros(slots_n + 1, dtype=torch.long)
+    for s_ in range(1, slots_n + 1):  # a slot's own columns, then its column 0 repeated with count 0
+        m = int(torch.randint(0, width - 8, (1,), generator=g))
+        own = torch.randperm(vocab, generator=g)[: max(m, 1)]
+        ids[s_, :m], ids[s_, m:], nseen[s_] = own[:m], own[0], m
+        counts[s_, :m] = torch.randint(0, 4, (m,), generator=g).float()
+    prm = torch.zeros(n, len(sm._PAD_ROW))
+    prm[:, sm._TEMP] = torch.rand(n, generator=g) + 0.3
+    prm[:, sm._TOPK] = torch.randint(1, 41, (n,), generator=g).float()
+    prm[:, sm._TOPP] = torch.rand(n, generator=g) * 0.6 + 0.4
+    prm[:, sm._MINP] = torch.rand(n, generator=g) * 0.1
+    prm[:, sm._REP] = torch.rand(n, generator=g) + 0.5
+    prm[:, sm._PRES] = torch.randn(n, generator=g)
+    prm[:, sm._FREQ] = torch.randn(n, generator=g)
+    prm[:, sm._U] = torch.rand(n, generator=g) * sm._U_MAX
+    prm[:, sm._SLOT] = torch.randperm(slots_n + 1, generator=g)[:n].float()  # slot 0 among them: untouched
+    prm[prm[:, sm._SLOT] == 0, sm._REP] = 1.0  # as the table has it
+    prm[prm[:, sm._SLOT] == 0, sm._PRES] = 0.0
+    prm[prm[:, sm._SLOT] == 0, sm._FREQ] = 0.0
+
+    class Kept:  # the portable path reads these three from a _Slots
+        pass
+
+    ref_slots, dev_slots = Kept(), Kept()
+    ref_slots.ids, ref_slots.counts, ref_slots.nseen = ids.clone(), counts.clone(), nseen.clone()
+    dev_slots.ids, dev_slots.counts, dev_slots.nseen = ids.to(device), counts.to(device), nseen.to(device)
+    x = torch.randn(n, vocab, generator=g) * 3
+    want = x.clone()
+    sm._penalize(want, prm, ref_slots, width, True, True)
+    got = x.to(device)
+    tk.penalize_(got, prm.to(device), dev_slots.ids, dev_slots.counts, dev_slots.nseen,
+                 (sm._REP, sm._PRES, sm._FREQ, sm._SLOT), True, True)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-5)
+
+    # a picked token each: half of them one the slot has seen already
+    seen_tok = ref_slots.ids.gather(1, torch.zeros(slots_n + 1, 1, dtype=torch.long)).squeeze(1)
+    slot_of = prm[:, sm._SLOT].long()
+    tok = torch.where(torch.arange(n) % 2 == 0, seen_tok[slot_of], torch.randint(0, vocab, (n,), generator=g))
+    sm._fold(ref_slots, prm, tok, width)
+    tk.fold_(tok.to(device), prm.to(device), dev_slots.ids, dev_slots.counts, dev_slots.nseen, sm._SLOT)
+    live = torch.arange(1, slots_n + 1)
+    for name in ("ids", "counts", "nseen"):
+        assert torch.equal(getattr(dev_slots, name).cpu()[live], getattr(ref_slots, name)[live]), name
+    assert torch.equal(dev_slots.nseen.cpu(), ref_slots.nseen)
+
+    k = 40
+    vals, cand = torch.topk(x, k, dim=-1)
+    picks = []
+    for _ in range(20):  # many uniform numbers: the picks follow the reference's bins
+        prm[:, sm._U] = torch.rand(n, generator=g) * sm._U_MAX
+        spec = sm._GraphKey(n, 0, False, False, False, True, k, True, True, 0)
+        want_t = sm._pick(x.clone(), prm, spec, sm._Workspace(torch.device("cpu")))
+        got_t = tk.pick_candidates(vals.to(device), cand.to(device), prm.to(device),
+                                   (sm._TEMP, sm._TOPK, sm._TOPP, sm._MINP, sm._U), True, True).cpu()
+        picks.append((got_t, want_t))
+    same = sum(int((a == b).sum()) for a, b in picks)
+    assert same >= 0.99 * n * len(picks), f"{same} of {n * len(picks)} picks agree"
+    top1 = prm[:, sm._TOPK] == 1  # a single candidate: no choice
+    for a, _ in picks:
+        assert torch.equal(a[top1], cand[top1, 0])
+
+
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}-ctx{c[1]}-splits{c[2]}")
 @pytest.mark.parametrize("config", CONFIGS)
 def test_paged_decode_attention(config, case):
@@ -332,3 +405,7 @@ def test_gemv_and_splitk(shape):
 
 def test_grammar_mask_kernels():
     check_grammar_mask_kernels("cuda")
+
+
+def test_sampler_kernels():
+    check_sampler_kernels("cuda")
