@@ -136,7 +136,8 @@ class DecodeStaging:
         so theirs stay put while prompts come and go behind them."""
         bs, per_block = self.block_size, self.per_block
         tables, row_lists, row_lens = self.tables, self._row_lists, self._row_lens
-        ids, pos, slot, ctx, tab = [0] * padded, [0] * padded, [-1] * padded, [0] * padded, [0] * padded
+        nd = len(decodes)
+        ids, pos, slot, ctx = [0] * nd, [0] * nd, [0] * nd, [0] * nd
 
         def table(i: int, bl: list[int]) -> None:
             n = len(bl)
@@ -156,36 +157,44 @@ class DecodeStaging:
             pos[i] = c
             slot[i] = bl[c // bs] * per_block + c % bs
             ctx[i] = c + 1
-            tab[i] = i
             table(i, bl)
-        i = t = len(decodes)
+        head = self.head
+        head[_IDS, :nd] = ids
+        head[_POS, :nd] = pos
+        head[_SLOT, :nd] = slot
+        head[_CTX, :nd] = ctx
+        head[_TAB, :nd] = np.arange(nd)
+        i = t = nd
         tq = self.tile_rows
-        tile0, tilen = [0] * padded, [0] * padded
-        nt = 0
-        for item in prefills:
+        tile0, tilen = [], []
+        for item in prefills:  # a chunk's rows as whole slices (a step carries up to thousands of prompt tokens)
             s = item.seq
-            c = s.num_computed_tokens
+            c, n = s.num_computed_tokens, item.num_tokens
             bl = s.block_ids
             table(t, bl)
-            for a in range(0, item.num_tokens, tq):
-                tile0[nt] = i + a
-                tilen[nt] = min(tq, item.num_tokens - a)
-                nt += 1
-            for p, tok in enumerate(s.tokens_range(c, c + item.num_tokens), start=c):
-                ids[i] = tok
-                pos[i] = p
-                slot[i] = bl[p // bs] * per_block + p % bs
-                tab[i] = t  # ctx stays 0: the decode kernel skips prompt rows, the prompt kernel reads the tiles
-                i += 1
+            for a in range(0, n, tq):
+                tile0.append(i + a)
+                tilen.append(min(tq, n - a))
+            p = np.arange(c, c + n)
+            first = c // bs
+            blocks = np.asarray(bl[first : (c + n - 1) // bs + 1], dtype=np.int64)
+            head[_IDS, i : i + n] = s.tokens_range(c, c + n)
+            head[_POS, i : i + n] = p
+            head[_SLOT, i : i + n] = blocks[p // bs - first] * per_block + p % bs
+            head[_CTX, i : i + n] = 0  # the decode kernel skips prompt rows, the prompt kernel reads the tiles
+            head[_TAB, i : i + n] = t
+            i += n
             t += 1
-        head = self.head
-        head[_IDS, :padded] = ids
-        head[_POS, :padded] = pos
-        head[_SLOT, :padded] = slot
-        head[_CTX, :padded] = ctx
-        head[_TAB, :padded] = tab
-        head[_TILE0, :padded] = tile0
-        head[_TILEN, :padded] = tilen
+        head[_IDS, i:padded] = 0  # padding
+        head[_POS, i:padded] = 0
+        head[_SLOT, i:padded] = -1
+        head[_CTX, i:padded] = 0
+        head[_TAB, i:padded] = 0
+        nt = len(tile0)
+        head[_TILE0, :nt] = tile0
+        head[_TILEN, :nt] = tilen
+        head[_TILE0, nt:padded] = 0
+        head[_TILEN, nt:padded] = 0
         sel = sample_rows(decodes, prefills)
         head[_SEL, :padded] = sel + [0] * (padded - len(sel))
         self.num_tables, self.num_sampled, self.num_tiles = t, len(sel), nt
