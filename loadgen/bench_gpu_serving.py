@@ -19,7 +19,10 @@ flight. Sampled: temperature 1, top_p 0.9, top_k 50, repetition_penalty 1.1. Out
 
 The step's limit: the bytes a decode step reads (every weight matrix it multiplies by — the LM head, not the
 embedding table — plus the KV of ``--max-concurrency`` sequences at the run's mean context, input + output/2 tokens)
-÷ the copy bandwidth measured at the start of the same run.
+÷ the copy bandwidth measured at the start of the same run. In this closed loop every finished request is replaced
+by a new prompt, so a decode step shares the device with ``--input-len ÷ --output-len`` prompt tokens per decoding
+row; the mixed limit adds their matmul and attention FLOPs ÷ the bf16 matmul rate measured in the same run (the
+floor of a step that computes both on one device).
 """
 
 from __future__ import annotations
@@ -95,16 +98,41 @@ SAMPLINGS = (Sampling("greedy", 0.0), Sampling("sampled", 1.0, top_p=0.9, top_k=
 
 
 # -- the step's limit --------------------------------------------------------------------------------------------
-def step_limit(m: Any, dtype: str, batch: int, context: float, bandwidth: float) -> dict[str, float]:
-    """The bytes one decode step reads and the time the copy bandwidth needs for them. ``m``: a ModelConfig;
-    ``context``: mean tokens per sequence. Weights: every matrix a step multiplies by (q/k/v, o, gate/up, down per
-    layer, and the LM head, tied or not), not the embedding table (one row per token is gathered) nor the norms."""
+def step_limit(m: Any, dtype: str, batch: int, input_len: int, output_len: int, bandwidth: float,
+               matmul_rate: float) -> dict[str, float]:
+    """The bytes one decode step reads and the time the copy bandwidth needs for them; and the mixed limit: that,
+    plus the FLOPs of the prompt tokens a step of this closed loop carries (``batch × input_len ÷ output_len``) ÷
+    ``matmul_rate``. ``m``: a ModelConfig; a sequence's mean context: input + output/2 tokens. Weights: every matrix
+    a step multiplies by (q/k/v, o, gate/up, down per layer, and the LM head, tied or not), not the embedding table
+    (one row per token is gathered) nor the norms. A prompt token's FLOPs: 2 per weight of its layers (not the LM
+    head: a prompt's logits are computed for its last token only) and 4 × q_size per layer per earlier token of its
+    prompt (scores and values; input/2 on average)."""
     h, b = m.hidden_size, DTYPE_BYTES[dtype]
     per_layer = h * (m.q_size + 2 * m.kv_size) + m.q_size * h + 3 * h * m.intermediate_size
     weight_bytes = (m.num_layers * per_layer + m.vocab_size * h) * b
+    context = input_len + output_len / 2
     kv_bytes = batch * context * 2 * m.num_layers * m.kv_size * b
+    limit_ms = (weight_bytes + kv_bytes) / bandwidth * 1e3
+    prompt_flops = m.num_layers * (2 * per_layer + 4 * m.q_size * input_len / 2)
+    prompt_tokens = batch * input_len / output_len
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "batch": batch, "context": context,
-            "bandwidth_Bps": bandwidth, "limit_ms": (weight_bytes + kv_bytes) / bandwidth * 1e3}
+            "bandwidth_Bps": bandwidth, "limit_ms": limit_ms, "matmul_flops": matmul_rate,
+            "prompt_tokens_per_step": prompt_tokens, "prompt_flops_per_token": prompt_flops,
+            "mixed_limit_ms": limit_ms + prompt_tokens * prompt_flops / matmul_rate * 1e3}
+
+
+def cpu_matmul_rate(n: int = 1024, iters: int = 5) -> float:
+    """bf16 matmul FLOP/s on the host (torch), median: the CPU run's counterpart of ``bench_gpu.matmul_rate``."""
+    import torch
+
+    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
 
 
 def cpu_copy_bandwidth(nbytes: int = 256 << 20, iters: int = 10) -> float:
@@ -409,8 +437,9 @@ def _ratios(result: dict[str, Any]) -> None:
         same, greedy = eng.get((r["model"], r["sampling"])), eng.get((r["model"], "greedy"))
         r["vs_engine_same_sampling"] = r["output_tok_s"] / same if same else None
         r["vs_engine_greedy"] = r["output_tok_s"] / greedy if greedy else None
-        lim = result["models"].get(r["model"], {}).get("limit", {}).get("limit_ms")
-        r["tpot_p50_vs_limit"] = r["tpot_p50_ms"] / lim if lim and r["tpot_p50_ms"] else None
+        lim = result["models"].get(r["model"], {}).get("limit", {})
+        for key, name in (("limit_ms", "tpot_p50_vs_limit"), ("mixed_limit_ms", "tpot_p50_vs_mixed_limit")):
+            r[name] = r["tpot_p50_ms"] / lim[key] if lim.get(key) and r["tpot_p50_ms"] else None
 
 
 def _x(v: float | None, fmt: str = ".2f", suffix: str = "×") -> str:
@@ -419,7 +448,8 @@ def _x(v: float | None, fmt: str = ".2f", suffix: str = "×") -> str:
 
 def build_table(result: dict[str, Any]) -> str:
     lines = ["| model | sampling | client | output tok/s | TPOT p50 ms | TTFT p50 ms | ÷ engine, same sampling "
-             "| ÷ engine greedy | TPOT p50 ÷ limit | client CPU |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ÷ engine greedy | TPOT p50 ÷ limit | ÷ mixed limit | client CPU |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         failed = f" ({r['failed']} FAILED)" if r["failed"] else ""
         share = r["summary"].get("client_cpu_share")
@@ -427,13 +457,18 @@ def build_table(result: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['sampling']} | {r['client']}{failed} | {r['output_tok_s']:,.1f} | "
                      f"{_x(r['tpot_p50_ms'], '.2f', '')} | {_x(r['ttft_p50_ms'], '.1f', '')} | "
                      f"{_x(r['vs_engine_same_sampling'])} | {_x(r['vs_engine_greedy'])} | "
-                     f"{_x(r['tpot_p50_vs_limit'])} | {cpu} |")
+                     f"{_x(r['tpot_p50_vs_limit'])} | {_x(r.get('tpot_p50_vs_mixed_limit'))} | {cpu} |")
     for model, m in result["models"].items():
         lim, st = m.get("limit"), m.get("step")
         if lim:
             lines.append(f"\n{model}: step limit {lim['limit_ms']:.2f} ms = (weights {lim['weight_bytes'] / 1e9:.2f} "
                          f"GB + KV {lim['kv_bytes'] / 1e9:.2f} GB at {lim['batch']} × {lim['context']:.0f} tokens) ÷ "
                          f"copy {lim['bandwidth_Bps'] / 1e9:.1f} GB/s (target: TPOT p50 ≤ 1.5×)")
+            if lim.get("mixed_limit_ms"):
+                lines.append(f"{model}: mixed limit {lim['mixed_limit_ms']:.2f} ms = step limit + "
+                             f"{lim['prompt_tokens_per_step']:.0f} prompt tokens a step × "
+                             f"{lim['prompt_flops_per_token'] / 1e9:.2f} GFLOP ÷ matmul "
+                             f"{lim['matmul_flops'] / 1e12:.1f} TFLOP/s (this closed loop's prompts share the steps)")
         if st:
             lines.append(f"{model}: engine step at batch {st['batch']}: greedy {st['greedy_ms']:.2f} ms, sampled "
                          f"{st['sampled_ms']:.2f} ms, sampled ÷ greedy {st['ratio']:.2f}× (target ≤ 1.1×)")
@@ -614,19 +649,20 @@ def run(a: argparse.Namespace) -> int:
          f"logs in {log_dir}")
     with res.phase("copy bandwidth"):
         if a.device == "cuda":
-            from loadgen.bench_gpu import copy_bandwidth
+            from loadgen.bench_gpu import copy_bandwidth, matmul_rate
 
-            bandwidth = copy_bandwidth()
+            bandwidth, flops = copy_bandwidth(), matmul_rate()
         else:
-            bandwidth = cpu_copy_bandwidth()
+            bandwidth, flops = cpu_copy_bandwidth(), cpu_matmul_rate()
         res.doc["copy_bandwidth_Bps"] = bandwidth
+        res.doc["matmul_flops"] = flops
     _say(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)")
     builder = PromptBuilder(load_tokenizer(a.tokenizer))
     specs = build_requests(bench_serve._workload(_serve_args(a, "grpc", None), a.seed), builder, a.num_prompts)
 
     for model in models:
         res.doc["models"][model] = {"limit": step_limit(load_model_source(model).config, dtype, a.max_concurrency,
-                                                        a.input_len + a.output_len / 2, bandwidth)}
+                                                        a.input_len, a.output_len, bandwidth, flops)}
         halves: list[tuple[str, Callable[[], None]]] = []
         if not a.skip_engine:
             halves.append(("engine", functools.partial(engine_phase, a, model, dtype, specs, builder, res)))

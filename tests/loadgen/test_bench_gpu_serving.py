@@ -18,7 +18,7 @@ from services.cli import main
 
 def test_step_limit_counts_the_lm_head_not_the_embedding_table():
     m: ModelConfig = load_model_source("dummy:llama-3.1-8b").config
-    lim = step_limit(m, "bfloat16", batch=64, context=1088, bandwidth=4e12)
+    lim = step_limit(m, "bfloat16", batch=64, input_len=1024, output_len=128, bandwidth=4e12, matmul_rate=7e14)
     embedding = m.vocab_size * m.hidden_size * 2
     # every matrix of the 8B (8.03 B parameters) but the embedding table and the norms, in bf16: 15.01 GB
     assert lim["weight_bytes"] == pytest.approx(m.num_params() * 2 - embedding, rel=1e-4)
@@ -27,7 +27,22 @@ def test_step_limit_counts_the_lm_head_not_the_embedding_table():
     assert lim["limit_ms"] == pytest.approx((lim["weight_bytes"] + lim["kv_bytes"]) / 4e12 * 1e3)
     tied = load_model_source("dummy:llama-3.2-1b").config  # its LM head is its embedding table: read once
     assert tied.tie_word_embeddings
-    assert step_limit(tied, "bfloat16", 1, 0, 1.0)["weight_bytes"] == pytest.approx(tied.num_params() * 2, rel=1e-4)
+    assert step_limit(tied, "bfloat16", 1, 0, 1, 1.0, 1.0)["weight_bytes"] == pytest.approx(tied.num_params() * 2,
+                                                                                          rel=1e-4)
+
+
+def test_the_mixed_limit_adds_the_prompt_tokens_that_share_a_step():
+    """A closed loop of 1,024 in / 128 out at 64 in flight carries 512 prompt tokens a decode step; each costs 2
+    FLOPs per layer weight (about 2 × 6.98 B for the 8B: its parameters less the embedding table and LM head) plus
+    attention over half its prompt on average."""
+    m: ModelConfig = load_model_source("dummy:llama-3.1-8b").config
+    lim = step_limit(m, "bfloat16", batch=64, input_len=1024, output_len=128, bandwidth=4e12, matmul_rate=7e14)
+    assert lim["prompt_tokens_per_step"] == 512
+    layers = m.num_params() - 2 * m.vocab_size * m.hidden_size  # untied: the embedding table and the LM head
+    attention = m.num_layers * 4 * m.q_size * 512
+    assert lim["prompt_flops_per_token"] == pytest.approx(2 * layers + attention, rel=1e-3)
+    assert lim["mixed_limit_ms"] == pytest.approx(lim["limit_ms"] + 512 * lim["prompt_flops_per_token"] / 7e14 * 1e3)
+    assert lim["mixed_limit_ms"] > 2 * lim["limit_ms"]  # the prompts' work outweighs the decode's reads here
 
 
 def test_every_client_sends_the_samplings_fields_and_completions_the_token_ids():
@@ -68,6 +83,7 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
         assert s["output_tokens"] == 16 and s["input_tokens"] == 4 * 32
         assert r["output_tok_s"] > 0 and r["tpot_p50_ms"] > 0 and r["ttft_p50_ms"] > 0
         assert r["vs_engine_same_sampling"] > 0 and r["vs_engine_greedy"] > 0 and r["tpot_p50_vs_limit"] > 0
+        assert 0 < r["tpot_p50_vs_mixed_limit"] < r["tpot_p50_vs_limit"]
     for sampling in ("greedy", "sampled"):  # each served run has its own cache salt: no prefix-cache hit
         assert rows["grpc", sampling]["server"]["prefix_cache_hits"] == 0
     assert rows["engine", "greedy"]["vs_engine_greedy"] == 1.0
@@ -90,6 +106,8 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
     assert "Where a step's host time went" in text and "| schedule | launch | wait | outputs | sample | other |" in text
     m = res["models"]["smollm2"]
     assert m["limit"]["limit_ms"] > 0 and m["limit"]["batch"] == 4 and m["limit"]["context"] == 34
+    assert m["limit"]["mixed_limit_ms"] > m["limit"]["limit_ms"] and res["matmul_flops"] > 0
+    assert "mixed limit" in text
     assert m["step"]["batch"] == 4 and m["step"]["greedy_ms"] > 0 and m["step"]["sampled_ms"] > 0
     assert m["step"]["greedy"]["rows_min"] == m["step"]["sampled"]["rows_min"] == 4  # all four decoding
     assert m["step"]["ratio"] == pytest.approx(m["step"]["sampled_ms"] / m["step"]["greedy_ms"])
