@@ -49,10 +49,11 @@ from services.decode.kv_pull import KvPeers, Lease
 
 log = logging.getLogger(__name__)
 
-# The detokenizer gives the GIL up after every this many outputs of a step: an engine thread of this process
-# (``worker_engine_process`` false) that waits for it to launch its next step takes it then, instead of after the
-# whole step's text (a Python thread that works after each step stretches the engine's steps: docs/benchmarks.md,
-# the served cluster on a GPU).
+# With the engine on a thread of this process (``worker_engine_process`` false), the detokenizer gives the GIL up
+# after every this many outputs of a step: the engine thread, waiting to launch its next step, takes it then, instead
+# of after the whole step's text (a Python thread that works after each step stretches the engine's steps:
+# docs/benchmarks.md, the served cluster on a GPU). With the engine in its own process nothing here waits on the
+# step, and each yield would only hand the GIL to the asyncio loop for up to a switch interval mid-step.
 DETOK_YIELD_EVERY = 8
 
 
@@ -191,6 +192,7 @@ class DecodeWorker(WorkerBase):
         self.peers = KvPeers(cfg.name, self.call, self.now)
         self._trace: dict[str, Any] = {}  # request id → its ``decode`` span's context, for its KV pull's span
         self.policies = PolicySet(cfg.cluster.output_filter, cfg.cluster.model)
+        self._detok_yield_every = 0 if cfg.cluster.worker_engine_process else DETOK_YIELD_EVERY
 
     def register(self, server: grpc.aio.Server) -> list[str]:
         decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(self), server)
@@ -319,9 +321,10 @@ class DecodeWorker(WorkerBase):
                         if ready and later:
                             self.call_in_aio(self._deliver_many, ready)
                             ready = []
+                        every = self._detok_yield_every
                         for i, o in enumerate(later, 1):
                             self._detok_one(proc, o, ready)
-                            if i % DETOK_YIELD_EVERY == 0:
+                            if every and i % every == 0:
                                 time.sleep(0)
             if ready:
                 self.call_in_aio(self._deliver_many, ready)
