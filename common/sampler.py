@@ -356,11 +356,14 @@ class _Slots:
 
     def folded(self, slots: list[int], on_device: bool) -> None:
         """The pick just queued folded its tokens into ``slots`` (``on_device``), or did not: rebuilt next time. A
-        slot that had seen nothing is rebuilt too: its columns past the first do not repeat the folded token yet."""
+        slot that had seen nothing is rebuilt too: its columns past the first do not repeat the folded token yet. On
+        the CPU the fold has run already and its column counts are read back (the portable penalties read ``bound``
+        columns); on a GPU ``bound`` grows by one a pick (it only sizes the tables: the kernels read ``nseen``)."""
+        exact = self.nseen.tolist() if on_device and slots and self.nseen.device.type == "cpu" else None
         for slot in slots:
             if on_device and self.bound[slot]:
                 self.counted[slot] += 1
-                self.bound[slot] += 1
+                self.bound[slot] = exact[slot] if exact is not None else self.bound[slot] + 1
             else:
                 self.counted[slot] = -1
 

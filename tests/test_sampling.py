@@ -324,6 +324,10 @@ def test_the_pick_folds_its_tokens_into_the_kept_state(device):
         r.position += 1
     assert sampler._slots.rebuilt == 1
     assert len(set(r.output_ids)) < 30 and set(r.output_ids) - set(r.prompt_ids)  # repeats and new tokens both
+    distinct = len(set(r.prompt_ids) | set(r.output_ids))
+    assert int(sampler._slots.nseen[1]) == distinct
+    if device == "cpu":  # the portable penalties read exactly the columns the slot owns
+        assert sampler._slots.seen(1) == distinct
     r.output_ids.append(7)
     logits = torch.randn(1, vocab)
     torch.testing.assert_close(sampler.processed_logits(logits.to(device), [r]).cpu()[0], _reference(logits[0], r),
