@@ -316,7 +316,11 @@ class KvTransferAgent:
                  if k != "protocol_version" and v != getattr(pool, k)]
         if wrong:
             raise ValueError("compat does not describe kv_cache: " + "; ".join(wrong))
-        from nixl._api import nixl_agent_config, nixl_thread_sync_t
+        try:
+            from nixl._api import nixl_agent_config, nixl_thread_sync_t
+        except ImportError as e:
+            raise RuntimeError(f"the KV transfer agent needs NIXL, which does not import here ({e}); it is a tokenmill "
+                               "dependency: `make install`, or pip install nixl==1.5.1 beside torch") from e
 
         self.name = name
         self.compat = compat

@@ -432,3 +432,25 @@ def test_a_late_wake_up_does_not_slow_the_next_reads_checks(monkeypatch, wake_s)
             clock[0] += 0.01
         settled = seen[20:]
         assert max(settled) <= true_s + VRAM_POLL_S + 2 * wake_s + 1e-9, [round(x * 1e3, 3) for x in seen]
+
+
+def test_without_nixl_the_agent_says_what_to_install():
+    """A Python where NIXL does not import (a hand-built environment) gets one line naming the package, not a bare
+    ModuleNotFoundError from deep in a worker's start."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.modules["nixl"] = sys.modules["nixl._api"] = None  # as if not installed
+import torch
+from common.kv_transfer import KvCompat, KvTransferAgent
+kv = torch.zeros({SHAPE})
+try:
+    KvTransferAgent("no-nixl", kv, KvCompat.for_pool(kv, "smollm2"), role="decode")
+except RuntimeError as e:
+    print("error:", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "error: the KV transfer agent needs NIXL" in r.stdout and "pip install nixl==" in r.stdout, r.stdout
