@@ -1,6 +1,8 @@
 """Triton kernels of the CUDA fast path: paged decode attention straight from the block-major KV pool, fused
-RoPE + KV write, fused residual add + RMSNorm, fused SiLU·mul, and the grammar masks' two kernels (the argmax over a
-row's allowed tokens, and the disallowed tokens set to -inf), which read the packed token bitmask as it is.
+RoPE + KV write, fused residual add + RMSNorm, fused SiLU·mul, the grammar masks' two kernels (the argmax over a
+row's allowed tokens, and the disallowed tokens set to -inf), which read the packed token bitmask as it is, and the
+sampler's three (penalties over each row's kept tokens, the fold of picked tokens into them, the pick among top-k
+candidates).
 
 Imported only on CUDA, through ``common.model_cuda``; the portable PyTorch path in ``common.model`` stays the
 reference for CPU and tests. ``tests/gpu/test_kernels.py`` (``make test-gpu``) checks every kernel here against
