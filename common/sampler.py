@@ -158,20 +158,20 @@ def _argmax(x: torch.Tensor) -> list[int]:
     return x.argmax(dim=-1).tolist()
 
 
-_MASK_OPS: dict[str, Any] = {}
+_CUDA_OPS: dict[str, Any] = {}
 
 
 def _cuda_ops(dev: torch.device) -> Any:
     """``common.triton_ops`` (the grammar masks' and the pick's kernels) on a CUDA device, else None."""
     if dev.type != "cuda":
         return None
-    if "ops" not in _MASK_OPS:
+    if "ops" not in _CUDA_OPS:
         try:
             from common import triton_ops
         except ImportError:  # no Triton: the portable bias path
             triton_ops = None  # type: ignore[assignment]
-        _MASK_OPS["ops"] = triton_ops
-    return _MASK_OPS["ops"]
+        _CUDA_OPS["ops"] = triton_ops
+    return _CUDA_OPS["ops"]
 
 
 def _plain_greedy(r: SampleRow) -> bool:

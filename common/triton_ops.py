@@ -569,6 +569,7 @@ def penalize_(x: torch.Tensor, prm: torch.Tensor, ids: torch.Tensor, counts: tor
     table's repetition, presence, frequency and slot columns). One pass over the columns each row owns."""
     n = x.shape[0]
     assert x.stride(1) == 1 and x.dtype == torch.float32 and ids.stride(1) == 1 and counts.stride() == ids.stride()
+    assert prm.stride(1) == 1 and prm.dtype == torch.float32
     if n:
         _penalize_kernel[(n,)](x, x.stride(0), prm, prm.stride(0), ids, counts, ids.stride(0), nseen, *cols,
                                REP=rep, FREQ_PRES=freq_pres, BLOCK=SAMPLER_BLOCK, num_warps=4)
@@ -600,7 +601,7 @@ def fold_(tok: torch.Tensor, prm: torch.Tensor, ids: torch.Tensor, counts: torch
     """Each row's picked token ``tok`` [N] into its slot (table column ``slot_col``; slot 0: none): one more count
     of the column holding it, or a new column. The caller leaves room for one more column in every slot."""
     n = tok.shape[0]
-    assert tok.is_contiguous() and ids.stride(1) == 1 and counts.stride() == ids.stride()
+    assert tok.is_contiguous() and ids.stride(1) == 1 and counts.stride() == ids.stride() and prm.stride(1) == 1
     if n:
         _fold_kernel[(n,)](tok, prm, prm.stride(0), ids, counts, ids.stride(0), nseen, slot_col,
                            BLOCK=SAMPLER_BLOCK, num_warps=4)
@@ -639,7 +640,7 @@ def pick_candidates(vals: torch.Tensor, cand: torch.Tensor, prm: torch.Tensor, c
     ids): temperature, the row's own top-k, top-p, min-p, then the inverse CDF in vocabulary order at the row's
     uniform number (``cols``: the table's temperature, top-k, top-p, min-p and uniform columns). int64 [N]."""
     n, k = vals.shape
-    assert vals.is_contiguous() and cand.is_contiguous() and k <= 1024
+    assert vals.is_contiguous() and cand.is_contiguous() and k <= 1024 and prm.stride(1) == 1
     out = torch.empty(n, dtype=torch.int64, device=vals.device)
     if n:
         _pick_candidates_kernel[(n,)](vals, cand, k, prm, prm.stride(0), out, *cols, TOP_P=top_p, MIN_P=min_p,

@@ -350,6 +350,7 @@ def check_sampler_kernels(device: str) -> None:
     assert torch.equal(dev_slots.nseen.cpu(), ref_slots.nseen)
 
     k = 40
+    prm[:4, sm._TOPK] = 1.0  # a single candidate: no choice
     vals, cand = torch.topk(x, k, dim=-1)
     picks = []
     for _ in range(20):  # many uniform numbers: the picks follow the reference's bins
@@ -361,9 +362,11 @@ def check_sampler_kernels(device: str) -> None:
         picks.append((got_t, want_t))
     same = sum(int((a == b).sum()) for a, b in picks)
     assert same >= 0.99 * n * len(picks), f"{same} of {n * len(picks)} picks agree"
-    top1 = prm[:, sm._TOPK] == 1  # a single candidate: no choice
+    top1 = prm[:, sm._TOPK] == 1
     for a, _ in picks:
         assert torch.equal(a[top1], cand[top1, 0])
+        for i in range(n):  # every pick among its row's own top-k candidates
+            assert int(a[i]) in cand[i, : int(prm[i, sm._TOPK])].tolist(), i
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}-ctx{c[1]}-splits{c[2]}")
