@@ -3,6 +3,8 @@
 Every address and port a service uses comes from here. Ports:
 
 - the gateway: public gRPC on ``gateway.port`` (50051) and the OpenAI HTTP API on ``gateway.http_port`` (8000);
+  several gateways on one host serve both ports together (``gateway.share_ports``), each also on a private gRPC
+  port for its health checks at ``base_port + 400 + i``;
 - every internal service (router, tokenizer, prefill, decode) from ``base_port`` (20000) upward, one block of 100
   per role: router 20000+i, tokenizer 20100+i, prefill 20200+i, decode 20300+i;
 - every ``/metrics`` endpoint at ``base_port + 1000`` + the same offsets (gateway: +400), so 21000+ by default.
@@ -74,6 +76,11 @@ class GatewayConfig:
     count: int = 1
     port: int = 50051
     http_port: int = 8000
+    # with more than one gateway on a host (count > 1, no `hosts` list): every gateway serves the public `port` and
+    # `http_port` together (SO_REUSEPORT: the kernel spreads the client connections over them, as vLLM's
+    # --api-server-count), and only once it is ready; health checks reach each on its private gRPC port
+    # (`base_port` + 400 + index). false: gateway i listens on port + i and http_port + i
+    share_ports: bool = True
     metrics_port: int | None = None
     hosts: tuple[str, ...] | None = None  # where the instances are (containers); see the module doc
     max_inflight_per_channel: int = 256  # per tokenizer channel: 3,000 unbounded calls on one channel fail
@@ -349,6 +356,11 @@ class ClusterConfig:
                 if port in seen:
                     raise ConfigError(f"{where} collides with {seen[port]}; change base_port or {role}.port")
                 seen[port] = where
+        if self.gateways_share_ports:
+            port = self.gateway.port
+            if port in seen:
+                raise ConfigError(f"the gateways' shared port {port} collides with {seen[port]}; change base_port or "
+                                  "gateway.port")
 
     def pool(self, role: str) -> GatewayConfig | RouterConfig | TokenizerConfig | WorkerConfig:
         return getattr(self, as_role(role))
@@ -361,10 +373,26 @@ class ClusterConfig:
             return self.decode
         raise ConfigError(f"{as_role(role)} is not a model-running role (prefill, decode)")
 
+    @property
+    def gateways_share_ports(self) -> bool:
+        """Whether the gateways serve the public ports together (``gateway.share_ports`` with several of them on
+        this host)."""
+        g = self.gateway
+        return g.share_ports and g.count > 1 and g.hosts is None
+
+    def gateway_public_ports(self, index: int = 0) -> tuple[int, int]:
+        """(gRPC port, HTTP port) where gateway ``index`` serves clients."""
+        if self.gateways_share_ports:
+            return self.gateway.port, self.gateway.http_port
+        return self.ports("gateway", index)[0], self.gateway.http_port + index
+
     def ports(self, role: str, index: int = 0) -> tuple[int, int]:
-        """(gRPC port, metrics port) of instance ``index`` of ``role``."""
+        """(gRPC port, metrics port) of instance ``index`` of ``role``; a gateway's private port (its health
+        checks) when the gateways share the public ones."""
         pool = self.pool(role)
         first = pool.port if pool.port is not None else self.base_port + _ROLE_OFFSET[role]
+        if role == "gateway" and self.gateways_share_ports:
+            first = self.base_port + _ROLE_OFFSET[role]
         first_m = (pool.metrics_port if pool.metrics_port is not None
                    else self.base_port + METRICS_OFFSET + _ROLE_OFFSET[role])
         return first + index, first_m + index
@@ -396,7 +424,8 @@ class ClusterConfig:
         for role in ROLES:
             for i in range(self.pool(role).count):
                 p, m = self.ports(role, i)
-                out.append((role, i, p, m, self.gateway.http_port + i if role == "gateway" else None))
+                http = self.gateway_public_ports(i)[1] if role == "gateway" else None
+                out.append((role, i, p, m, None if i and self.gateways_share_ports else http))  # shared: once
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -429,6 +458,14 @@ class ServiceConfig:
     def address(self) -> str:
         """How the other services reach this process (what a worker reports to the router)."""
         return f"{self.cluster.advertise_host or self.cluster.host}:{self.grpc_port}"
+
+    @property
+    def shared_grpc_port(self) -> int | None:
+        """The public gRPC port this gateway serves together with the host's other gateways (None: its own port
+        is its public one)."""
+        if self.role == "gateway" and self.cluster.gateways_share_ports:
+            return self.cluster.gateway.port
+        return None
 
 
 # -- loading -------------------------------------------------------------------------------------------------

@@ -321,13 +321,16 @@ async def start_server(
     port: int,
     metrics_port: int | None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+    reuse_port: bool = False,
 ) -> RunningServer:
     """Listen on ``host:port`` (0: any free port) with health NOT_SERVING; ``/metrics`` on ``metrics_port``.
 
-    ``interceptors`` None: the trace-context one (a list given replaces it: include it to keep tracing)."""
+    ``interceptors`` None: the trace-context one (a list given replaces it: include it to keep tracing).
+    ``reuse_port``: share the port with the other processes that listen on it so (SO_REUSEPORT)."""
     if interceptors is None:
         interceptors = [telemetry.TraceContextInterceptor()]
-    server = grpc.aio.server(interceptors=list(interceptors), options=SERVER_OPTIONS)
+    options = [(k, 1 if k == "grpc.so_reuseport" and reuse_port else v) for k, v in SERVER_OPTIONS]
+    server = grpc.aio.server(interceptors=list(interceptors), options=options)
     names = app.register(server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -357,6 +360,7 @@ async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: async
     telemetry.setup_tracing(f"tokenmill-{cfg.role}", cfg.cluster.otlp_endpoint, instance_id=cfg.name,
                             trace_dir=cfg.cluster.trace_dir)
     running = await start_server(app, cfg.host, cfg.grpc_port, cfg.metrics_port)
+    shared: RunningServer | None = None  # the public port a gateway serves with the host's other gateways
     gc_watch = GcWatch(app.registry, cfg.name)
     try:
         starting = asyncio.ensure_future(app.start())
@@ -367,8 +371,12 @@ async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: async
             if freeze_gc:
                 frozen = freeze_startup_heap()
                 log.debug("%s: %d objects of start-up frozen out of garbage collection", cfg.name, frozen)
+            if cfg.shared_grpc_port is not None:  # bound once ready: the kernel hands connections only to a ready one
+                shared = await start_server(app, cfg.host, cfg.shared_grpc_port, None, reuse_port=True)
+                await shared.set_serving(True)
             await running.set_serving(True)
-            log.info("%s ready: grpc %s:%d metrics :%s", cfg.name, cfg.host, running.port, running.metrics_port)
+            log.info("%s ready: grpc %s:%d%s metrics :%s", cfg.name, cfg.host, running.port,
+                     f" (public {shared.port}, shared)" if shared is not None else "", running.metrics_port)
             await stopped
         else:
             starting.cancel()
@@ -380,7 +388,8 @@ async def serve_until_signalled(app: ServiceApp, cfg: ServiceConfig, stop: async
                 await begin_drain()
             except Exception:
                 log.exception("%s: begin_drain failed", cfg.name)
-        await running.drain(cfg.cluster.grace_s)
+        servers = [running] if shared is None else [shared, running]
+        await asyncio.gather(*(srv.drain(cfg.cluster.grace_s) for srv in servers))
         await app.stop()
         gc_watch.close()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -102,7 +102,7 @@ class GrpcTarget:
 
     name = "grpc"
 
-    def __init__(self, address: str, model: str | None, opts: SendOptions, channels: int = 4) -> None:
+    def __init__(self, address: str, model: str | None, opts: SendOptions, channels: int = 8) -> None:
         self.address, self.model, self.opts, self.n_channels = address, model, opts, channels
         self._stubs: list[Any] = []
         self._channels: list[Any] = []
@@ -112,7 +112,8 @@ class GrpcTarget:
         import grpc
         from tokenmill.v1 import frontend_pb2_grpc
 
-        # several channels (HTTP/2 connections): one connection's flow control caps what hundreds of streams get
+        # several channels (HTTP/2 connections): one connection's flow control caps what hundreds of streams get,
+        # and gateways that share a port (SO_REUSEPORT) are given connections, not requests, by the kernel
         for i in range(self.n_channels):
             ch = grpc.aio.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1),
                                                                   ("tokenmill.loadgen.channel", i)])

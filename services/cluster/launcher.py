@@ -88,8 +88,8 @@ class Child:
                 "address": self.svc.address, "grpc_port": self.svc.grpc_port,
                 "metrics_port": self.svc.metrics_port, "log": str(self.log_path), "devices": self.spec.devices,
                 "gpu_memory_utilization": self.spec.gpu_memory_utilization, "restarts": self.restarts,
-                **({"http_port": self.svc.cluster.gateway.http_port + self.svc.index} if self.svc.role == "gateway"
-                   else {})}
+                **(dict(zip(("public_grpc_port", "http_port"), self.svc.cluster.gateway_public_ports(self.svc.index),
+                            strict=True)) if self.svc.role == "gateway" else {})}
 
 
 class LaunchError(RuntimeError):
@@ -132,19 +132,25 @@ def child_specs(cluster: ClusterConfig, config_path: Path,
 
 
 def check_ports_free(cluster: ClusterConfig) -> None:
-    """Raise LaunchError naming the first port (and its role) something else already holds."""
-    for svc in planned(cluster):
-        for kind, port in (("gRPC", svc.grpc_port), ("metrics", svc.metrics_port)):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                # as the servers themselves bind: a port whose last connections are in TIME_WAIT (a cluster
-                # stopped a moment ago) is free; one with a listener is not
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    s.bind((cluster.host, port))
-                except OSError as e:
-                    raise LaunchError(
-                        f"{svc.name} {kind} port {cluster.host}:{port} is taken ({e.strerror}); stop what holds "
-                        f"it or move the cluster (--base-port, --{svc.role}-port)") from e
+    """Raise LaunchError naming the first port (and its role) something else already holds; the gateways' shared
+    public ports too (they bind them with SO_REUSEPORT, which would share a port another such listener holds)."""
+    ports = [(svc, kind, port) for svc in planned(cluster)
+             for kind, port in (("gRPC", svc.grpc_port), ("metrics", svc.metrics_port))]
+    if cluster.gateways_share_ports:
+        ports += [(cluster.service("gateway"), f"shared public {kind}", port)
+                  for kind, port in zip(("gRPC", "HTTP"), cluster.gateway_public_ports(), strict=True)]
+    for svc, kind, port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # as the servers themselves bind: a port whose last connections are in TIME_WAIT (a cluster stopped a
+            # moment ago) is free; one with a listener is not
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((cluster.host, port))
+            except OSError as e:
+                raise LaunchError(
+                    f"{svc.name} {kind} port {cluster.host}:{port} is taken ({e.strerror}); stop what holds "
+                    f"it or move the cluster ({'--http-port' if 'HTTP' in kind else f'--base-port, --{svc.role}-port'})"
+                ) from e
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux): SIGTERM if the launcher dies
@@ -296,10 +302,11 @@ class Launcher:
         c = self.cluster
         gw = [ch for ch in self.children if ch.svc.role == "gateway"]
         lines = [f"tokenmill cluster ready: {len(self.children)} processes, model {c.model}"]
-        for g in gw:
-            lines.append(f"  connect: OpenAI API http://{c.host}:{c.gateway.http_port + g.svc.index}/v1 "
-                         f"(model {c.model}); grpc {g.svc.address} (tokenmill.v1.Frontend/Generate; "
-                         f"grpcurl -plaintext {g.svc.address} list)")
+        for public in dict.fromkeys(c.gateway_public_ports(g.svc.index) for g in gw):  # shared ports: one line
+            grpc_address, serving = f"{c.host}:{public[0]}", f"{len(gw)} gateways" if c.gateways_share_ports else ""
+            lines.append(f"  connect: OpenAI API http://{c.host}:{public[1]}/v1 (model {c.model}); grpc "
+                         f"{grpc_address} (tokenmill.v1.Frontend/Generate; grpcurl -plaintext {grpc_address} list)"
+                         + (f"; {serving} share these ports" if serving else ""))
         lines.append(f"  {'process':<12} {'pid':>8}  {'grpc':<21} {'devices':<16} metrics")
         for ch in self.children:
             lines.append(f"  {ch.name:<12} {ch.proc.pid:>8}  {ch.svc.address:<21} {ch.spec.devices or '-':<16} "

@@ -378,8 +378,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     for m in members:
         if m.role == "gateway":
             host = m.node_ip if a.gateway_host in ("0.0.0.0", "::") else a.gateway_host
-            print(f"gateway: grpc {host}:{cluster.ports('gateway', m.index)[0]} (tokenmill.v1.Frontend/Generate), "
-                  f"http http://{host}:{cluster.gateway.http_port + m.index}")
+            grpc_port, http_port = cluster.gateway_public_ports(m.index)
+            print(f"gateway: grpc {host}:{grpc_port} (tokenmill.v1.Frontend/Generate), http http://{host}:{http_port}")
     print(f"stop with: tokenmill ray down --address {a.address} --name {a.name}")
     return 0
 

@@ -169,10 +169,11 @@ class HttpFrontend:
         app.router.add_post("/stop_profile", functools.partial(self.profile, start=False))
         return app
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
+        """Serve on ``host:port``; ``reuse_port``: together with the host's other gateways (SO_REUSEPORT)."""
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        site = web.TCPSite(self._runner, host, port, reuse_port=reuse_port)
         await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []

@@ -282,7 +282,7 @@ class GatewayService:
         c = self.cfg.cluster
         self.accounting.open()
         self.loop_lag.start()
-        await self.http.start(c.host, c.gateway.http_port + self.cfg.index)
+        await self.http.start(c.host, c.gateway_public_ports(self.cfg.index)[1], reuse_port=c.gateways_share_ports)
 
     async def begin_drain(self) -> None:
         self.http.draining = True  # /health and new HTTP requests: 503 from now on
