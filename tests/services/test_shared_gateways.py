@@ -57,6 +57,10 @@ def test_up_on_cuda_starts_a_gateway_per_decode_worker_and_at_least_two_within_t
     assert planned(16, **{"decode.count": 8})[0] == 4  # one per 4 cores at most
     assert planned(4) == (1, [])  # a host with few cores keeps one
     assert planned(16, **{"gateway.count": 1}) == (1, [])  # asked for
+    quota = (1, ["one gateway: tenant quotas are counted per gateway process (--gateways N)"])
+    assert planned(16, **{"tenants.flood.rpm": 480}) == quota  # the buckets live in each gateway process
+    assert planned(16, **{"gateway.tenant_max_inflight": 8}) == quota
+    assert planned(16, **{"tenants.flood.max_inflight": 8, "gateway.count": 2})[0] == 2  # asked for
     cluster, given = load_cluster_config_given(env={})
     assert gateway_defaults(cluster, given, cores=16) == (cluster, [])  # the CPU: the engine is the bottleneck
 
