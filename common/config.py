@@ -174,7 +174,8 @@ class EngineConfig:
     cuda_graph_prefill_tokens: int = 2048
     # Async scheduling: the engine launches step N+1 (its decodes' input ids taken from step N's picks on the
     # device) before it reads step N's tokens, so the host's work on a step's outputs, the next schedule and the
-    # sampler's host side run while the GPU computes. None: on for one rank on CUDA; True: on anywhere with one rank
+    # sampler's host side run while the GPU computes. In a tensor-parallel group rank 0 sends the fed ids to the
+    # other ranks over the forward's group (NCCL on CUDA) before the forward. None: on on CUDA; True: on anywhere
     async_scheduling: bool | None = None
     # With async scheduling, a step with constrained rows (structured outputs) leaves its pick to the next step()
     # call, which queues it once the next step is scheduled and the rows' masks are filled, before that step's
@@ -216,9 +217,6 @@ class EngineConfig:
             raise ValueError(f"tp_all_reduce must be 'auto' or 'nccl', got {self.tp_all_reduce!r}")
         if self.async_constrained and self.async_scheduling is False:
             raise ValueError("async_constrained needs async_scheduling (unset or true)")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling needs tensor_parallel_size 1: the other ranks take their input ids "
-                             "from the host")
         if self.noop_model and self.tensor_parallel_size > 1:
             raise ValueError(f"noop_model runs no model: tensor_parallel_size must be 1, got "
                              f"{self.tensor_parallel_size}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,9 +31,10 @@ import torch
 
 from common.model import AttentionMetadata, LlamaModel
 from common.scheduler import ScheduledSeq
+from common.sequence import FED
 
 if TYPE_CHECKING:
-    from common.model_runner import TokenFeed
+    from common.model_runner import ReceivedIds, TokenFeed
 
 log = logging.getLogger(__name__)
 
@@ -338,13 +339,15 @@ class CudaGraphDecoder:
         k = self.staging.num_sampled
         return logits[:k] if k else None
 
-    def follow(self, rows: np.ndarray) -> None:
-        """A rank other than 0: replay the graph rank 0 replays, on the rows it sent (``DecodeStaging.rows``)."""
+    def follow(self, rows: np.ndarray, received: Callable[[Iterable[int]], ReceivedIds] | None = None) -> None:
+        """A rank other than 0: replay the graph rank 0 replays, on the rows it sent (``DecodeStaging.rows``); rows
+        whose id rank 0 feeds from its device (``FED``) get it through ``received`` (``ModelRunner._received``)."""
         self._copied.synchronize()
         padded, n = self.staging.load(rows)
-        self._replay(padded, n)
+        fed = np.flatnonzero(self.staging.head[_IDS, :padded] == FED)
+        self._replay(padded, n, received(fed) if received is not None and len(fed) else None)
 
-    def _replay(self, padded: int, n: int, feed: TokenFeed | None = None) -> torch.Tensor:
+    def _replay(self, padded: int, n: int, feed: TokenFeed | ReceivedIds | None = None) -> torch.Tensor:
         key = (padded, self.staging.num_tiles > 0)
         self.dev[:n].copy_(self.staging.host[:n], non_blocking=True)
         self._copied.record()

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +27,7 @@ from common.loader import ModelSource
 from common.model import PORTABLE, AttentionMetadata, LlamaModel, cache_rows
 from common.model_cpu import FusedCpu, prefill_kernel_fits, prepack
 from common.scheduler import SchedulerOutput
+from common.sequence import FED
 from common.tensor_parallel import SINGLE, Op, Shard, rank_device, send_step
 
 log = logging.getLogger(__name__)
@@ -88,15 +91,34 @@ class StepPlan:
 class TokenFeed:
     """Input ids that are still on the device (async scheduling): a decode whose token the previous step sampled
     reads it from that step's picks. ``index`` [2, k] int64 on the device: decode row i (counted among the step's
-    decodes) takes ``tokens[j]``."""
+    decodes) takes ``tokens[j]``. In a tensor-parallel group (``shard``, rank 0's) the fed ids also go to the
+    other ranks (``ReceivedIds``), which find the same rows by their ``FED`` placeholder in the step they were sent."""
 
     tokens: torch.Tensor
     index: torch.Tensor
+    shard: Shard = SINGLE
 
     def apply(self, ids: torch.Tensor, first_decode: int) -> None:
         """Write the fed ids into ``ids`` (the step's flat input ids, its decodes from row ``first_decode``)."""
         rows = self.index[0] + first_decode if first_decode else self.index[0]
-        ids.index_copy_(0, rows, self.tokens.index_select(0, self.index[1]).to(ids.dtype))
+        fed = self.tokens.index_select(0, self.index[1])
+        self.shard.broadcast_from_0(fed)
+        ids.index_copy_(0, rows, fed.to(ids.dtype))
+
+
+@dataclass(slots=True)
+class ReceivedIds:
+    """A tensor-parallel rank other than 0, with async scheduling: the rows of a step whose input id is on rank 0's
+    device (``rows`` [k] int64 on this rank's device, in order); ``apply`` receives those ids from rank 0's
+    ``TokenFeed.apply`` and writes them, as rank 0 does."""
+
+    shard: Shard
+    rows: torch.Tensor
+
+    def apply(self, ids: torch.Tensor, first_decode: int = 0) -> None:
+        got = torch.empty(self.rows.numel(), dtype=torch.int64, device=ids.device)
+        self.shard.broadcast_from_0(got)
+        ids.index_copy_(0, self.rows, got.to(ids.dtype))
 
 
 @dataclass(slots=True)
@@ -155,6 +177,7 @@ class ModelRunner:
         self.cfg = cfg
         self.model_cfg: ModelConfig = source.config
         self.shard = shard
+        self._uploads: Any = None  # a rank other than 0: PinnedUploads for the rows rank 0 feeds (``_received``)
         self.device = torch.device(cfg.device) if shard.size == 1 else rank_device(cfg.device, shard.rank)
         self.dtype = torch_dtype(cfg.dtype)
         t0 = time.perf_counter()
@@ -394,9 +417,8 @@ class ModelRunner:
         fast path (the sampler then runs there); on the CPU, in the model's dtype (the sampler converts as needed).
         A decode step, or one whose prompt chunks are short (``engine.cuda_graph_prefill_tokens``), replays a CUDA
         graph. In a tensor-parallel group, rank 0 calls this; the others follow. ``feed``: decodes whose input id
-        is on the device (one rank only: the others would need it on the host). ``staged``: what :meth:`stage`
+        is on the device (in a group, rank 0's feed sends them to the others). ``staged``: what :meth:`stage`
         returned for ``out``."""
-        assert feed is None or self.shard.size == 1, "a tensor-parallel group takes its input ids from the host"
         if staged is not None:
             assert self.graphs is not None
             return self.graphs.replay_staged(staged, feed)
@@ -422,6 +444,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[idx], float32=self.device.type != "cpu")
         return logits if self.fast_cuda else logits.cpu()
 
+    def _received(self, rows: Iterable[int]) -> ReceivedIds:
+        """The ids rank 0 feeds into these rows of this step (a rank other than 0): their rows, uploaded without
+        waiting for the stream (a pageable copy would hold this rank's next launch until its last forward ends)."""
+        if self._uploads is None:
+            from common.sampler import PinnedUploads
+
+            self._uploads = PinnedUploads(self.device)
+        return ReceivedIds(self.shard, self._uploads.tensor("fed_rows", list(rows), torch.long))
+
     def _send_graph_rows(self, rows: object) -> None:
         send_step(self.shard, Op.GRAPH, rows)
 
@@ -431,7 +462,7 @@ class ModelRunner:
         0's are the group's) and samples nothing."""
         if op is Op.GRAPH:
             assert self.graphs is not None, "rank 0 replays CUDA graphs but this rank captured none"
-            self.graphs.follow(payload.numpy())
+            self.graphs.follow(payload.numpy(), self._received)
         elif op is Op.SCORE:
             words = payload.tolist()
             lens, at = words[1 : 1 + words[0]], 1 + words[0]
@@ -441,7 +472,11 @@ class ModelRunner:
                 at += n
             self._score_hidden(prompts)
         elif op is Op.STEP:
-            inp = self.inputs(StepPlan.unpack(payload.tolist()))
+            plan = StepPlan.unpack(payload.tolist())
+            inp = self.inputs(plan)
+            fed = [i for i, t in enumerate(plan.ids) if t == FED]
+            if fed:
+                self._received(fed).apply(inp.input_ids)
             self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
         else:
             raise ValueError(f"a rank cannot follow {op!r}")

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from common.sampling import SamplingParams
 from common.structured import GrammarMatcher
 
+FED = -1  # a step's input id that is still on the device (``Sequence.input_token``), written there before the forward
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -106,9 +108,10 @@ class Sequence:
         return self.prompt_ids[i] if i < p else self.output_ids[i - p]
 
     def input_token(self, i: int) -> int:
-        """Token ``i`` as a step's input id: 0 for the one still on the device (async scheduling), which the step's
-        ``TokenFeed`` writes on the device."""
-        return self.token_at(i) if i < self.num_tokens else 0
+        """Token ``i`` as a step's input id: ``FED`` for the one still on the device (async scheduling), which the
+        step's ``TokenFeed`` writes on the device (and which tells a tensor-parallel rank other than 0 which rows
+        rank 0 feeds)."""
+        return self.token_at(i) if i < self.num_tokens else FED
 
     def tokens_range(self, start: int, end: int) -> list[int]:
         p = len(self.prompt_ids)

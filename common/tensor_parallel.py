@@ -85,6 +85,12 @@ class Shard:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast_from_0(self, x: torch.Tensor) -> None:
+        """Rank 0's ``x`` into every rank's ``x``, in place, on the forward's group (queued on the device's stream
+        on CUDA): the input ids rank 0's previous pick holds on its device, with async scheduling."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)
+
     def part(self, w: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's equal slice of ``w`` along ``dim`` (a view)."""
         n = w.shape[dim] // self.size

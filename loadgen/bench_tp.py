@@ -4,8 +4,11 @@ batch 1 and batch 64, at TP=1 and at TP=2 with each all-reduce, against the byte
 - ``allreduce``: two ranks in two processes; a CUDA graph of 64 sums of one size, replayed; µs per sum, NCCL against
   the one-shot peer-to-peer kernel (common/p2p_all_reduce.py), at the sizes a decode step sums; then each with the
   residual add and RMSNorm that follow it in the model (NCCL + ``add_rms_norm`` against the fused kernel).
-- ``steps``: one engine decode step (schedule + CUDA-graph replay + sample), the median of ``--steps`` steps, timed
-  with CUDA events around ``LLMEngine.step`` on rank 0 (which waits on the other rank through the all-reduces). The
+- ``steps``: one engine decode step (schedule + CUDA-graph replay + sample), two ways on rank 0 (which waits on the
+  other rank through the all-reduces): the median of ``--steps`` steps each timed alone with CUDA events around
+  ``LLMEngine.step`` and waited for (launch to the end of its GPU work: nothing overlaps), and pipelined, ``--steps``
+  steps back to back over the wall clock, as a running stream sees them (with async scheduling, on by default, the
+  host's work on a step runs while the GPU computes the one before). The
   limit is the bytes of weights one card reads a step (its share of every layer matrix, plus the replicated LM head
   and norms; not the embedding table, of which a step reads a few rows) over the card's copy bandwidth (a
   device-to-device copy, bytes read + written).
@@ -41,13 +44,14 @@ def weight_bytes_per_card(eng) -> int:
     return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if name != "embed_tokens")
 
 
-def decode_step_ms(eng, batch: int, context: int, steps: int, warmup: int = 10) -> float:
-    """Median ms of an engine step while ``batch`` sequences of about ``context`` tokens decode."""
+def decode_step_ms(eng, batch: int, context: int, steps: int, warmup: int = 10) -> tuple[float, float]:
+    """Ms of an engine step while ``batch`` sequences of about ``context`` tokens decode: the median of steps each
+    waited for, and the mean of as many run back to back."""
     from common.sampling import SamplingParams
 
     vocab = eng.model_cfg.vocab_size
     g = torch.Generator().manual_seed(batch)
-    params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=warmup + 2 * steps + 4, temperature=0.0, ignore_eos=True)
     rids = [f"b{batch}-{i}" for i in range(batch)]
     for rid in rids:
         eng.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(), params)
@@ -63,9 +67,14 @@ def decode_step_ms(eng, batch: int, context: int, steps: int, warmup: int = 10) 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    pipelined = (time.perf_counter() - t0) * 1e3 / steps
     for rid in rids:
         eng.abort(rid)
-    return statistics.median(times)
+    return statistics.median(times), pipelined
 
 
 # ---- the all-reduce alone -----------------------------------------------------------------------------------
@@ -153,7 +162,7 @@ def allreduce_section() -> list[dict]:
 
 # ---- engine steps -------------------------------------------------------------------------------------------
 def _engine_rows(model: str, tp: int, all_reduce: str, batches: list[int], context: int, steps: int, kv_gib: float,
-                 bandwidth: float, profile: str | None, results: Any) -> None:
+                 bandwidth: float, profile: str | None, results: Any, async_scheduling: bool = True) -> None:
     """One engine's rows, in a process of its own: a process holds one tensor-parallel group, and NCCL's teardown
     did not return within 30 s on two H200s. The process leaves without one (its other ranks exit with it)."""
     from common.config import EngineConfig
@@ -162,21 +171,24 @@ def _engine_rows(model: str, tp: int, all_reduce: str, batches: list[int], conte
 
     t0 = time.perf_counter()
     cfg = EngineConfig(device="cuda", dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=64, max_model_len=2048,
-                       max_num_batched_tokens=4096, kv_cache_memory=int(kv_gib * 2**30), tp_all_reduce=all_reduce)
+                       max_num_batched_tokens=4096, kv_cache_memory=int(kv_gib * 2**30), tp_all_reduce=all_reduce,
+                       async_scheduling=async_scheduling)
     eng = LLMEngine(load_model_source(model), cfg)
     wb = weight_bytes_per_card(eng)
     p2p = eng.runner.shard.p2p is not None
-    label = f"TP={tp}" + ("" if tp == 1 else f" {all_reduce}")
+    label = f"TP={tp}" + ("" if tp == 1 else f" {all_reduce}") + ("" if async_scheduling else " sync")
     print(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s, {wb / 1e9:.2f} GB of weights per card "
           f"(peer-to-peer all-reduce: {'yes' if p2p else 'no'})", flush=True)
     rows = []
     for b in batches:
-        ms = decode_step_ms(eng, b, context, steps)
+        ms, piped = decode_step_ms(eng, b, context, steps)
         limit = wb / bandwidth * 1e3
         rows.append({"model": model, "tp": tp, "all_reduce": all_reduce if tp > 1 else "-", "batch": b,
-                     "context": context, "step_ms": ms, "limit_ms": limit, "weight_bytes_per_card": wb,
-                     "copy_bandwidth": bandwidth, "p2p": p2p})
-        print(f"{label} batch {b:3d}: step {ms:.2f} ms, byte limit {limit:.2f} ms ({ms / limit:.2f}x)", flush=True)
+                     "context": context, "step_ms": ms, "pipelined_ms": piped, "limit_ms": limit,
+                     "weight_bytes_per_card": wb, "copy_bandwidth": bandwidth, "p2p": p2p,
+                     "async_scheduling": eng.async_scheduling})
+        print(f"{label} batch {b:3d}: step {ms:.2f} ms waited for, {piped:.2f} ms pipelined, byte limit {limit:.2f} "
+              f"ms ({piped / limit:.2f}x)", flush=True)
         if profile:
             profile_steps(eng, b, context, f"{profile}-tp{tp}-{all_reduce}-b{b}.json", label)
     results.put(rows)
@@ -205,26 +217,29 @@ def steps_section(a: argparse.Namespace) -> list[dict]:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (cuda:0, read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     torch.cuda.empty_cache()
-    runs = [(tp, ar) for tp in (int(x) for x in a.tp.split(","))
-            for ar in (["auto"] if tp == 1 else a.all_reduce.split(","))]
+    runs = [(tp, ar, on) for tp in (int(x) for x in a.tp.split(","))
+            for ar in (["auto"] if tp == 1 else a.all_reduce.split(","))
+            for on in (x.strip() == "on" for x in a.async_scheduling.split(","))]
     ctx = mp.get_context("spawn")
     rows: list[dict] = []
-    for tp, all_reduce in runs:
+    for tp, all_reduce, on in runs:
         results = ctx.Queue()
         proc = ctx.Process(target=_engine_rows, args=(a.model, tp, all_reduce, [int(x) for x in a.batches.split(",")],
-                                                      a.context, a.steps, a.kv_gib, bandwidth, a.profile, results))
+                                                      a.context, a.steps, a.kv_gib, bandwidth, a.profile, results, on))
         proc.start()
         rows += results.get(timeout=900)
         proc.join(30)
         if proc.is_alive():
             proc.kill()
             proc.join()
-    base = {r["batch"]: r["step_ms"] for r in rows if r["tp"] == 1}
-    print(f"\n{a.model}\n tp  all-reduce  batch  step ms  limit ms  ÷ limit  vs TP=1")
+    base = {r["batch"]: r for r in rows if r["tp"] == 1 and r["async_scheduling"]}
+    print(f"\n{a.model}\n tp  all-reduce  async  batch  waited ms  pipelined ms  limit ms  ÷ limit  vs TP=1 (waited, "
+          "pipelined)")
     for r in rows:
-        rel = f"{r['step_ms'] / base[r['batch']]:.2f}x" if r["batch"] in base else "-"
-        print(f"{r['tp']:3d}  {r['all_reduce']:10s}  {r['batch']:5d}  {r['step_ms']:7.2f}  {r['limit_ms']:8.2f}  "
-              f"{r['step_ms'] / r['limit_ms']:7.2f}  {rel:>7s}")
+        b = base.get(r["batch"])
+        rel = f"{r['step_ms'] / b['step_ms']:.2f}x, {r['pipelined_ms'] / b['pipelined_ms']:.2f}x" if b else "-"
+        print(f"{r['tp']:3d}  {r['all_reduce']:10s}  {'on' if r['async_scheduling'] else 'off':5s}  {r['batch']:5d}  {r['step_ms']:9.2f}  {r['pipelined_ms']:12.2f}  "
+              f"{r['limit_ms']:8.2f}  {r['pipelined_ms'] / r['limit_ms']:7.2f}  {rel:>14s}")
     return rows
 
 
@@ -235,6 +250,8 @@ def main() -> int:
     ap.add_argument("--tp", default="1,2", help="tensor-parallel sizes (default 1,2)")
     ap.add_argument("--all-reduce", default="nccl,auto", help="all-reduces to run TP>1 with (default nccl,auto)")
     ap.add_argument("--batches", default="1,64", help="decode batch sizes (default 1,64)")
+    ap.add_argument("--async-scheduling", default="on", help="on, off or on,off: engines with async scheduling "
+                                                             "(the default on CUDA), without, or one of each")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens of each sequence (default 128)")
     ap.add_argument("--steps", type=int, default=200, help="timed steps per point (default 200)")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV pool per rank, GiB (default 8)")

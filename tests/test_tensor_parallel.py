@@ -373,3 +373,25 @@ def test_a_size_below_one_and_a_size_the_machine_lacks_are_refused(tiny):
     if torch.cuda.device_count() < 2:
         with pytest.raises((ValueError, RuntimeError), match="CUDA device"):
             LLMEngine(tiny, EngineConfig(device="cuda", dtype="float32", tensor_parallel_size=2))
+
+
+def test_tp2_with_async_scheduling_gives_tp1s_tokens_greedy_and_seeded(tiny, single, no_pair):
+    """Async scheduling in a group: rank 0 launches each step before reading the last one's tokens and sends the
+    other rank the fed ids (``TokenFeed`` → ``ReceivedIds``); a wrong or missing id there would change its shard's
+    activations and so the group's logits. Greedy and seeded sampled requests, the same tokens as one synchronous
+    rank's, and every block back."""
+    seeded = [dataclasses.replace(GREEDY, temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=24)
+              for i in range(len(PROMPTS))]
+    one_greedy = single.generate(PROMPTS, GREEDY)
+    one_seeded = [single.generate([p], s)[0] for p, s in zip(PROMPTS, seeded)]
+    eng = LLMEngine(tiny, engine_cfg(2, async_scheduling=True))
+    try:
+        assert eng.async_scheduling and eng.tp is not None
+        two = eng.generate(PROMPTS, GREEDY)
+        assert [r.token_ids for r in two] == [r.token_ids for r in one_greedy]
+        both = [eng.generate([p], s)[0] for p, s in zip(PROMPTS, seeded)]
+        assert [r.token_ids for r in both] == [r.token_ids for r in one_seeded]
+        assert len({tuple(r.token_ids) for r in both}) > 1 and all(len(r.token_ids) == 24 for r in both)
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.close()
