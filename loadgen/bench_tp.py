@@ -7,7 +7,7 @@ batch 1 and batch 64, at TP=1 and at TP=2 with each all-reduce, against the byte
 - ``steps``: one engine decode step (schedule + CUDA-graph replay + sample), two ways on rank 0 (which waits on the
   other rank through the all-reduces): the median of ``--steps`` steps each timed alone with CUDA events around
   ``LLMEngine.step`` and waited for (launch to the end of its GPU work: nothing overlaps), and pipelined, ``--steps``
-  steps back to back over the wall clock, as a running stream sees them (with async scheduling, on by default, the
+  steps back to back over the wall clock, as a running stream sees them (with async scheduling, `--async-scheduling on`, the
   host's work on a step runs while the GPU computes the one before). The
   limit is the bytes of weights one card reads a step (its share of every layer matrix, plus the replicated LM head
   and norms; not the embedding table, of which a step reads a few rows) over the card's copy bandwidth (a
