@@ -61,6 +61,8 @@ def test_up_on_cuda_starts_a_gateway_per_decode_worker_and_at_least_two_within_t
     assert planned(16, **{"tenants.flood.rpm": 480}) == quota  # the buckets live in each gateway process
     assert planned(16, **{"gateway.tenant_max_inflight": 8}) == quota
     assert planned(16, **{"tenants.flood.max_inflight": 8, "gateway.count": 2})[0] == 2  # asked for
+    assert planned(16, **{"gateway.resume_window_s": 30}) == (
+        1, ["one gateway: a resumable stream lives in the gateway that started it (--gateways N)"])
     cluster, given = load_cluster_config_given(env={})
     assert gateway_defaults(cluster, given, cores=16) == (cluster, [])  # the CPU: the engine is the bottleneck
 
