@@ -151,6 +151,7 @@ class HttpFrontend:
         self.requests = Counter("tokenmill:http_requests", "HTTP API requests by endpoint and status code",
                                 ["endpoint", "status"], registry=gw.registry)
         self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
         self._openapi: dict[str, Any] | None = None
         self.port: int | None = None
 
@@ -173,14 +174,22 @@ class HttpFrontend:
         """Serve on ``host:port``; ``reuse_port``: together with the host's other gateways (SO_REUSEPORT)."""
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=reuse_port)
+        site = self._site = web.TCPSite(self._runner, host, port, reuse_port=reuse_port)
         await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
         self.port = sockets[0].getsockname()[1] if sockets else port
         log.info("gateway HTTP API (OpenAI) on http://%s:%d/v1 serving %s", host, self.port, self.names)
 
+    async def stop_listening(self) -> None:
+        """Accept no new connection; those open go on (a gateway sharing its ports drains so: the kernel gives new
+        connections to the host's other gateways)."""
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+
     async def stop(self) -> None:
+        self._site = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -201,12 +210,12 @@ class HttpFrontend:
             status = 413
             err = oa.OpenAIError(413, f"the request body is over the limit of {self.cfg.max_body_bytes} bytes "
                                  f"({e.text or 'too large'}); send a smaller request")
-            return _json(err.body(), 413)
+            return self._with_limits(request, _json(err.body(), 413))
         except web.HTTPException as e:  # unknown path (404), wrong method (405)
             status = e.status
             err = oa.OpenAIError(e.status, f"{e.reason}: {request.method} {request.path}",
                                  code=None if e.status != 404 else "not_found")
-            return _json(err.body(), e.status)
+            return self._with_limits(request, _json(err.body(), e.status))
         except asyncio.CancelledError:
             status = 499  # the client went away
             raise
@@ -217,12 +226,15 @@ class HttpFrontend:
         finally:
             self.requests.labels(endpoint, str(status)).inc()
 
-    @staticmethod
-    def _with_limits(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
-        """OpenAI's ``x-ratelimit-*`` headers on every response to a tenant with quotas (a stream has them)."""
+    def _with_limits(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+        """OpenAI's ``x-ratelimit-*`` headers on every response to a tenant with quotas (a stream has them); while
+        draining, ``Connection: close``, so that the client's next request opens a new connection (with gateways
+        sharing their ports, to one that still listens)."""
         tenant = request.get(_TENANT)
         if tenant is not None and tenant.has_quotas and not resp.prepared:
             resp.headers.update(tenant.ratelimit_headers())  # as of now: after a refusal's refund, a settled bill
+        if self.draining and not resp.prepared:
+            resp.force_close()
         return resp
 
     # -- small endpoints -------------------------------------------------------------------------------------

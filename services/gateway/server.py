@@ -285,7 +285,9 @@ class GatewayService:
         await self.http.start(c.host, c.gateway_public_ports(self.cfg.index)[1], reuse_port=c.gateways_share_ports)
 
     async def begin_drain(self) -> None:
-        self.http.draining = True  # /health and new HTTP requests: 503 from now on
+        self.http.draining = True  # /health and new HTTP requests: 503 from now on, each answer closing its connection
+        if self.cfg.cluster.gateways_share_ports:  # the kernel gives new connections to the host's other gateways
+            await self.http.stop_listening()
 
     async def stop(self) -> None:
         await self.loop_lag.stop()

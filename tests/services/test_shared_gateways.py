@@ -4,11 +4,14 @@ many ``tokenmill up`` starts on CUDA (``gateway_defaults``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import socket
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -109,8 +112,24 @@ async def _generate_on_fresh_connections(address: str, n: int) -> list[str]:
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def test_two_gateways_serve_one_port_and_a_dead_one_is_not_given_connections(tmp_path):
-    with running_cluster(tmp_path, "--gateways", "2", "--prefills", "0", "--tokenizers", "1", "--grace", "2") as c:
+def _stream_into(address: str, got: list[str], stop: threading.Event) -> None:
+    """A long greedy stream through one gateway's own port: each text delta appended to ``got`` until ``stop`` is
+    set (the call is then cancelled), it ends, or the gateway cuts it."""
+    async def run() -> None:
+        async with grpc.aio.insecure_channel(address) as ch:
+            req = frontend_pb2.GenerateRequest(prompt="Write a long story.", params=common_pb2.SamplingParams(
+                max_tokens=7000, temperature=0.0, ignore_eos=True))
+            async for resp in frontend_pb2_grpc.FrontendStub(ch).Generate(req, timeout=300):
+                got.append(resp.text)
+                if stop.is_set():
+                    break
+
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        asyncio.run(run())
+
+
+def test_two_gateways_serve_one_port_and_a_dead_or_draining_one_is_not_given_connections(tmp_path):
+    with running_cluster(tmp_path, "--gateways", "2", "--prefills", "0", "--tokenizers", "1", "--grace", "60") as c:
         gws = sorted((p for p in c["processes"] if p["role"] == "gateway"), key=lambda p: p["index"])
         assert [(p["public_grpc_port"], p["http_port"]) for p in gws] == [(c["base"] + 450, c["base"] + 451)] * 2
         assert [p["grpc_port"] for p in gws] == [c["base"] + 400, c["base"] + 401]  # private: health checks
@@ -140,3 +159,33 @@ def test_two_gateways_serve_one_port_and_a_dead_one_is_not_given_connections(tmp
         again = asyncio.run(_generate_on_fresh_connections(c["gateway"], 16))
         assert again == [texts[0]] * 16
         assert metric(now["gateway-0"], "tokenmill:request_success_total") > 0  # it takes connections again
+
+        # a gateway that drains (SIGTERM; a long stream on its private port keeps it draining, up to the 60 s grace)
+        # stops listening on the shared ports at once: new connections, HTTP or gRPC, reach the other one and none
+        # is refused with 503 / UNAVAILABLE
+        private = now["gateway-1"]["address"]
+        got: list[str] = []
+        stop = threading.Event()
+        long = threading.Thread(target=_stream_into, args=(private, got, stop), daemon=True)
+        long.start()
+        deadline = time.monotonic() + 60
+        while not got:
+            assert time.monotonic() < deadline and long.is_alive(), "the long stream did not start"
+            time.sleep(0.05)
+        os.kill(now["gateway-1"]["pid"], signal.SIGTERM)
+        while health_status(private, timeout=0.3) == "SERVING":  # NOT_SERVING, then no listener at all
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.2)  # its health turns as its gRPC servers begin to stop, at the start of the drain
+        streamed = len(got)
+        for _ in range(8):  # urllib: a new connection a request
+            req = urllib.request.Request(c["http"] + "/v1/completions", method="POST", data=json.dumps(
+                {"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode(),
+                headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                assert r.status == 200 and json.loads(r.read())["choices"][0]["text"] == texts[0]
+        assert asyncio.run(_generate_on_fresh_connections(c["gateway"], 8)) == [texts[0]] * 8
+        assert long.is_alive() and len(got) > streamed  # all of that while it drained, still streaming
+        stop.set()  # the long stream's call cancelled: the drain ends
+        long.join(30)
+        assert not long.is_alive()
