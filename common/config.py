@@ -175,8 +175,7 @@ class EngineConfig:
     # Async scheduling: the engine launches step N+1 (its decodes' input ids taken from step N's picks on the
     # device) before it reads step N's tokens, so the host's work on a step's outputs, the next schedule and the
     # sampler's host side run while the GPU computes. In a tensor-parallel group rank 0 sends the fed ids to the
-    # other ranks over the forward's group before the forward. None: on for one rank on CUDA; True: on anywhere
-    # (a tensor-parallel group on GPUs only when asked: that path has run on the CPU's gloo group, not yet on GPUs)
+    # other ranks over the forward's group before the forward. None: on on CUDA; True: on anywhere
     async_scheduling: bool | None = None
     # With async scheduling, a step with constrained rows (structured outputs) leaves its pick to the next step()
     # call, which queues it once the next step is scheduled and the rows' masks are filled, before that step's

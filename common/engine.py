@@ -2,7 +2,7 @@
 
 Knows nothing of gRPC or HTTP; services wrap it. Single-threaded: one loop calls ``step``.
 
-With async scheduling (``engine.async_scheduling``, on for one GPU) a step does not wait for its own tokens: it
+With async scheduling (``engine.async_scheduling``, on on CUDA) a step does not wait for its own tokens: it
 schedules step N, launches its forward (a decode whose token step N-1 sampled reads it from the device), then reads
 step N-1's tokens, which the GPU finished before starting step N, and hands them out: appended, stop checks,
 finished requests freed, grammar matchers advanced. Only then does it queue step N's sampling, so the sampler sees
@@ -195,8 +195,7 @@ class LLMEngine:
         self.sampler = Sampler(self.sample_vocab, self.runner.device, self.cfg.max_num_seqs,
                                cuda_graphs=self.cfg.cuda_graphs and self.cfg.cuda_fast_path)
         asked = self.cfg.async_scheduling
-        # unset: on for one GPU; a tensor-parallel group takes it when asked (its CUDA path has not run on two GPUs)
-        self.async_scheduling = (self.runner.device.type == "cuda" and self.tp is None) if asked is None else asked
+        self.async_scheduling = self.runner.device.type == "cuda" if asked is None else asked
         self._inflight: _InFlight | None = None  # async scheduling: the last step, its tokens not read yet
         self._feed_uploads = PinnedUploads(self.runner.device)
         self.num_generated_tokens = 0

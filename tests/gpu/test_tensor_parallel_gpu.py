@@ -4,8 +4,8 @@
   graph, bit-equal to NCCL's sum of the same tensors; fused with the residual add and RMSNorm, bit-equal to
   ``triton_ops.add_rms_norm`` of NCCL's sum.
 - A dummy Llama-3.1-8B (seeded random weights) in float32, TP=2 (all-reduces inside the captured graphs, the prompts'
-  step among them) against TP=1 on one GPU, with the default all-reduce (peer-to-peer), with NCCL, and with async
-  scheduling (rank 0 sending the fed input ids).
+  step among them) against TP=1 on one GPU, with the default all-reduce (peer-to-peer) and with NCCL, both with async
+  scheduling (the default: rank 0 sends the other rank the input ids still on its device), and synchronously.
 
 Each engine runs in a process of its own, one after another (32 GB of float32 weights on cuda:0)."""
 
@@ -69,9 +69,9 @@ def _engine_results(tp: int, all_reduce: str, async_scheduling: bool | None, out
 def results() -> dict[str, dict]:
     ctx = mp.get_context("spawn")
     out = {}
-    # "2-async": rank 0 launches each step before reading the last one's tokens and sends the other rank the fed ids
+    # the defaults use async scheduling (rank 0 sends the other rank the fed ids); "2-sync": without it
     for key, tp, all_reduce, on in (("1", 1, "auto", None), ("2", 2, "auto", None), ("2-nccl", 2, "nccl", None),
-                                    ("2-async", 2, "auto", True)):
+                                    ("2-sync", 2, "auto", False)):
         q = ctx.Queue()
         proc = ctx.Process(target=_engine_results, args=(tp, all_reduce, on, q))
         proc.start()
@@ -81,7 +81,7 @@ def results() -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("key", ["2", "2-nccl", "2-async"])
+@pytest.mark.parametrize("key", ["2", "2-nccl", "2-sync"])
 def test_tp2_logits_equal_tp1_on_two_gpus(results, key):
     one, two = results["1"], results[key]
     assert two["p2p"] == (key != "2-nccl")  # the default maps the peer's memory over NVLink; "nccl" keeps NCCL
@@ -94,7 +94,7 @@ def test_tp2_logits_equal_tp1_on_two_gpus(results, key):
     assert two["prompt_replays"] > 0  # the prompts' step too: every rank staged the prompt rows rank 0 sent
 
 
-@pytest.mark.parametrize("key", ["2", "2-nccl", "2-async"])
+@pytest.mark.parametrize("key", ["2", "2-nccl", "2-sync"])
 def test_tp2_greedy_tokens_equal_tp1_over_64_steps_on_two_gpus(results, key):
     assert all(len(t) == 64 for t in results[key]["tokens"])
     assert results[key]["tokens"] == results["1"]["tokens"]
