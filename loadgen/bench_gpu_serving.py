@@ -282,7 +282,8 @@ def _tail(path: Path, n: int = 3000) -> str:
 def start_cluster(name: str, up_args: list[str], log_dir: Path, startup_timeout: float) -> Iterator[dict[str, Any]]:
     """``python -m services.cli up`` with ``up_args`` (layout, model, device, ``--set`` items) as a user starts it,
     on free ports below 32768 (the ports, the state file and the log, named after ``name``, are added here); ready
-    when the gateway's ``/health`` answers 200; SIGTERM to the launcher at exit. Yields the gRPC address, the HTTP
+    when the gateway's ``/health`` answers 200 and the state file says every process is SERVING; SIGTERM to the
+    launcher at exit. Yields the gRPC address, the HTTP
     base URL, the state file, the log and the seconds it took to be ready. Raises RuntimeError (with the log's end)
     when it exits or times out first."""
     base = free_base_port()
@@ -303,11 +304,13 @@ def start_cluster(name: str, up_args: list[str], log_dir: Path, startup_timeout:
                 raise RuntimeError(f"tokenmill up exited with {proc.returncode} before it was ready; its log "
                                    f"({log}) ends:\n{_tail(log)}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway's /health was not 200 after {startup_timeout:.0f} s; the log "
+                raise RuntimeError(f"the cluster was not ready after {startup_timeout:.0f} s; the log "
                                    f"({log}) ends:\n{_tail(log)}")
             with contextlib.suppress(urllib.error.URLError, OSError), \
                     opener.open(f"{http}/health", timeout=2) as r:
-                if r.status == 200:
+                # and every process SERVING (the state file says so): gateways sharing the port bind it as each is
+                # ready, and a client's connections, made while only the first listens, would all stay on it
+                if r.status == 200 and state.exists() and json.loads(state.read_text()).get("ready"):
                     break
             time.sleep(0.5)
         ready_s = round(time.perf_counter() - t0, 1)
