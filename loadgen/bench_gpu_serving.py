@@ -314,9 +314,11 @@ def start_cluster(name: str, up_args: list[str], log_dir: Path, startup_timeout:
                     break
             time.sleep(0.5)
         ready_s = round(time.perf_counter() - t0, 1)
-        _say(f"{name}: cluster ready in {ready_s:.1f} s")
+        roles = [p["role"] for p in json.loads(state.read_text())["processes"]]
+        _say(f"{name}: cluster ready in {ready_s:.1f} s ({roles.count('gateway')} gateways, "
+              f"{roles.count('decode')} decode and {roles.count('prefill')} prefill workers)")
         yield {"grpc": f"127.0.0.1:{base + 450}", "http": http, "state": str(state), "log": str(log),
-               "ready_s": ready_s}
+               "ready_s": ready_s, "processes": {r: roles.count(r) for r in sorted(set(roles))}}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -710,6 +712,7 @@ def served_phase(a: argparse.Namespace, model: str, dtype: str, builder: PromptB
     with res.phase(f"{model}: served (cluster start, loads, stop)"), \
             served_cluster(model, a, dtype, log_dir) as cluster:
         res.doc["phases_s"][f"{model}: cluster start"] = cluster["ready_s"]
+        res.doc["models"][model]["served_processes"] = cluster["processes"]  # by role: e.g. how many gateways
         asyncio.run(served_runs(a, cluster, builder, backends, model, res))
 
 

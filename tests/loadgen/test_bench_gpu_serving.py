@@ -105,6 +105,7 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
         assert sum(phases) == pytest.approx(e["engine_step_seconds"], rel=1e-3), e
     assert "Where a step's host time went" in text and "| schedule | launch | wait | outputs | sample | other |" in text
     m = res["models"]["smollm2"]
+    assert m["served_processes"] == {"decode": 1, "gateway": 1, "router": 1, "tokenizer": 1}  # on the CPU: one gateway
     assert m["limit"]["limit_ms"] > 0 and m["limit"]["batch"] == 4 and m["limit"]["context"] == 34
     assert m["limit"]["mixed_limit_ms"] > m["limit"]["limit_ms"] and res["matmul_flops"] > 0
     assert "mixed limit" in text
