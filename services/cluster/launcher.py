@@ -134,12 +134,14 @@ def child_specs(cluster: ClusterConfig, config_path: Path,
 def check_ports_free(cluster: ClusterConfig) -> None:
     """Raise LaunchError naming the first port (and its role) something else already holds; the gateways' shared
     public ports too (they bind them with SO_REUSEPORT, which would share a port another such listener holds)."""
-    ports = [(svc, kind, port) for svc in planned(cluster)
+    ports = [(svc, kind, port, f"--base-port, --{svc.role}-port") for svc in planned(cluster)
              for kind, port in (("gRPC", svc.grpc_port), ("metrics", svc.metrics_port))]
     if cluster.gateways_share_ports:
-        ports += [(cluster.service("gateway"), f"shared public {kind}", port)
-                  for kind, port in zip(("gRPC", "HTTP"), cluster.gateway_public_ports(), strict=True)]
-    for svc, kind, port in ports:
+        grpc_port, http_port = cluster.gateway_public_ports()
+        gw = cluster.service("gateway")
+        ports += [(gw, "shared public gRPC", grpc_port, "--gateway-port"),
+                  (gw, "shared public HTTP", http_port, "--http-port")]
+    for svc, kind, port, flags in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             # as the servers themselves bind: a port whose last connections are in TIME_WAIT (a cluster stopped a
             # moment ago) is free; one with a listener is not
@@ -149,8 +151,7 @@ def check_ports_free(cluster: ClusterConfig) -> None:
             except OSError as e:
                 raise LaunchError(
                     f"{svc.name} {kind} port {cluster.host}:{port} is taken ({e.strerror}); stop what holds "
-                    f"it or move the cluster ({'--http-port' if 'HTTP' in kind else f'--base-port, --{svc.role}-port'})"
-                ) from e
+                    f"it or move the cluster ({flags})") from e
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux): SIGTERM if the launcher dies

@@ -202,31 +202,31 @@ class HttpFrontend:
         try:
             resp = await handler(request)
             status = resp.status
-            return self._with_limits(request, resp)
+            return self._finish(request, resp)
         except oa.OpenAIError as e:
             status = e.status
-            return self._with_limits(request, _json(e.body(), e.status, e.headers))
+            return self._finish(request, _json(e.body(), e.status, e.headers))
         except web.HTTPRequestEntityTooLarge as e:
             status = 413
             err = oa.OpenAIError(413, f"the request body is over the limit of {self.cfg.max_body_bytes} bytes "
                                  f"({e.text or 'too large'}); send a smaller request")
-            return self._with_limits(request, _json(err.body(), 413))
+            return self._finish(request, _json(err.body(), 413))
         except web.HTTPException as e:  # unknown path (404), wrong method (405)
             status = e.status
             err = oa.OpenAIError(e.status, f"{e.reason}: {request.method} {request.path}",
                                  code=None if e.status != 404 else "not_found")
-            return self._with_limits(request, _json(err.body(), e.status))
+            return self._finish(request, _json(err.body(), e.status))
         except asyncio.CancelledError:
             status = 499  # the client went away
             raise
         except Exception as e:
             err = error_from(e)
             status = err.status
-            return self._with_limits(request, _json(err.body(), err.status, err.headers))
+            return self._finish(request, _json(err.body(), err.status, err.headers))
         finally:
             self.requests.labels(endpoint, str(status)).inc()
 
-    def _with_limits(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    def _finish(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
         """OpenAI's ``x-ratelimit-*`` headers on every response to a tenant with quotas (a stream has them); while
         draining, ``Connection: close``, so that the client's next request opens a new connection (with gateways
         sharing their ports, to one that still listens)."""
