@@ -106,6 +106,10 @@ class GatewayConfig:
     max_body_bytes: int = 4 << 20  # a larger request body is refused with 413
     max_inflight_requests: int = 4096  # requests in flight at this gateway; above: 429 with Retry-After
     tenant_max_inflight: int | None = None  # per-tenant in-flight quota (None: none); above: 429 with Retry-After
+    # the file in which the gateways of one host share the tenants' quotas and in-flight counts
+    # (services/gateway/host_limits.py); `tokenmill up` sets it when it starts several gateways on its host. None:
+    # each gateway counts its own (gateway.hosts, compose, Helm, Ray: a quota then holds per gateway)
+    shared_limits_file: str | None = None
     # JSON lines, one per finished or refused request: time, tenant, request id, model, class, token counts,
     # status, latency, migrations (services/gateway/accounting.py); None: no audit log
     audit_log: str | None = None

@@ -273,14 +273,12 @@ def gateway_defaults(cluster: ClusterConfig, given: frozenset[str],
 
     On CUDA one gateway per decode worker and at least two, sharing the public ports (``gateway.share_ports``),
     within one per ``GATEWAY_CORES`` of the host's cores: one gateway process relays about 13,000 streamed
-    tokens a second on an H200's host, less than one GPU decodes with a 1B model (docs/benchmarks.md). It keeps one
-    where state lives in a gateway process: tenant quotas or in-flight caps (each gateway counts its own), and
-    resumable streams (a client's new connection may reach another gateway)."""
+    tokens a second on an H200's host, less than one GPU decodes with a 1B model (docs/benchmarks.md), and refuses
+    a few hundred over-quota requests a second beside that. The host's gateways share the tenants' quotas
+    (services/gateway/host_limits.py). It keeps one where state lives in a gateway process: resumable streams (a
+    client's new connection may reach another gateway)."""
     if cluster.engine.device != "cuda" or "gateway.count" in given:
         return cluster, []
-    if cluster.gateway.tenant_max_inflight is not None or any(
-            t.rpm or t.tpm or t.max_inflight for t in cluster.tenants.values()):
-        return cluster, ["one gateway: tenant quotas are counted per gateway process (--gateways N)"]
     if cluster.gateway.resume_window_s > 0:
         return cluster, ["one gateway: a resumable stream lives in the gateway that started it (--gateways N)"]
     n = min(max(2, cluster.decode.count), max(1, (cores or os.cpu_count() or 1) // GATEWAY_CORES))

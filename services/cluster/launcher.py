@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import json
 import os
 import shlex
@@ -34,6 +35,7 @@ import yaml
 from common.cluster_config import ENV_PREFIX, ROLES, ClusterConfig, ServiceConfig
 from common.rpc import health_status
 from services.cluster.placement_gpu import WORKERS, Placement
+from services.gateway.host_limits import HostLimits
 
 STATE_VERSION = 1
 RESTART_RESET_S = 60.0  # a child that lived this long before dying is restarted after the shortest backoff again
@@ -129,6 +131,16 @@ def child_specs(cluster: ClusterConfig, config_path: Path,
             out.append(ChildSpec(svc, (*argv, "--set", share), {"CUDA_VISIBLE_DEVICES": place.cuda_visible_devices},
                                  place.describe(), place.gpu_memory_utilization))
     return out
+
+
+def with_shared_limits(cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
+    """``cluster`` with ``gateway.shared_limits_file`` in ``run_dir`` where this launcher starts several gateways on
+    its host: they then hold each tenant to its quotas and in-flight cap together (services/gateway/host_limits.py)."""
+    g = cluster.gateway
+    if g.count <= 1 or g.hosts is not None or g.shared_limits_file:
+        return cluster
+    return dataclasses.replace(cluster, gateway=dataclasses.replace(
+        g, shared_limits_file=str(run_dir / "gateway-limits.bin")))
 
 
 def check_ports_free(cluster: ClusterConfig) -> None:
@@ -227,6 +239,9 @@ class Launcher:
 
     def _start_all(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cluster = with_shared_limits(self.cluster, self.run_dir)
+        if self.cluster.gateway.shared_limits_file:
+            HostLimits.create(self.cluster.gateway.shared_limits_file, self.cluster)
         cfg_path = self.run_dir / "cluster.yaml"
         cfg_path.write_text(yaml.safe_dump(self.cluster.to_dict(), sort_keys=False))
         for spec in child_specs(self.cluster, cfg_path, self.placements):

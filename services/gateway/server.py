@@ -61,6 +61,7 @@ from common.output_filter import PolicySet
 from common.wire import sampling_params_from_proto
 from services.gateway.accounting import Accounting, AuditRecord
 from services.gateway.decode_stream import DecodeStreams
+from services.gateway.host_limits import HostLimits
 from services.gateway.http import RETRY_AFTER_S, HttpFrontend
 from services.gateway.pools import ChannelPool
 from services.gateway.response_cache import CacheMetrics, ResponseCache, cacheable
@@ -258,7 +259,10 @@ class GatewayService:
         self._background = rpc.Background()
         window = c.gateway.resume_window_s
         self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
-        self.tenancy = Tenancy.from_config(c)
+        # the quota state this host's gateways share (`tokenmill up` with several gateways); None: this process's own
+        path = c.gateway.shared_limits_file
+        self.limits = HostLimits(path, c, cfg.index) if path else None
+        self.tenancy = Tenancy.from_config(c, shared=self.limits)
         self.accounting = Accounting(self.registry, c.gateway.audit_log, c.gateway.log_prompts,
                                      self.tenancy.tenants)
         self.cache: ResponseCache | None = None
@@ -267,7 +271,7 @@ class GatewayService:
                                        CacheMetrics(self.registry))
         self.policies = PolicySet(c.output_filter, c.model)  # for an answer that ends at prefill (no decode)
         self.inflight = 0  # requests in flight through either front door (admit_in_flight, in_flight)
-        self.tenant_inflight: Tally[str] = Tally()
+        self.tenant_inflight: Tally[str] = Tally()  # at this gateway
         self.http = HttpFrontend(self)
         self.loop_lag = LoopLag(observe=self.metrics.loop_lag.observe)
 
@@ -325,7 +329,7 @@ class GatewayService:
         if self.inflight >= g.max_inflight_requests:
             msg, code = (f"the gateway queue is full ({self.inflight} requests in flight); retry after the "
                          "Retry-After seconds", "queue_full")
-        elif cap is not None and self.tenant_inflight[tenant.name] >= cap:
+        elif cap is not None and self.tenant_in_flight(tenant.name) >= cap:
             msg, code = (f"tenant {tenant.name or '(default)'} is over its quota of {cap} requests in flight "
                          f"({key}); retry after the Retry-After seconds", "quota_exceeded")
         else:
@@ -335,11 +339,17 @@ class GatewayService:
         raise QuotaExceeded(msg, "in_flight", RETRY_AFTER_S, {"Retry-After": str(RETRY_AFTER_S)},
                             openai_code=code)
 
+    def tenant_in_flight(self, name: str) -> int:
+        """The tenant's requests in flight: at every gateway of the host when they share their limits."""
+        return self.limits.in_flight(name) if self.limits is not None else self.tenant_inflight[name]
+
     @contextlib.contextmanager
     def in_flight(self, tenant: Tenant) -> Iterator[None]:
         """Counts a request in flight, at this gateway and for its tenant, while the block runs."""
         self.inflight += 1
         self.tenant_inflight[tenant.name] += 1
+        if self.limits is not None:
+            self.limits.add_in_flight(tenant.name, 1)
         try:
             yield
         finally:
@@ -347,6 +357,8 @@ class GatewayService:
             self.tenant_inflight[tenant.name] -= 1
             if not self.tenant_inflight[tenant.name]:
                 del self.tenant_inflight[tenant.name]
+            if self.limits is not None:
+                self.limits.add_in_flight(tenant.name, -1)
 
     def admit_request(self, tenant: Tenant, request_id: str, model: str) -> None:
         """Take the request's token from the tenant's requests-per-minute bucket (before any work). Raises

@@ -23,11 +23,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.v1 import common_pb2
 
 from common.cluster_config import OTHER_TENANT, ClusterConfig, TenantConfig
 from common.rpc import ResourceExhausted, Unauthenticated
+
+if TYPE_CHECKING:
+    from services.gateway.host_limits import HostLimits
 
 Clock = Callable[[], float]
 
@@ -57,51 +62,91 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+class LocalCell:
+    """A token bucket's level and time in this process (``host_limits.SharedCell``: in the host's shared file);
+    ``with cell as c`` gives the state to read and write."""
+
+    __slots__ = ("at", "level")
+
+    def __init__(self, level: float, at: float) -> None:
+        self.level, self.at = level, at
+
+    def __enter__(self) -> LocalCell:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class BucketCell(Protocol):
+    level: float
+    at: float
+
+    def __enter__(self) -> BucketCell: ...
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+                 ) -> None: ...
+
+
 class TokenBucket:
-    """``capacity`` tokens, refilled at ``per_minute`` / 60 a second. Not thread-safe (the gateway's event loop).
+    """``capacity`` tokens, refilled at ``per_minute`` / 60 a second. Its state is a ``cell``: this process's own
+    (the default; not thread-safe: the gateway's event loop), or a slot of the file the host's gateways share
+    (``host_limits``), each operation then under the file's lock.
 
     ``take`` either takes all it is asked or nothing; ``charge`` and ``give`` settle a bill afterwards, and may
     leave the level below zero (a debt the refill pays first) but never above ``capacity``."""
 
-    def __init__(self, per_minute: float, capacity: float, clock: Clock = time.monotonic) -> None:
+    def __init__(self, per_minute: float, capacity: float, clock: Clock = time.monotonic,
+                 cell: BucketCell | None = None) -> None:
         if per_minute <= 0 or capacity <= 0:
             raise ValueError(f"a bucket needs a rate and a capacity > 0, got {per_minute}/min and {capacity}")
         self.rate = per_minute / 60.0
         self.capacity = float(capacity)
         self._clock = clock
-        self._level = float(capacity)
-        self._at = clock()
+        self._cell: BucketCell = cell if cell is not None else LocalCell(float(capacity), clock())
+
+    def _refill(self, c: BucketCell) -> float:
+        now = self._clock()
+        c.level = min(self.capacity, c.level + (now - c.at) * self.rate)
+        c.at = now
+        return c.level
+
+    def _wait(self, c: BucketCell, n: float) -> float:
+        if n > self.capacity:
+            return math.inf
+        return max(0.0, (n - self._refill(c)) / self.rate)
 
     def level(self) -> float:
-        now = self._clock()
-        self._level = min(self.capacity, self._level + (now - self._at) * self.rate)
-        self._at = now
-        return self._level
+        with self._cell as c:
+            return self._refill(c)
 
     def wait_s(self, n: float) -> float:
         """Seconds until ``n`` tokens are there (0: now; inf: never, ``n`` is over the capacity)."""
-        if n > self.capacity:
-            return math.inf
-        return max(0.0, (n - self.level()) / self.rate)
+        with self._cell as c:
+            return self._wait(c, n)
 
     def take(self, n: float) -> float:
         """Take ``n`` tokens if they are there and return 0; else take nothing and return ``wait_s(n)``."""
-        wait = self.wait_s(n)
-        if wait == 0:
-            self._level -= n
-        return wait
+        with self._cell as c:
+            wait = self._wait(c, n)
+            if wait == 0:
+                c.level -= n
+            return wait
 
     def give(self, n: float) -> None:
         """Return ``n`` tokens (a refund), up to the capacity."""
-        self._level = min(self.capacity, self.level() + n)
+        with self._cell as c:
+            c.level = min(self.capacity, self._refill(c) + n)
 
     def charge(self, n: float) -> None:
         """Take ``n`` tokens whether or not they are there (a bill settled after the fact)."""
-        self._level = self.level() - n
+        with self._cell as c:
+            c.level = self._refill(c) - n
 
     def reset_s(self) -> float:
         """Seconds until the bucket is full again."""
-        return max(0.0, (self.capacity - self.level()) / self.rate)
+        with self._cell as c:
+            return max(0.0, (self.capacity - self._refill(c)) / self.rate)
 
 
 def go_duration(seconds: float) -> str:
@@ -157,9 +202,10 @@ class Tenancy:
     _default: TenantConfig = field(default_factory=TenantConfig)
 
     @classmethod
-    def from_config(cls, cluster: ClusterConfig, clock: Clock = time.monotonic) -> Tenancy:
-        """Every configured tenant, its buckets full."""
-        tenants = {name: _tenant(name, t, clock) for name, t in cluster.tenants.items()}
+    def from_config(cls, cluster: ClusterConfig, clock: Clock = time.monotonic,
+                    shared: HostLimits | None = None) -> Tenancy:
+        """Every configured tenant, its buckets full; ``shared``: the buckets live in the host's shared file."""
+        tenants = {name: _tenant(name, t, clock, shared) for name, t in cluster.tenants.items()}
         keys = {bytes.fromhex(h): name for name, t in cluster.tenants.items() for h in t.keys_sha256}
         for i, entry in enumerate(cluster.gateway.api_keys):
             name, sep, key = entry.rpartition(":")
@@ -269,8 +315,13 @@ class Tenancy:
         meta.cache_salt = self.cache_salt(t, meta.cache_salt)
 
 
-def _tenant(name: str, cfg: TenantConfig, clock: Clock) -> Tenant:
-    return Tenant(name, cfg, name,
-                  TokenBucket(cfg.rpm, cfg.rpm_capacity, clock) if cfg.rpm else None,
-                  TokenBucket(cfg.tpm, cfg.tpm_capacity, clock) if cfg.tpm else None)
+def _tenant(name: str, cfg: TenantConfig, clock: Clock, shared: HostLimits | None = None) -> Tenant:
+    def bucket(quota: str, rate: int, capacity: int) -> TokenBucket | None:
+        if not rate:
+            return None
+        cell = shared.bucket_cell(name, quota, capacity, clock) if shared is not None else None
+        return TokenBucket(rate, capacity, clock, cell)
+
+    return Tenant(name, cfg, name, bucket("requests", cfg.rpm, cfg.rpm_capacity),
+                  bucket("tokens", cfg.tpm, cfg.tpm_capacity))
 

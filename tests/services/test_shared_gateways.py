@@ -60,10 +60,8 @@ def test_up_on_cuda_starts_a_gateway_per_decode_worker_and_at_least_two_within_t
     assert planned(16, **{"decode.count": 8})[0] == 4  # one per 4 cores at most
     assert planned(4) == (1, [])  # a host with few cores keeps one
     assert planned(16, **{"gateway.count": 1}) == (1, [])  # asked for
-    quota = (1, ["one gateway: tenant quotas are counted per gateway process (--gateways N)"])
-    assert planned(16, **{"tenants.flood.rpm": 480}) == quota  # the buckets live in each gateway process
-    assert planned(16, **{"gateway.tenant_max_inflight": 8}) == quota
-    assert planned(16, **{"tenants.flood.max_inflight": 8, "gateway.count": 2})[0] == 2  # asked for
+    assert planned(16, **{"tenants.flood.rpm": 480})[0] == 2  # the host's gateways share the buckets
+    assert planned(16, **{"gateway.tenant_max_inflight": 8})[0] == 2  # and the in-flight counts
     assert planned(16, **{"gateway.resume_window_s": 30}) == (
         1, ["one gateway: a resumable stream lives in the gateway that started it (--gateways N)"])
     cluster, given = load_cluster_config_given(env={})
@@ -112,6 +110,33 @@ async def _generate_on_fresh_connections(address: str, n: int) -> list[str]:
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
+def _refused(p: dict, tenant: str) -> float:
+    """The requests of ``tenant`` that gateway ``p`` refused over its request quota, from its /metrics."""
+    text = urllib.request.urlopen(f"http://{HOST}:{p['metrics_port']}/metrics", timeout=5).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("tokenmill:tenant_rejected_requests_total{") and f'tenant="{tenant}"' in line
+               and 'reason="requests"' in line)
+
+
+async def _codes_on_fresh_connections(address: str, n: int, tenant: str) -> list[str]:
+    """One request of ``tenant`` (x-tenant-id: no keys configured) on each of ``n`` new connections, all at once:
+    each call's status code name."""
+    async def one(i: int) -> str:
+        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1),
+                                                               ("test.connection", i)]) as ch:
+            req = frontend_pb2.GenerateRequest(prompt="The capital of France is",
+                                               params=common_pb2.SamplingParams(max_tokens=2, temperature=0.0))
+            try:
+                async for _ in frontend_pb2_grpc.FrontendStub(ch).Generate(req, timeout=60,
+                                                                           metadata=[("x-tenant-id", tenant)]):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code().name
+            return "OK"
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
 def _stream_into(address: str, got: list[str], stop: threading.Event) -> None:
     """A long greedy stream through one gateway's own port: each text delta appended to ``got`` until ``stop`` is
     set (the call is then cancelled), it ends, or the gateway cuts it."""
@@ -129,15 +154,22 @@ def _stream_into(address: str, got: list[str], stop: threading.Event) -> None:
 
 
 def test_two_gateways_serve_one_port_and_a_dead_or_draining_one_is_not_given_connections(tmp_path):
-    with running_cluster(tmp_path, "--gateways", "2", "--prefills", "0", "--tokenizers", "1", "--grace", "60") as c:
+    with running_cluster(tmp_path, "--gateways", "2", "--prefills", "0", "--tokenizers", "1", "--grace", "60",
+                         "--set", "tenants.team.rpm=1", "--set", "tenants.team.rpm_burst=6") as c:
         gws = sorted((p for p in c["processes"] if p["role"] == "gateway"), key=lambda p: p["index"])
+        # the gateways hold a tenant to one quota together (services/gateway/host_limits.py): of 16 requests over
+        # both, 6 (the burst) pass; a bucket in each gateway would pass up to 6 at each
+        codes = asyncio.run(_codes_on_fresh_connections(c["gateway"], 16, "team"))
+        assert sorted(codes) == ["OK"] * 6 + ["RESOURCE_EXHAUSTED"] * 10, codes
+        refused = [_refused(p, "team") for p in gws]
+        assert sum(refused) == 10, refused
         assert [(p["public_grpc_port"], p["http_port"]) for p in gws] == [(c["base"] + 450, c["base"] + 451)] * 2
         assert [p["grpc_port"] for p in gws] == [c["base"] + 400, c["base"] + 401]  # private: health checks
         assert all(health_status(p["address"]) == "SERVING" for p in gws)
         texts = asyncio.run(_generate_on_fresh_connections(c["gateway"], 16))
         assert len(set(texts)) == 1 and texts[0]  # greedy: one answer, whichever gateway relayed it
         served = [metric(p, "tokenmill:request_success_total") for p in gws]
-        assert sum(served) == 16 and min(served) > 0, served  # 16 connections: both got some (p ≈ 3e-5 not)
+        assert sum(served) == 6 + 16 and min(served) > 0, served  # 16 connections: both got some (p ≈ 3e-5 not)
         oai = openai.OpenAI(base_url=c["http"] + "/v1", api_key="none", max_retries=0)
         done = oai.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
                                       temperature=0)
