@@ -68,6 +68,8 @@ from loadgen.workloads import PromptBuilder, Tenant, WorkloadConfig, iter_reques
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TTFT_TARGET = 1.20  # the flood may move the interactive tenant's TTFT p99 by less than 20%
 TPOT_TARGET = 1.10  # and its TPOT p99 by less than 10%
+FLOOD_RPS_PER_PROCESS = 250.0  # the flood's requests a second per client process (--flood-processes 0)
+FLOOD_OUTSTANDING = 512  # its requests in flight per client process at most: a client that falls behind stays alive
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -93,6 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flood-max-inflight", type=int, default=0,
                    help="the flood tenant's requests in flight at the gateway (tenants.flood.max_inflight; default "
                         "0: no cap)")
+    p.add_argument("--flood-processes", type=int, default=0,
+                   help="client processes that send the flood, its rate split among them (default 0: one per "
+                        f"{FLOOD_RPS_PER_PROCESS:g} req/s)")
     p.add_argument("--batch-prefill-tokens", type=int, default=16,
                    help="engine.batch_prefill_tokens_beside_urgent: the flood's prompt tokens in a step that runs "
                         "the interactive tenant's (default 16; 0: no limit)")
@@ -174,35 +179,62 @@ async def _phase(target: GrpcTarget, builder: PromptBuilder, loads: list[tuple[T
     return list(out), bg_recs, t0
 
 
-class _FloodProcess:
-    """The flood tenant's client in a process of its own (spawned once, reused by every run (b)): ``go`` starts an
-    open-loop load, ``stop`` cancels it and returns its start (``time.perf_counter``, the same clock in every
-    process of the machine) and its records."""
+def flood_processes(a: argparse.Namespace, rate: float) -> int:
+    """How many client processes send a flood of ``rate`` requests a second."""
+    return a.flood_processes or max(1, math.ceil(rate / FLOOD_RPS_PER_PROCESS))
 
-    def __init__(self, address: str, key: str, a: argparse.Namespace) -> None:
+
+class _FloodProcess:
+    """The flood tenant's clients in processes of their own (spawned once, reused by every run (b)), the rate split
+    among them: ``go`` starts an open-loop load in each, ``stop`` cancels them and returns the earliest start
+    (``time.perf_counter``, the same clock in every process of the machine) and every record, from that start.
+
+    A Python gRPC client sends a few hundred calls a second; one asked for more falls behind, and an open loop that
+    catches up at once piles up calls it never gets to send (every one then ends cancelled, nothing reaching the
+    gateway). So the flood takes several processes (``flood_processes``), each with at most ``FLOOD_OUTSTANDING``
+    calls in flight, and the result says how late its requests were sent."""
+
+    def __init__(self, address: str, key: str, a: argparse.Namespace, processes: int) -> None:
         ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_flood_main, name="tenants-flood", daemon=True,
-                                args=(child, address, key, a.flood_input_len, a.flood_output_len, a.seed + 2))
-        self.proc.start()
-        if not self.conn.poll(300) or self.conn.recv() != "ready":
-            raise RuntimeError("the flood's client process did not start")
+        self.conns, self.procs = [], []
+        for i in range(processes):
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_flood_main, name=f"tenants-flood-{i}", daemon=True,
+                               args=(child, address, key, a.flood_input_len, a.flood_output_len,
+                                     a.seed + 2 + 1000 * i))
+            proc.start()
+            self.conns.append(conn)
+            self.procs.append(proc)
+        for conn in self.conns:
+            if not conn.poll(300) or conn.recv() != "ready":
+                raise RuntimeError("a flood client process did not start")
 
     def go(self, rate: float, duration: float, seed: int, salt: str) -> None:
-        self.conn.send(("go", rate, duration, seed, salt))
+        for i, conn in enumerate(self.conns):
+            conn.send(("go", rate / len(self.conns), duration, seed + 7919 * i, salt))
 
     async def stop(self) -> tuple[float, list[RequestRecord]]:
-        self.conn.send("stop")
+        for conn in self.conns:
+            conn.send("stop")
         loop = asyncio.get_running_loop()
-        t0, recs = await loop.run_in_executor(None, self.conn.recv)
+        got = await asyncio.gather(*(loop.run_in_executor(None, conn.recv) for conn in self.conns))
+        t0 = min(t for t, _ in got)
+        recs: list[RequestRecord] = []
+        for t, rs in got:
+            for r in rs:
+                r.start += t - t0
+                r.scheduled += t - t0
+            recs += rs
         return t0, recs
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.conn.send("exit")
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send("exit")
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
 
 
 def _flood_main(conn: Any, address: str, key: str, inp: int, out: int, seed: int) -> None:
@@ -225,7 +257,8 @@ async def _flood_loop(conn: Any, address: str, key: str, inp: int, out: int, see
             _, rate, duration, lseed, salt = msg
             target.opts = dataclasses.replace(target.opts, cache_salt=salt)
             recs: list[RequestRecord] = []
-            load = LoadConfig(request_rate=rate, num_requests=None, duration_s=duration, seed=lseed)
+            load = LoadConfig(request_rate=rate, num_requests=None, duration_s=duration, seed=lseed,
+                              max_concurrency=FLOOD_OUTSTANDING)
             t0 = time.perf_counter()
             task = asyncio.create_task(run_load(target, iter_requests(_workload(inp, out, seed), builder,
                                                                       [Tenant("flood", rate, api_key=key)]),
@@ -254,6 +287,25 @@ def _tokens_in_window(recs: list[RequestRecord], lo: float, hi: float) -> int:
 
 def _refused(recs: list[RequestRecord]) -> int:
     return sum(1 for r in recs if r.error_kind == "RESOURCE_EXHAUSTED")
+
+
+def _late(s: dict[str, Any]) -> str:
+    if s["p50"] is None:
+        return "none"
+    return f"p50 / p99 / max {s['p50']:.1f} / {s['p99']:.1f} / {s['max']:.0f} ms after their due time"
+
+
+def _outcomes(recs: list[RequestRecord]) -> dict[str, Any]:
+    """How ``recs`` ended: a count per outcome (``ok``, ``cancelled``: still waiting when the run ended, an error
+    by its kind) and one message of each error kind."""
+    counts: dict[str, int] = {}
+    sample: dict[str, str] = {}
+    for r in recs:
+        k = r.outcome if r.outcome != "error" else str(r.error_kind)
+        counts[k] = counts.get(k, 0) + 1
+        if r.outcome == "error" and k not in sample:
+            sample[k] = (r.error or "")[:200]
+    return {"counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])), "error_samples": sample}
 
 
 def _p(s: dict[str, Any], key: str, q: str) -> float:
@@ -339,7 +391,9 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
         flood_load = LoadConfig(request_rate=flood.rate, num_requests=None, duration_s=a.duration + 60,
                                 seed=a.seed + 5)
         # started off the event loop: the child loads a tokenizer for seconds, and this loop's lag is measured
-        flood_proc = await asyncio.get_running_loop().run_in_executor(None, _FloodProcess, address, keys["flood"], a)
+        n_flood = flood_processes(a, flood.rate)
+        flood_proc = await asyncio.get_running_loop().run_in_executor(None, _FloodProcess, address, keys["flood"], a,
+                                                                      n_flood)
         alone: list[RequestRecord] = []
         beside: list[RequestRecord] = []
         flood_recs: list[RequestRecord] = []
@@ -380,7 +434,10 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
         "capacity": {"request_throughput": capacity_rps, "output_throughput": capacity_tok_s,
                      "calibration": cal_s},
         "flood": {"offered_rps": flood.rate, "fair_share_rps": fair_rps, "sent": sent,
-                  "refused_429": refused["flood"], "output_throughput": flood_tok_s,
+                  "refused_429": refused["flood"], "outcomes": _outcomes(flood_recs), "client_processes": n_flood,
+                  # how long after its due time each flood request was sent: its clients keeping up, or not
+                  "send_late_ms": stats([max(0.0, r.start - r.scheduled) for r in flood_recs], 1e3),
+                  "output_throughput": flood_tok_s,
                   "share_of_capacity": flood_tok_s / capacity_tok_s if capacity_tok_s else math.nan,
                   "share_of_spare": flood_tok_s / spare,
                   "spare_output_throughput": spare},
@@ -425,10 +482,14 @@ def format_result(r: dict[str, Any]) -> str:
         f"{q['tpot_p99']:.2f}× | |",
         "",
         f"flood: offered {f['offered_rps']:.2f} req/s ({f['offered_rps'] / f['fair_share_rps']:.0f}× its fair share "
-        f"of {f['fair_share_rps']:.2f}), sent {f['sent']}, refused with 429 {f['refused_429']}",
+        f"of {f['fair_share_rps']:.2f}) from {f['client_processes']} client processes, sent {f['sent']} ("
+        f"{_late(f['send_late_ms'])}), refused with 429 {f['refused_429']}",
         f"flood throughput {f['output_throughput']:.0f} output tok/s = {100 * f['share_of_capacity']:.0f}% of the "
         f"capacity, {100 * f['share_of_spare']:.0f}% of the spare capacity ({f['spare_output_throughput']:.0f} tok/s "
         f"left by the interactive tenant's {r['interactive']['output_throughput_beside']:.0f})",
+        "the flood's requests ended: " + ", ".join(f"{k} {v}" for k, v in f["outcomes"]["counts"].items())
+        + " (cancelled: still waiting when the run ended)",
+        *(f"  {k}: {m}" for k, m in f["outcomes"]["error_samples"].items() if k != "RESOURCE_EXHAUSTED"),
         "429s by tenant: " + ", ".join(f"{k} {v}" for k, v in r["refused_429"].items()),
         "the load generator's own event-loop lag (it times every request), p99 / max: " + ", ".join(
             f"{k} " + ("-" if v["p99"] is None else f"{v['p99']:.1f} / {v['max']:.1f} ms")

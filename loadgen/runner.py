@@ -120,8 +120,9 @@ async def run_load(target: Target, requests: Iterator[RequestSpec], load: LoadCo
         for due in times:
             spec = next(requests)
             delay = due - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
+            # behind schedule, still yield: the sends already made must run (a loop that only dispatched would
+            # pile up requests it never sends)
+            await asyncio.sleep(max(0.0, delay))
             if sem is not None:
                 await sem.acquire()
             rec = _record(spec, due, due < load.warmup_s)
