@@ -17,9 +17,11 @@ Then, over gRPC ``Generate``:
 1. (a) the interactive tenant alone at ``--interactive-rate`` (Poisson) for ``--duration`` seconds;
 2. (b) the same requests at the same times, beside the flood tenant sending at ``--flood-factor`` × its fair share
    (half the capacity: both weigh 1), Poisson. When the interactive tenant's last request ends the flood is
-   cancelled. The flood is sent from a process of its own (``_FloodProcess``), as another client would send it:
-   hundreds of its requests a second, most refused, would otherwise share the event loop that times the interactive
-   tenant's (its lag is printed: ``LoopLag``).
+   cancelled. The flood is sent from client processes of its own (``_FloodProcess``, one per 250 requests a second
+   unless ``--flood-processes`` says), as other clients would send it: hundreds of its requests a second, most
+   refused, would otherwise share the event loop that times the interactive tenant's (its lag is printed:
+   ``LoopLag``), and one process asked for more than it can send falls behind. The result says how the flood's
+   requests ended (answered, refused, still waiting) and how late they were sent.
 
 (a) and (b) alternate ``--rounds`` times and the figures pool the rounds, so a change in the machine's load
 (a shared machine) falls on both alike.
