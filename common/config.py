@@ -156,6 +156,10 @@ class EngineConfig:
     # memory (common/p2p_all_reduce.py) where every pair of the ranks' GPUs can map each other's memory, NCCL for
     # inputs larger than its buffer and elsewhere; "nccl": NCCL always. The CPU's ranks use gloo.
     tp_all_reduce: str = "auto"
+    # Tensor parallelism: the embedding table and the LM head split by vocabulary over the ranks (each reads 1/N of
+    # the head a step; the logits all-gathered, the embedding rows all-reduced) instead of a whole copy on each
+    # (common/model.py). Off until measured faster on GPUs (docs/benchmarks.md, tensor parallelism).
+    tp_vocab_parallel: bool = False
     # Benchmark-only: no model at all; every step samples from constant logits. Measures the control plane
     # (scheduler, detokenizer, gRPC) without the model's cost.
     noop_model: bool = False

@@ -136,16 +136,19 @@ class LlamaModel(torch.nn.Module):
 
     With a ``shard`` of a tensor-parallel group (``common/tensor_parallel.py``) it holds that rank's part of every
     layer: its query and KV heads and its slice of the intermediate dimension (q/k/v and gate/up column-parallel,
-    o_proj and down row-parallel, each followed by an all-reduce). The embedding and the LM head are replicated
-    (vocab-parallel was not measured), so every rank's logits are the same. Raises ValueError when the group's size
-    does not divide the heads, the KV heads or the intermediate size."""
+    o_proj and down row-parallel, each followed by an all-reduce). The embedding and the LM head are replicated, or
+    with ``vocab_parallel`` split by vocabulary (``engine.tp_vocab_parallel``): each rank holds ``vocab_rows`` =
+    ceil(vocab / N) rows of the table (the last rank's padded with zeros), looks up only the ids in its range (the
+    rows summed over the ranks: one all-reduce of the step's hidden rows, exact) and computes the logits of its range
+    (all-gathered, so every rank's logits are the same either way). Raises ValueError when the group's size does
+    not divide the heads, the KV heads or the intermediate size."""
 
     # buffers, registered in __init__ (declared for their types)
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 shard: Shard = SINGLE) -> None:
+                 shard: Shard = SINGLE, vocab_parallel: bool = False) -> None:
         super().__init__()
         check_divisible(cfg, shard.size)
         self.cfg = cfg
@@ -158,12 +161,16 @@ class LlamaModel(torch.nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.intermediate_size = cfg.intermediate_size // shard.size
+        # the embedding table's and the LM head's rows on this rank: ids [vocab_start, vocab_start + vocab_rows)
+        self.vocab_parallel = vocab_parallel and shard.size > 1
+        self.vocab_rows = -(-cfg.vocab_size // shard.size) if self.vocab_parallel else cfg.vocab_size
+        self.vocab_start = shard.rank * self.vocab_rows if self.vocab_parallel else 0
         h, q, kv, i = cfg.hidden_size, self.q_size, self.kv_size, self.intermediate_size
 
         def empty(*shape: int) -> torch.nn.Parameter:
             return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=self.device), requires_grad=False)
 
-        self.embed_tokens = empty(cfg.vocab_size, h)
+        self.embed_tokens = empty(self.vocab_rows, h)
         self.layers = DecoderLayers()
         for _ in range(cfg.num_layers):
             layer = DecoderLayer()
@@ -176,7 +183,7 @@ class LlamaModel(torch.nn.Module):
             layer.down = empty(h, i)
             self.layers.append(layer)
         self.norm = empty(h)
-        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else empty(cfg.vocab_size, h)
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else empty(self.vocab_rows, h)
         # CPU: the matrices in oneDNN's layout (common/model_cpu.py, prepack); None: the plain matmul
         self.packed: PackedLinear | None = None
         # which forward runs, set once by the runner (common/model_runner.py)
@@ -201,15 +208,17 @@ class LlamaModel(torch.nn.Module):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             seen.add(name)
-            if name == "embed_tokens.weight":
-                self.embed_tokens.data.copy_(w.to(dtype=self.dtype))
+            if name == "embed_tokens.weight" or (name == "lm_head.weight" and not cfg.tie_word_embeddings):
+                table = self.embed_tokens if name == "embed_tokens.weight" else self.lm_head
+                if tuple(w.shape) != (cfg.vocab_size, cfg.hidden_size):
+                    raise ValueError(f"weight {name!r} has shape {tuple(w.shape)}, expected "
+                                     f"{(cfg.vocab_size, cfg.hidden_size)}")
+                table.data.copy_(self.vocab_part(w).to(dtype=self.dtype))
                 continue
             if name == "norm.weight":
                 self.norm.data.copy_(w.to(dtype=self.dtype))
                 continue
-            if name == "lm_head.weight":
-                if not cfg.tie_word_embeddings:
-                    self.lm_head.data.copy_(w.to(dtype=self.dtype))
+            if name == "lm_head.weight":  # tied: the embedding table is the head
                 continue
             parts = name.split(".")
             if parts[0] != "layers":
@@ -248,6 +257,26 @@ class LlamaModel(torch.nn.Module):
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
 
+    def vocab_part(self, table: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full ``[vocab, hidden]`` table, padded with zero rows to ``vocab_rows`` (the
+        table itself when the vocabulary is not split)."""
+        if not self.vocab_parallel:
+            return table
+        part = table[self.vocab_start : self.vocab_start + self.vocab_rows]
+        if part.shape[0] < self.vocab_rows:
+            part = torch.cat([part, part.new_zeros(self.vocab_rows - part.shape[0], table.shape[1])])
+        return part
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input ids' embedding rows (every backend's first op). Split by vocabulary, each rank looks up the
+        ids in its range (zero rows for the others) and the ranks' rows are summed: exactly the full lookup."""
+        if not self.vocab_parallel:
+            return F.embedding(input_ids, self.embed_tokens)
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.vocab_rows)
+        x = F.embedding(local.clamp(0, self.vocab_rows - 1), self.embed_tokens) * inside.unsqueeze(1).to(self.dtype)
+        return self.shard.all_reduce(x)
+
     def expected_weight_names(self) -> set[str]:
         names = {"embed_tokens.weight", "norm.weight"}
         if not self.cfg.tie_word_embeddings:
@@ -278,6 +307,10 @@ class LlamaModel(torch.nn.Module):
             if p.dim() == 1:
                 p.data.fill_(1.0) if "norm" in name else p.data.zero_()
                 continue
+            if name in ("embed_tokens", "lm_head") and self.vocab_parallel:
+                full = torch.empty(self.cfg.vocab_size, p.shape[1], dtype=p.dtype, device=p.device)
+                p.data.copy_(self.vocab_part(full.normal_(0.0, 0.02, generator=g)))
+                continue
             split = splits.get(name.rsplit(".", 1)[-1])
             if split is None or size == 1:
                 p.data.normal_(0.0, 0.02, generator=g)
@@ -304,6 +337,8 @@ class LlamaModel(torch.nn.Module):
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Project hidden rows to vocabulary logits: float32, or the model's dtype if not ``float32``."""
         logits = self.backend.logits(self, hidden)
+        if self.vocab_parallel:  # every rank's columns, in rank order, without the padding
+            logits = self.shard.all_gather_columns(logits, self.cfg.vocab_size)
         return logits.float() if float32 else logits
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -331,7 +366,7 @@ class Backend:
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """``LlamaModel.forward``: writes this step's K/V into ``kv_cache``, returns the final hidden states."""
         cfg = model.cfg
-        x = F.embedding(input_ids, model.embed_tokens)
+        x = model.embed(input_ids)
         # cos/sin in the activation dtype, as the reference applies them
         cos = model.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = model.rope_sin[positions].unsqueeze(1).to(x.dtype)

@@ -96,7 +96,7 @@ class FusedCpu(Backend):
         eps = cfg.rms_norm_eps
         nh, nkv, d = model.num_heads, model.num_kv_heads, cfg.head_dim
         q_sz, kv_sz = model.q_size, model.kv_size
-        x = F.embedding(input_ids, model.embed_tokens)
+        x = model.embed(input_ids)
         t = x.shape[0]
         kv_rows = kv_cache.view(-1, nkv, d)
         layers = model.layers

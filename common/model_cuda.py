@@ -34,7 +34,7 @@ class CudaFast(Backend):
         eps = cfg.rms_norm_eps
         nh, nkv, d = model.num_heads, model.num_kv_heads, cfg.head_dim
         q_sz = model.q_size
-        x = F.embedding(input_ids, model.embed_tokens)
+        x = model.embed(input_ids)
         t = x.shape[0]
         layers = model.layers
         shard = model.shard

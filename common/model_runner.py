@@ -184,11 +184,12 @@ class ModelRunner:
         if model is not None:
             if model.dtype != self.dtype or model.device != self.device or model.cfg != self.model_cfg:
                 raise ValueError("a shared model must have this engine's config, dtype and device")
-            if model.shard.size != shard.size:
-                raise ValueError("a shared model must be of this engine's tensor-parallel size")
+            if model.shard.size != shard.size or model.vocab_parallel != (cfg.tp_vocab_parallel and shard.size > 1):
+                raise ValueError("a shared model must be of this engine's tensor-parallel size and vocabulary split")
             self.model = model
         else:
-            self.model = LlamaModel(self.model_cfg, self.dtype, self.device if not cfg.noop_model else "meta", shard)
+            self.model = LlamaModel(self.model_cfg, self.dtype, self.device if not cfg.noop_model else "meta", shard,
+                                    vocab_parallel=cfg.tp_vocab_parallel)
             if cfg.noop_model:
                 log.warning("noop_model: no weights loaded, outputs are meaningless (control-plane benchmarks only)")
             elif source.weights is None:
@@ -223,9 +224,11 @@ class ModelRunner:
         )
         self.graphs: CudaGraphDecoder | None = None
         if self.fast_cuda and cfg.cuda_graphs:
-            # the other ranks' graphs stop at the hidden states: only rank 0 needs logits (the head is replicated)
+            # the other ranks' graphs stop at the hidden states (only rank 0 needs logits), unless the vocabulary
+            # is split: then each rank computes its columns and the graph gathers them
             self.graphs = CudaGraphDecoder(self.model, self.kv_cache, cfg.block_size, cfg.max_num_seqs,
-                                           cfg.max_model_len or m.max_position_embeddings, logits=shard.rank == 0,
+                                           cfg.max_model_len or m.max_position_embeddings,
+                                           logits=shard.rank == 0 or self.model.vocab_parallel,
                                            prefill_tokens=cfg.cuda_graph_prefill_tokens,
                                            max_rows=cfg.max_num_batched_tokens)
             self.graphs.capture()
@@ -458,8 +461,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def follow(self, op: Op, payload: torch.Tensor) -> None:
-        """A rank other than 0: run the step rank 0 sent, on this rank's shard and pool. Computes no logits (rank
-        0's are the group's) and samples nothing."""
+        """A rank other than 0: run the step rank 0 sent, on this rank's shard and pool. Samples nothing, and
+        computes logits only with the vocabulary split (its columns, gathered into rank 0's)."""
         if op is Op.GRAPH:
             assert self.graphs is not None, "rank 0 replays CUDA graphs but this rank captured none"
             self.graphs.follow(payload.numpy(), self._received)
@@ -470,13 +473,18 @@ class ModelRunner:
             for n in lens:
                 prompts.append(words[at : at + n])
                 at += n
-            self._score_hidden(prompts)
+            hidden = self._score_hidden(prompts)
+            if self.model.vocab_parallel:
+                self.model.compute_logits(hidden)
         elif op is Op.STEP:
             plan = StepPlan.unpack(payload.tolist())
             inp = self.inputs(plan)
             fed = [i for i, t in enumerate(plan.ids) if t == FED]
             if fed:
                 self._received(fed).apply(inp.input_ids)
-            self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
+            hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
+            if self.model.vocab_parallel and inp.sample_indices:  # its columns of rank 0's logits
+                idx = torch.tensor(inp.sample_indices, dtype=torch.long, device=self.device)
+                self.model.compute_logits(hidden[idx], float32=self.device.type != "cpu")
         else:
             raise ValueError(f"a rank cannot follow {op!r}")

@@ -3,8 +3,8 @@ each holding 1/N of every layer.
 
 - The model (``common/model.py``): q/k/v and gate/up column-parallel (a rank holds its query heads, its KV heads and
   its slice of the intermediate dimension), o_proj and down row-parallel, each followed by one all-reduce; the
-  embedding and the LM head replicated. A rank's KV pool holds its KV heads:
-  ``[blocks, layers, 2, block_size, kv_heads / N, head_dim]``.
+  embedding and the LM head replicated, or split by vocabulary (``engine.tp_vocab_parallel``). A rank's KV pool
+  holds its KV heads: ``[blocks, layers, 2, block_size, kv_heads / N, head_dim]``.
 - Execution: rank 0 is the engine (scheduler, block manager, sampler); ranks 1..N-1 are daemon processes it spawns
   (``TensorParallelWorkers``) that run ``_rank_main``. Each step rank 0 sends the model inputs as integers
   (``send_step``) and every rank runs the same forward on its shard, so the all-reduces line up. The messages go
@@ -85,6 +85,13 @@ class Shard:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def all_gather_columns(self, x: torch.Tensor, total: int) -> torch.Tensor:
+        """Every rank's ``x`` (``[rows, n]``, the same shape on each) side by side in rank order, ``[rows, n ·
+        size]``, cut to its first ``total`` columns: the vocab-parallel LM head's logits."""
+        out = torch.empty((self.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x.contiguous(), group=self.group)  # the ranks' blocks of rows, one after another
+        return out.view(self.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], -1)[:, :total]
+
     def broadcast_from_0(self, x: torch.Tensor) -> None:
         """Rank 0's ``x`` into every rank's ``x``, in place, on the forward's group (queued on the device's stream
         on CUDA): the input ids rank 0's previous pick holds on its device, with async scheduling."""
@@ -112,6 +119,8 @@ class Shard:
 
 
 SINGLE = Shard()
+# torch >= 2.12 names the one-tensor all-gather all_gather_single (all_gather_into_tensor warns it is deprecated)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:

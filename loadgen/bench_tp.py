@@ -162,7 +162,8 @@ def allreduce_section() -> list[dict]:
 
 # ---- engine steps -------------------------------------------------------------------------------------------
 def _engine_rows(model: str, tp: int, all_reduce: str, batches: list[int], context: int, steps: int, kv_gib: float,
-                 bandwidth: float, profile: str | None, results: Any, async_scheduling: bool = True) -> None:
+                 bandwidth: float, profile: str | None, results: Any, async_scheduling: bool = True,
+                 vocab_parallel: bool = False) -> None:
     """One engine's rows, in a process of its own: a process holds one tensor-parallel group, and NCCL's teardown
     did not return within 30 s on two H200s. The process leaves without one (its other ranks exit with it)."""
     from common.config import EngineConfig
@@ -172,11 +173,12 @@ def _engine_rows(model: str, tp: int, all_reduce: str, batches: list[int], conte
     t0 = time.perf_counter()
     cfg = EngineConfig(device="cuda", dtype="bfloat16", tensor_parallel_size=tp, max_num_seqs=64, max_model_len=2048,
                        max_num_batched_tokens=4096, kv_cache_memory=int(kv_gib * 2**30), tp_all_reduce=all_reduce,
-                       async_scheduling=async_scheduling)
+                       async_scheduling=async_scheduling, tp_vocab_parallel=vocab_parallel)
     eng = LLMEngine(load_model_source(model), cfg)
     wb = weight_bytes_per_card(eng)
     p2p = eng.runner.shard.p2p is not None
-    label = f"TP={tp}" + ("" if tp == 1 else f" {all_reduce}") + ("" if async_scheduling else " sync")
+    label = (f"TP={tp}" + ("" if tp == 1 else f" {all_reduce}") + ("" if async_scheduling else " sync")
+             + (" vocab-parallel" if eng.runner.model.vocab_parallel else ""))
     print(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s, {wb / 1e9:.2f} GB of weights per card "
           f"(peer-to-peer all-reduce: {'yes' if p2p else 'no'})", flush=True)
     rows = []
@@ -186,7 +188,7 @@ def _engine_rows(model: str, tp: int, all_reduce: str, batches: list[int], conte
         rows.append({"model": model, "tp": tp, "all_reduce": all_reduce if tp > 1 else "-", "batch": b,
                      "context": context, "step_ms": ms, "pipelined_ms": piped, "limit_ms": limit,
                      "weight_bytes_per_card": wb, "copy_bandwidth": bandwidth, "p2p": p2p,
-                     "async_scheduling": eng.async_scheduling})
+                     "async_scheduling": eng.async_scheduling, "vocab_parallel": eng.runner.model.vocab_parallel})
         print(f"{label} batch {b:3d}: step {ms:.2f} ms waited for, {piped:.2f} ms pipelined, byte limit {limit:.2f} "
               f"ms ({piped / limit:.2f}x)", flush=True)
         if profile:
@@ -217,15 +219,17 @@ def steps_section(a: argparse.Namespace) -> list[dict]:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth (cuda:0, read + write): {bandwidth / 1e12:.2f} TB/s", flush=True)
     torch.cuda.empty_cache()
-    runs = [(tp, ar, on) for tp in (int(x) for x in a.tp.split(","))
+    runs = [(tp, ar, on, vp) for tp in (int(x) for x in a.tp.split(","))
             for ar in (["auto"] if tp == 1 else a.all_reduce.split(","))
-            for on in (x.strip() == "on" for x in a.async_scheduling.split(","))]
+            for on in (x.strip() == "on" for x in a.async_scheduling.split(","))
+            for vp in ([False] if tp == 1 else [x.strip() == "on" for x in a.vocab_parallel.split(",")])]
     ctx = mp.get_context("spawn")
     rows: list[dict] = []
-    for tp, all_reduce, on in runs:
+    for tp, all_reduce, on, vp in runs:
         results = ctx.Queue()
         proc = ctx.Process(target=_engine_rows, args=(a.model, tp, all_reduce, [int(x) for x in a.batches.split(",")],
-                                                      a.context, a.steps, a.kv_gib, bandwidth, a.profile, results, on))
+                                                      a.context, a.steps, a.kv_gib, bandwidth, a.profile, results, on,
+                                                      vp))
         proc.start()
         rows += results.get(timeout=900)
         proc.join(30)
@@ -233,12 +237,13 @@ def steps_section(a: argparse.Namespace) -> list[dict]:
             proc.kill()
             proc.join()
     base = {r["batch"]: r for r in rows if r["tp"] == 1 and r["async_scheduling"]}
-    print(f"\n{a.model}\n tp  all-reduce  async  batch  waited ms  pipelined ms  limit ms  ÷ limit  vs TP=1 (waited, "
-          "pipelined)")
+    print(f"\n{a.model}\n tp  all-reduce  async  vocab  batch  waited ms  pipelined ms  limit ms  ÷ limit  vs TP=1 "
+          "(waited, pipelined)")
     for r in rows:
         b = base.get(r["batch"])
         rel = f"{r['step_ms'] / b['step_ms']:.2f}x, {r['pipelined_ms'] / b['pipelined_ms']:.2f}x" if b else "-"
-        print(f"{r['tp']:3d}  {r['all_reduce']:10s}  {'on' if r['async_scheduling'] else 'off':5s}  {r['batch']:5d}  {r['step_ms']:9.2f}  {r['pipelined_ms']:12.2f}  "
+        print(f"{r['tp']:3d}  {r['all_reduce']:10s}  {'on' if r['async_scheduling'] else 'off':5s}  "
+              f"{'split' if r['vocab_parallel'] else 'whole':5s}  {r['batch']:5d}  {r['step_ms']:9.2f}  {r['pipelined_ms']:12.2f}  "
               f"{r['limit_ms']:8.2f}  {r['pipelined_ms'] / r['limit_ms']:7.2f}  {rel:>14s}")
     return rows
 
@@ -252,6 +257,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,64", help="decode batch sizes (default 1,64)")
     ap.add_argument("--async-scheduling", default="on", help="on, off or on,off: engines with async scheduling "
                                                              "(the default on CUDA), without, or one of each")
+    ap.add_argument("--vocab-parallel", default="off", help="off, on or off,on: TP>1 engines with the embedding and "
+                    "LM head whole on every rank or split by vocabulary (engine.tp_vocab_parallel; default off)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens of each sequence (default 128)")
     ap.add_argument("--steps", type=int, default=200, help="timed steps per point (default 200)")
     ap.add_argument("--kv-gib", type=float, default=8.0, help="KV pool per rank, GiB (default 8)")

@@ -395,3 +395,49 @@ def test_tp2_with_async_scheduling_gives_tp1s_tokens_greedy_and_seeded(tiny, sin
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     finally:
         eng.close()
+
+
+# -- the vocabulary split (engine.tp_vocab_parallel) ----------------------------------------------------------------
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_vocab_split_rank_holds_its_rows_padded_whether_loaded_or_random(tiny, tied):
+    cfg = dataclasses.replace(tiny.config, vocab_size=511, tie_word_embeddings=tied)  # odd: the last rank pads
+    full = LlamaModel(cfg, torch.float32, "cpu")
+    full.init_random(seed=5)
+    weights = hf_weights(full)
+    if tied:
+        del weights["lm_head.weight"]
+    for rank in range(2):
+        drawn = LlamaModel(cfg, torch.float32, "cpu", Shard(rank, 2), vocab_parallel=True)
+        drawn.init_random(seed=5)
+        loaded = LlamaModel(cfg, torch.float32, "cpu", Shard(rank, 2), vocab_parallel=True)
+        loaded.load_weights(weights.items())
+        assert (loaded.vocab_rows, loaded.vocab_start) == (256, 256 * rank)
+        rows = slice(256 * rank, 256 * rank + 256)
+        for part in (drawn, loaded):
+            assert part.embed_tokens.shape == (256, cfg.hidden_size)
+            n = 256 if rank == 0 else 255
+            assert torch.equal(part.embed_tokens[:n], full.embed_tokens[rows])
+            assert torch.equal(part.lm_head[:n], full.lm_head[rows])
+            if rank == 1:  # the padding row: zero, so its logit is 0 and it is cut before the sampler
+                assert not part.embed_tokens[255].any() and not part.lm_head[255].any()
+            assert (part.lm_head is part.embed_tokens) == tied
+        # the other matrices' split is unchanged by the vocabulary's
+        assert torch.equal(drawn.layers[0].qkv, loaded.layers[0].qkv)
+
+
+def test_tp2_with_the_vocab_split_gives_tp1s_logits_and_greedy_tokens(tiny, single, no_pair):
+    """Each rank looks up only its ids' embedding rows (summed over the ranks) and computes its logits' columns
+    (all-gathered): the same function as one rank's, with one more all-reduce and a gather a step."""
+    one = step_logits(single, PROMPTS, steps=6)
+    one_tokens = single.generate(PROMPTS, GREEDY)
+    eng = LLMEngine(tiny, engine_cfg(2, tp_vocab_parallel=True))
+    try:
+        assert eng.runner.model.vocab_parallel and eng.runner.model.embed_tokens.shape[0] == 256
+        two = step_logits(eng, PROMPTS, steps=6)
+        assert one[0].shape == two[0].shape == (len(PROMPTS), 512)
+        diffs = [float((a - b).abs().max()) for a, b in zip(one, two)]
+        assert max(diffs) < LOGIT_TOL, diffs
+        assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == [r.token_ids for r in one_tokens]
+        assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    finally:
+        eng.close()

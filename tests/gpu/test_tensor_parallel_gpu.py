@@ -38,11 +38,12 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (7, 60, 128, 301)]
 
 
-def engine(tp: int, all_reduce: str = "auto", async_scheduling: bool | None = None) -> LLMEngine:
+def engine(tp: int, all_reduce: str = "auto", async_scheduling: bool | None = None,
+           vocab_parallel: bool = False) -> LLMEngine:
     torch.backends.cuda.matmul.allow_tf32 = False  # full float32 matmuls (the other ranks keep torch's default: off)
     cfg = EngineConfig(device="cuda", dtype="float32", tensor_parallel_size=tp, kv_cache_memory=4 << 30,
                        max_num_seqs=8, max_model_len=2048, seed=0, tp_all_reduce=all_reduce,
-                       async_scheduling=async_scheduling)
+                       async_scheduling=async_scheduling, tp_vocab_parallel=vocab_parallel)
     return LLMEngine(load_model_source("dummy:llama-3.1-8b"), cfg)
 
 
@@ -55,10 +56,10 @@ def run(eng: LLMEngine, ps: list[list[int]]) -> dict:
             "prompt_replays": prompt_replays, "p2p": eng.runner.shard.p2p is not None}
 
 
-def _engine_results(tp: int, all_reduce: str, async_scheduling: bool | None, out) -> None:
+def _engine_results(tp: int, all_reduce: str, async_scheduling: bool | None, vocab_parallel: bool, out) -> None:
     """One engine's results, in a process of its own (a process holds one tensor-parallel group, and NCCL's
     teardown did not return within 30 s on two H200s): the process leaves without one, its other ranks with it."""
-    eng = engine(tp, all_reduce, async_scheduling)
+    eng = engine(tp, all_reduce, async_scheduling, vocab_parallel)
     out.put(pickle.dumps(run(eng, prompts(eng.model_cfg.vocab_size))))  # the tensors' bytes, not shared memory
     out.close()
     out.join_thread()
@@ -69,11 +70,13 @@ def _engine_results(tp: int, all_reduce: str, async_scheduling: bool | None, out
 def results() -> dict[str, dict]:
     ctx = mp.get_context("spawn")
     out = {}
-    # the defaults use async scheduling (rank 0 sends the other rank the fed ids); "2-sync": without it
-    for key, tp, all_reduce, on in (("1", 1, "auto", None), ("2", 2, "auto", None), ("2-nccl", 2, "nccl", None),
-                                    ("2-sync", 2, "auto", False)):
+    # the defaults use async scheduling (rank 0 sends the other rank the fed ids); "2-sync": without it; "2-vocab":
+    # the embedding and LM head split by vocabulary (each rank's logit columns gathered inside the graphs)
+    for key, tp, all_reduce, on, vp in (("1", 1, "auto", None, False), ("2", 2, "auto", None, False),
+                                        ("2-nccl", 2, "nccl", None, False), ("2-sync", 2, "auto", False, False),
+                                        ("2-vocab", 2, "auto", None, True)):
         q = ctx.Queue()
-        proc = ctx.Process(target=_engine_results, args=(tp, all_reduce, on, q))
+        proc = ctx.Process(target=_engine_results, args=(tp, all_reduce, on, vp, q))
         proc.start()
         out[key] = pickle.loads(q.get(timeout=600))
         proc.join(30)
@@ -81,7 +84,7 @@ def results() -> dict[str, dict]:
     return out
 
 
-@pytest.mark.parametrize("key", ["2", "2-nccl", "2-sync"])
+@pytest.mark.parametrize("key", ["2", "2-nccl", "2-sync", "2-vocab"])
 def test_tp2_logits_equal_tp1_on_two_gpus(results, key):
     one, two = results["1"], results[key]
     assert two["p2p"] == (key != "2-nccl")  # the default maps the peer's memory over NVLink; "nccl" keeps NCCL
@@ -94,7 +97,7 @@ def test_tp2_logits_equal_tp1_on_two_gpus(results, key):
     assert two["prompt_replays"] > 0  # the prompts' step too: every rank staged the prompt rows rank 0 sent
 
 
-@pytest.mark.parametrize("key", ["2", "2-nccl", "2-sync"])
+@pytest.mark.parametrize("key", ["2", "2-nccl", "2-sync", "2-vocab"])
 def test_tp2_greedy_tokens_equal_tp1_over_64_steps_on_two_gpus(results, key):
     assert all(len(t) == 64 for t in results[key]["tokens"])
     assert results[key]["tokens"] == results["1"]["tokens"]
