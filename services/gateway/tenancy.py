@@ -13,7 +13,8 @@ holding at most the burst. A request takes one request token at the front door; 
 placement) it takes its input tokens plus ``max_tokens`` (without ``max_tokens``: its input tokens; the output is
 charged when it is known, so the bucket may end below zero and later requests wait for it). At the end the bill is
 settled with the real output: the unused part goes back. A refused request takes nothing: its request token is
-given back, and it never reaches the router or a worker.
+given back, and it never reaches the router or a worker. The gateways ``tokenmill up`` starts on one host keep the
+buckets (and the in-flight counts) in one shared file (``host_limits``); elsewhere each gateway keeps its own.
 """
 
 from __future__ import annotations
