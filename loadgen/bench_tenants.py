@@ -298,15 +298,16 @@ def _late(s: dict[str, Any]) -> str:
 
 
 def _outcomes(recs: list[RequestRecord]) -> dict[str, Any]:
-    """How ``recs`` ended: a count per outcome (``ok``, ``cancelled``: still waiting when the run ended, an error
-    by its kind) and one message of each error kind."""
-    counts: dict[str, int] = {}
+    """How ``recs`` ended: ``summarize``'s counts (``ok``; ``cancelled``: still waiting when the run ended; each
+    error kind) and one message of each error kind."""
+    s = summarize(recs)
     sample: dict[str, str] = {}
     for r in recs:
-        k = r.outcome if r.outcome != "error" else str(r.error_kind)
-        counts[k] = counts.get(k, 0) + 1
-        if r.outcome == "error" and k not in sample:
-            sample[k] = (r.error or "")[:200]
+        if r.outcome == "error" and str(r.error_kind) not in sample:
+            sample[str(r.error_kind)] = (r.error or "")[:200]
+    counts = {"ok": s["completed"]}
+    for k, n in s["errors"].items():
+        counts["ended without a token" if k == "ok" else k] = n
     return {"counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])), "error_samples": sample}
 
 

@@ -35,7 +35,7 @@ import yaml
 from common.cluster_config import ENV_PREFIX, ROLES, ClusterConfig, ServiceConfig
 from common.rpc import health_status
 from services.cluster.placement_gpu import WORKERS, Placement
-from services.gateway.host_limits import HostLimits
+from services.gateway.host_limits import HostLimits, has_limits
 
 STATE_VERSION = 1
 RESTART_RESET_S = 60.0  # a child that lived this long before dying is restarted after the shortest backoff again
@@ -135,9 +135,10 @@ def child_specs(cluster: ClusterConfig, config_path: Path,
 
 def with_shared_limits(cluster: ClusterConfig, run_dir: Path) -> ClusterConfig:
     """``cluster`` with ``gateway.shared_limits_file`` in ``run_dir`` where this launcher starts several gateways on
-    its host: they then hold each tenant to its quotas and in-flight cap together (services/gateway/host_limits.py)."""
+    its host and the config has quotas or in-flight caps: they then hold each tenant to them together
+    (services/gateway/host_limits.py)."""
     g = cluster.gateway
-    if g.count <= 1 or g.hosts is not None or g.shared_limits_file:
+    if g.count <= 1 or g.hosts is not None or g.shared_limits_file or not has_limits(cluster):
         return cluster
     return dataclasses.replace(cluster, gateway=dataclasses.replace(
         g, shared_limits_file=str(run_dir / "gateway-limits.bin")))

@@ -1,8 +1,10 @@
 """The quota state a host's gateways share: every tenant's token buckets (``rpm``, ``tpm``) and in-flight counts in
 one memory-mapped file, so that N gateways behind one port hold a tenant to its quota once, not N times.
 
-``tokenmill up`` starting more than one gateway on its host (``gateway.count`` > 1, no ``gateway.hosts``) creates
-the file, zeroed, in its run directory and names it in ``gateway.shared_limits_file``; every gateway maps it.
+``tokenmill up`` starting more than one gateway on its host (``gateway.count`` > 1, no ``gateway.hosts``) with
+quotas or in-flight caps configured (``has_limits``) creates the file, zeroed, in its run directory and names it in
+``gateway.shared_limits_file``; every gateway maps it. A gateway counts its requests in flight in the file only
+where a cap reads the counts (``in_flight_capped``).
 Gateways on several hosts (``gateway.hosts``: compose, Helm replicas, Ray) keep their own state, and there a quota
 holds per gateway.
 
@@ -38,6 +40,16 @@ HASH_ROWS = 256
 _SLOT = struct.Struct("=3d")  # set (0 or 1), level, time
 _COUNT = struct.Struct("=q")
 QUOTAS = ("requests", "tokens")  # a tenant's rpm and tpm buckets
+
+
+def in_flight_capped(cluster: ClusterConfig) -> bool:
+    """Whether any tenant has an in-flight cap (its own ``max_inflight``, or ``gateway.tenant_max_inflight``)."""
+    return cluster.gateway.tenant_max_inflight is not None or any(t.max_inflight for t in cluster.tenants.values())
+
+
+def has_limits(cluster: ClusterConfig) -> bool:
+    """Whether the config gives the gateways anything to share: a tenant quota (rpm, tpm) or an in-flight cap."""
+    return in_flight_capped(cluster) or any(t.rpm or t.tpm for t in cluster.tenants.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,7 @@ from common.output_filter import PolicySet
 from common.wire import sampling_params_from_proto
 from services.gateway.accounting import Accounting, AuditRecord
 from services.gateway.decode_stream import DecodeStreams
-from services.gateway.host_limits import HostLimits
+from services.gateway.host_limits import HostLimits, in_flight_capped
 from services.gateway.http import RETRY_AFTER_S, HttpFrontend
 from services.gateway.pools import ChannelPool
 from services.gateway.response_cache import CacheMetrics, ResponseCache, cacheable
@@ -262,6 +262,8 @@ class GatewayService:
         # the quota state this host's gateways share (`tokenmill up` with several gateways); None: this process's own
         path = c.gateway.shared_limits_file
         self.limits = HostLimits(path, c, cfg.index) if path else None
+        # the tenants' in-flight counts go to that file only where a cap reads them
+        self._shared_counts = self.limits if self.limits is not None and in_flight_capped(c) else None
         self.tenancy = Tenancy.from_config(c, shared=self.limits)
         self.accounting = Accounting(self.registry, c.gateway.audit_log, c.gateway.log_prompts,
                                      self.tenancy.tenants)
@@ -271,7 +273,7 @@ class GatewayService:
                                        CacheMetrics(self.registry))
         self.policies = PolicySet(c.output_filter, c.model)  # for an answer that ends at prefill (no decode)
         self.inflight = 0  # requests in flight through either front door (admit_in_flight, in_flight)
-        self.tenant_inflight: Tally[str] = Tally()  # at this gateway
+        self.tenant_inflight: Tally[str] = Tally()  # at this gateway, where the host's gateways do not share them
         self.http = HttpFrontend(self)
         self.loop_lag = LoopLag(observe=self.metrics.loop_lag.observe)
 
@@ -340,25 +342,29 @@ class GatewayService:
                             openai_code=code)
 
     def tenant_in_flight(self, name: str) -> int:
-        """The tenant's requests in flight: at every gateway of the host when they share their limits."""
-        return self.limits.in_flight(name) if self.limits is not None else self.tenant_inflight[name]
+        """The tenant's requests in flight: at every gateway of the host when they share their counts."""
+        shared = self._shared_counts
+        return shared.in_flight(name) if shared is not None else self.tenant_inflight[name]
 
     @contextlib.contextmanager
     def in_flight(self, tenant: Tenant) -> Iterator[None]:
         """Counts a request in flight, at this gateway and for its tenant, while the block runs."""
+        shared, name = self._shared_counts, tenant.name
         self.inflight += 1
-        self.tenant_inflight[tenant.name] += 1
-        if self.limits is not None:
-            self.limits.add_in_flight(tenant.name, 1)
+        if shared is not None:
+            shared.add_in_flight(name, 1)
+        else:
+            self.tenant_inflight[name] += 1
         try:
             yield
         finally:
             self.inflight -= 1
-            self.tenant_inflight[tenant.name] -= 1
-            if not self.tenant_inflight[tenant.name]:
-                del self.tenant_inflight[tenant.name]
-            if self.limits is not None:
-                self.limits.add_in_flight(tenant.name, -1)
+            if shared is not None:
+                shared.add_in_flight(name, -1)
+            else:
+                self.tenant_inflight[name] -= 1
+                if not self.tenant_inflight[name]:
+                    del self.tenant_inflight[name]
 
     def admit_request(self, tenant: Tenant, request_id: str, model: str) -> None:
         """Take the request's token from the tenant's requests-per-minute bucket (before any work). Raises

@@ -42,15 +42,18 @@ def procs(info, role):
     return [p for p in info["processes"] if p["role"] == role]
 
 
-def metric(p, name) -> float:
+def metric(p, name, **labels: str) -> float:
+    """The sum of process ``p``'s ``name`` series (those with ``labels``, when given; a labelled series a process
+    never set is 0, otherwise the metric must be there)."""
     text = urllib.request.urlopen(f"http://{HOST}:{p['metrics_port']}/metrics", timeout=5).read().decode()
+    want = [f'{k}="{v}"' for k, v in labels.items()]
     total = 0.0
     found = False
     for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
+        if (line.startswith(name + " ") or line.startswith(name + "{")) and all(w in line for w in want):
             total += float(line.rsplit(" ", 1)[1])
             found = True
-    assert found, f"{name} not in {p['name']}'s /metrics"
+    assert found or labels, f"{name} not in {p['name']}'s /metrics"
     return total
 
 

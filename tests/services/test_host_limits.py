@@ -104,8 +104,38 @@ def test_a_file_made_for_another_config_is_refused(tmp_path):
 def test_up_shares_the_limits_of_the_gateways_it_starts_on_its_host(tmp_path):
     two = with_shared_limits(_cluster(), tmp_path)
     assert two.gateway.shared_limits_file == str(tmp_path / "gateway-limits.bin")
+    free = load_cluster_config(overrides={"gateway.count": 2, "tenants.calm.weight": 2}, env={})
+    assert with_shared_limits(free, tmp_path).gateway.shared_limits_file is None  # no quota, no cap: nothing to share
+    capped = load_cluster_config(overrides={"gateway.count": 2, "gateway.tenant_max_inflight": 4}, env={})
+    assert with_shared_limits(capped, tmp_path).gateway.shared_limits_file is not None
     assert with_shared_limits(_cluster(**{"gateway.count": 1}), tmp_path).gateway.shared_limits_file is None
     hosts = _cluster(**{"gateway.hosts": "a,b"})  # containers: no file they could share
     assert with_shared_limits(hosts, tmp_path).gateway.shared_limits_file is None
     apart = _cluster(**{"gateway.share_ports": "false"})  # ports of their own, one host: shared all the same
     assert with_shared_limits(apart, tmp_path).gateway.shared_limits_file == str(tmp_path / "gateway-limits.bin")
+
+
+def test_two_gateways_hold_a_tenant_to_one_in_flight_cap(tmp_path):
+    """Two gateways of one host (their services built on one shared file): a tenant at its cap through one is
+    refused by the other, and admitted again once a request ends. Without a cap nothing is counted in the file."""
+    from services.gateway.server import GatewayService
+    from services.gateway.tenancy import QuotaExceeded
+
+    cluster = with_shared_limits(_cluster(**{"tenants.flood.max_inflight": 2}), tmp_path)
+    HostLimits.create(cluster.gateway.shared_limits_file, cluster)
+    g0, g1 = (GatewayService(cluster.service("gateway", i)) for i in range(2))
+    flood = g0.tenancy.tenants["flood"]
+    with g0.in_flight(flood):
+        g1.admit_in_flight(g1.tenancy.tenants["flood"], "r2", "")
+        with g1.in_flight(g1.tenancy.tenants["flood"]), pytest.raises(QuotaExceeded,
+                                                                       match=r"over its quota of 2 requests in flight"):
+            g0.admit_in_flight(flood, "r3", "")
+        g0.admit_in_flight(flood, "r4", "")  # one ended: room again
+    assert g0.tenant_in_flight("flood") == g1.tenant_in_flight("flood") == 0
+    assert not g0.tenant_inflight and not g1.tenant_inflight  # counted in the file, not per gateway
+
+    quota_only = with_shared_limits(_cluster(**{"tenants.flood.max_inflight": 0}), tmp_path / "q")
+    (tmp_path / "q").mkdir()
+    HostLimits.create(quota_only.gateway.shared_limits_file, quota_only)
+    g = GatewayService(quota_only.service("gateway", 0))
+    assert g.limits is not None and g._shared_counts is None  # buckets shared, counts kept at home (no cap reads them)

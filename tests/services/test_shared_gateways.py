@@ -110,14 +110,6 @@ async def _generate_on_fresh_connections(address: str, n: int) -> list[str]:
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def _refused(p: dict, tenant: str) -> float:
-    """The requests of ``tenant`` that gateway ``p`` refused over its request quota, from its /metrics."""
-    text = urllib.request.urlopen(f"http://{HOST}:{p['metrics_port']}/metrics", timeout=5).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("tokenmill:tenant_rejected_requests_total{") and f'tenant="{tenant}"' in line
-               and 'reason="requests"' in line)
-
-
 async def _codes_on_fresh_connections(address: str, n: int, tenant: str) -> list[str]:
     """One request of ``tenant`` (x-tenant-id: no keys configured) on each of ``n`` new connections, all at once:
     each call's status code name."""
@@ -161,7 +153,8 @@ def test_two_gateways_serve_one_port_and_a_dead_or_draining_one_is_not_given_con
         # both, 6 (the burst) pass; a bucket in each gateway would pass up to 6 at each
         codes = asyncio.run(_codes_on_fresh_connections(c["gateway"], 16, "team"))
         assert sorted(codes) == ["OK"] * 6 + ["RESOURCE_EXHAUSTED"] * 10, codes
-        refused = [_refused(p, "team") for p in gws]
+        refused = [metric(p, "tokenmill:tenant_rejected_requests_total", tenant="team", reason="requests")
+                   for p in gws]
         assert sum(refused) == 10, refused
         assert [(p["public_grpc_port"], p["http_port"]) for p in gws] == [(c["base"] + 450, c["base"] + 451)] * 2
         assert [p["grpc_port"] for p in gws] == [c["base"] + 400, c["base"] + 401]  # private: health checks

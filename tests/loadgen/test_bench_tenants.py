@@ -1,0 +1,29 @@
+"""``tokenmill bench tenants``'s bookkeeping of the flood: how many client processes send it, and how its requests
+ended (the runs that sent a flood its client never got out read as 'cancelled', not as refused)."""
+
+from __future__ import annotations
+
+import argparse
+
+from loadgen.bench_tenants import _late, _outcomes, flood_processes
+from loadgen.metrics import RequestRecord, stats
+
+
+def test_the_flood_is_split_over_processes_of_250_requests_a_second_unless_told():
+    assert [flood_processes(argparse.Namespace(flood_processes=0), r) for r in (10, 250, 251, 812, 4448)] == [
+        1, 1, 2, 4, 18]
+    assert flood_processes(argparse.Namespace(flood_processes=3), 812) == 3
+
+
+def test_the_floods_outcomes_are_counted_by_how_each_request_ended():
+    recs = [RequestRecord(index=i, input_len=8, output_len=4) for i in range(7)]
+    recs[0].chunk_times, recs[0].chunk_tokens = [0.01], [4]  # answered
+    recs[1].outcome = recs[2].outcome = "cancelled"  # still waiting at the end of the run
+    for r in recs[3:6]:
+        r.outcome, r.error_kind, r.error = "error", "RESOURCE_EXHAUSTED", "tenant flood is over its quota"
+    recs[6].outcome, recs[6].error_kind, recs[6].error = "error", "UNAVAILABLE", "x" * 300
+    out = _outcomes(recs)
+    assert out["counts"] == {"RESOURCE_EXHAUSTED": 3, "cancelled": 2, "ok": 1, "UNAVAILABLE": 1}
+    assert out["error_samples"] == {"RESOURCE_EXHAUSTED": "tenant flood is over its quota", "UNAVAILABLE": "x" * 200}
+    assert _late(stats([0.001, 0.002, 0.1], 1e3)).startswith("p50 / p99 / max 2.0 / 98.0 / 100 ms")
+    assert _late(stats([], 1e3)) == "none"
