@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -49,6 +50,20 @@ def test_concurrent_tokenize_is_batched_and_exact(tok):
             assert count < len(TEXTS) / 4, f"{len(TEXTS)} concurrent requests took {count} batches"
 
     asyncio.run(body())
+
+
+def test_incremental_detokenizer_skips_special_tokens(tok):
+    """Streamed text equals the whole decode with special tokens among the outputs, skipped or kept; skipped ones
+    never reach the decode stream (a run of them used to be re-decoded at every step: O(n^2))."""
+    rng = random.Random(7)
+    ids = [rng.choice([0, 1, 2, *range(100, 49152)]) for _ in range(2000)] + [0] * 500 + tok.encode("the end é🙂")
+    for skip in (True, False):
+        d = tok.detokenizer(tok.encode("Hello"), skip_special_tokens=skip)
+        assert "".join(d.step(i) for i in ids) == tok.decode(ids, skip_special_tokens=skip)
+    assert {0, 1, 2} <= tok.special_ids and 100 not in tok.special_ids
+    d = tok.detokenizer([], skip_special_tokens=True)
+    d._stream = None  # a special token must not touch the stream
+    assert d.step(0) == "" and d.text == ""
 
 
 def test_chat_template_detokenize_and_errors(tok):
