@@ -10,7 +10,7 @@ resolution at the gateway:
   flight at the gateway (``--flood-max-inflight``; over it, 429 too);
 - ``probe``: class standard, no quota, only for the calibration.
 
-Then, over gRPC ``Generate``:
+Then, over gRPC ``Generate``, every request at ``--temperature`` (default 1, the OpenAI default) and ignoring EOS:
 
 0. calibration: the probe tenant closed-loop at ``--calibrate-concurrency`` for ``--calibrate-seconds``: the
    cluster's capacity in the flood's request shape (requests/s and output tokens/s);
@@ -82,7 +82,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="runs (a) and (b) alternate this many times; the figures pool them (default 2)")
     p.add_argument("--warmup-seconds", type=float, default=4.0,
                    help="requests due in a run's first S seconds are sent but left out (default 4)")
-    p.add_argument("--interactive-rate", type=float, default=1.5, help="the interactive tenant's req/s (default 1.5)")
+    p.add_argument("--interactive-rate", type=float, default=5.0,
+                   help="the interactive tenant's req/s (default 5: with the defaults about 160 measured requests a "
+                        "run, so a p99 is not the one worst request)")
     p.add_argument("--interactive-input-len", type=int, default=64, help="default 64")
     p.add_argument("--interactive-output-len", type=int, default=32, help="default 32")
     p.add_argument("--flood-factor", type=float, default=10.0,
@@ -108,6 +110,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-port", type=int, default=None,
                    help="the cluster's internal ports from here, gateway gRPC +450, HTTP +451 (default: a range "
                         "below 32768 whose ports are free now)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="every request's temperature, both tenants' and the calibration's (default 1, the OpenAI "
+                        "default; 0: greedy)")
+    p.add_argument("--model", help="passed to `tokenmill up --model` (default: its default, the embedded SmolLM2)")
+    p.add_argument("--tokenizer", help="passed to `tokenmill up --tokenizer` (a dummy model's tokenizer)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="passed to `tokenmill up --set` (repeatable), e.g. engine.max_num_seqs=32")
     p.add_argument("--seed", type=int, default=0)
@@ -132,22 +139,32 @@ def tenants_config(a: argparse.Namespace, keys: dict[str, str]) -> dict[str, Any
     }}
 
 
+def up_command(a: argparse.Namespace, config: Path, base: int, work: Path) -> list[str]:
+    """The ``tokenmill up`` command line of the benchmark's cluster (gateway gRPC on ``base`` + 450, HTTP + 451)."""
+    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--base-port", str(base),
+           "--gateway-port", str(base + 450), "--http-port", str(base + 451), "--state-file",
+           str(work / "state.json")]
+    if a.model:
+        cmd += ["--model", a.model]
+    if a.tokenizer:
+        cmd += ["--tokenizer", a.tokenizer]
+    if a.batch_prefill_tokens:
+        cmd += ["--set", f"engine.batch_prefill_tokens_beside_urgent={a.batch_prefill_tokens}"]
+    for item in a.set:
+        cmd += ["--set", item]
+    return cmd
+
+
 @contextlib.contextmanager
 def cluster(a: argparse.Namespace, keys: dict[str, str], work: Path):
     """``tokenmill up`` with the tenants' config; yields the gateway's gRPC address once /health is 200."""
     cfg = work / "tenants-cluster.yaml"
     cfg.write_text(yaml.safe_dump(tenants_config(a, keys)))
     base = a.base_port if a.base_port is not None else free_base_port()
-    grpc_port, http_port = base + 450, base + 451
-    cmd = [sys.executable, "-m", "services.cli", "up", "--config", str(cfg), "--base-port", str(base),
-           "--gateway-port", str(grpc_port), "--http-port", str(http_port), "--state-file", str(work / "state.json")]
-    if a.batch_prefill_tokens:
-        cmd += ["--set", f"engine.batch_prefill_tokens_beside_urgent={a.batch_prefill_tokens}"]
-    for item in a.set:
-        cmd += ["--set", item]
+    cmd = up_command(a, cfg, base, work)
     _say(f"starting the cluster: {' '.join(cmd)} (log {work / 'cluster.log'})")
-    with _serving(cmd, work / "cluster.log", http_port, 600, "tokenmill", cwd=REPO_ROOT):
-        yield f"127.0.0.1:{grpc_port}"
+    with _serving(cmd, work / "cluster.log", base + 451, 600, "tokenmill", cwd=REPO_ROOT):
+        yield f"127.0.0.1:{base + 450}"
 
 
 # -- the runs ----------------------------------------------------------------------------------------------------
@@ -203,7 +220,7 @@ class _FloodProcess:
             conn, child = ctx.Pipe()
             proc = ctx.Process(target=_flood_main, name=f"tenants-flood-{i}", daemon=True,
                                args=(child, address, key, a.flood_input_len, a.flood_output_len,
-                                     a.seed + 2 + 1000 * i))
+                                     a.seed + 2 + 1000 * i, a.temperature))
             proc.start()
             self.conns.append(conn)
             self.procs.append(proc)
@@ -239,15 +256,15 @@ class _FloodProcess:
                 proc.kill()
 
 
-def _flood_main(conn: Any, address: str, key: str, inp: int, out: int, seed: int) -> None:
-    asyncio.run(_flood_loop(conn, address, key, inp, out, seed))
+def _flood_main(conn: Any, address: str, key: str, inp: int, out: int, seed: int, temperature: float) -> None:
+    asyncio.run(_flood_loop(conn, address, key, inp, out, seed, temperature))
 
 
-async def _flood_loop(conn: Any, address: str, key: str, inp: int, out: int, seed: int) -> None:
+async def _flood_loop(conn: Any, address: str, key: str, inp: int, out: int, seed: int, temperature: float) -> None:
     from common.loader import load_tokenizer
 
     builder = PromptBuilder(load_tokenizer(None))
-    target = GrpcTarget(address, None, SendOptions(ignore_eos=True, temperature=0.0, timeout=120.0))
+    target = GrpcTarget(address, None, SendOptions(ignore_eos=True, temperature=temperature, timeout=120.0))
     await target.open()
     loop = asyncio.get_running_loop()
     conn.send("ready")
@@ -354,7 +371,7 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
     from common.loader import load_tokenizer
 
     builder = PromptBuilder(load_tokenizer(None))
-    target = GrpcTarget(address, None, SendOptions(ignore_eos=True, temperature=0.0, timeout=120.0))
+    target = GrpcTarget(address, None, SendOptions(ignore_eos=True, temperature=a.temperature, timeout=120.0))
     inter = Tenant("interactive", a.interactive_rate, api_key=keys["interactive"])
     probe = Tenant("probe", 1.0, api_key=keys["probe"])
     flood_w = _workload(a.flood_input_len, a.flood_output_len, a.seed + 2)

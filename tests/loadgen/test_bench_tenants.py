@@ -4,9 +4,11 @@ ended (the runs that sent a flood its client never got out read as 'cancelled', 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from loadgen.bench_tenants import _late, _outcomes, flood_processes
+from loadgen.bench_tenants import _late, _outcomes, flood_processes, up_command
 from loadgen.metrics import RequestRecord, stats
+from services.cli import build_parser
 
 
 def test_the_flood_is_split_over_processes_of_250_requests_a_second_unless_told():
@@ -27,3 +29,17 @@ def test_the_floods_outcomes_are_counted_by_how_each_request_ended():
     assert out["error_samples"] == {"RESOURCE_EXHAUSTED": "tenant flood is over its quota", "UNAVAILABLE": "x" * 200}
     assert _late(stats([0.001, 0.002, 0.1], 1e3)).startswith("p50 / p99 / max 2.0 / 98.0 / 100 ms")
     assert _late(stats([], 1e3)) == "none"
+
+
+def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up():
+    a = build_parser().parse_args(["bench", "tenants"])
+    assert (a.temperature, a.interactive_rate, a.model, a.tokenizer) == (1.0, 5.0, None, None)
+    cmd = up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
+    assert "--model" not in cmd and "--tokenizer" not in cmd
+    assert cmd[cmd.index("--gateway-port") + 1] == "20450" and cmd[cmd.index("--http-port") + 1] == "20451"
+    a = build_parser().parse_args(["bench", "tenants", "--model", "dummy:llama-3.1-8b", "--tokenizer", "/tmp/tok",
+                                   "--temperature", "0", "--set", "engine.device=cuda", "--batch-prefill-tokens", "0"])
+    cmd = up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
+    assert cmd[cmd.index("--model") + 1] == "dummy:llama-3.1-8b" and cmd[cmd.index("--tokenizer") + 1] == "/tmp/tok"
+    assert cmd[-2:] == ["--set", "engine.device=cuda"] and a.temperature == 0.0
+    assert not any("batch_prefill_tokens_beside_urgent" in c for c in cmd)
