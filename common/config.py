@@ -141,8 +141,10 @@ class EngineConfig:
     kv_warm_links: bool | None = None
     enable_chunked_prefill: bool = True
     # the most prompt tokens batch-class sequences get in a step that also runs an interactive or standard one: their
-    # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit)
-    batch_prefill_tokens_beside_urgent: int | None = None
+    # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit).
+    # 16: on an H200 with SmolLM2 it kept a flood's effect on an interactive tenant's TTFT and TPOT p99 within 20% and
+    # 10%, and no limit did not (docs/benchmarks.md, the noisy-neighbour benchmark). Only batch-class work waits.
+    batch_prefill_tokens_beside_urgent: int | None = 16
     # the most prompt tokens a step takes while sequences are decoding, so a prompt lengthens their next token by a
     # short step only (with chunked prefill: an unsplittable prompt is not held back). None: the step budget, except
     # on a decode worker once it pulls KV from prefill workers (common/engine.py, LLMEngine.pulls_kv): its own

@@ -102,9 +102,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flood-processes", type=int, default=0,
                    help="client processes that send the flood, its rate split among them (default 0: one per "
                         f"{FLOOD_RPS_PER_PROCESS:g} req/s)")
-    p.add_argument("--batch-prefill-tokens", type=int, default=16,
+    p.add_argument("--batch-prefill-tokens", type=int, default=None,
                    help="engine.batch_prefill_tokens_beside_urgent: the flood's prompt tokens in a step that runs "
-                        "the interactive tenant's (default 16; 0: no limit)")
+                        "the interactive tenant's (default: the engine's, 16; 0: no limit)")
     p.add_argument("--calibrate-seconds", type=float, default=12.0, help="default 12")
     p.add_argument("--calibrate-concurrency", type=int, default=16, help="default 16")
     p.add_argument("--base-port", type=int, default=None,
@@ -148,8 +148,8 @@ def up_command(a: argparse.Namespace, config: Path, base: int, work: Path) -> li
         cmd += ["--model", a.model]
     if a.tokenizer:
         cmd += ["--tokenizer", a.tokenizer]
-    if a.batch_prefill_tokens:
-        cmd += ["--set", f"engine.batch_prefill_tokens_beside_urgent={a.batch_prefill_tokens}"]
+    if a.batch_prefill_tokens is not None:  # 0: no limit (null)
+        cmd += ["--set", f"engine.batch_prefill_tokens_beside_urgent={a.batch_prefill_tokens or 'null'}"]
     for item in a.set:
         cmd += ["--set", item]
     return cmd

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from common.cluster_config import load_cluster_config
+from common.config import EngineConfig
 from loadgen.bench_tenants import _late, _outcomes, flood_processes, up_command
 from loadgen.metrics import RequestRecord, stats
 from services.cli import build_parser
@@ -42,4 +44,9 @@ def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up():
     cmd = up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
     assert cmd[cmd.index("--model") + 1] == "dummy:llama-3.1-8b" and cmd[cmd.index("--tokenizer") + 1] == "/tmp/tok"
     assert cmd[-2:] == ["--set", "engine.device=cuda"] and a.temperature == 0.0
-    assert not any("batch_prefill_tokens_beside_urgent" in c for c in cmd)
+    assert "engine.batch_prefill_tokens_beside_urgent=null" in cmd  # 0: no limit
+    a = build_parser().parse_args(["bench", "tenants", "--batch-prefill-tokens", "8"])
+    assert "engine.batch_prefill_tokens_beside_urgent=8" in up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
+    assert EngineConfig().batch_prefill_tokens_beside_urgent == 16  # what the bench measures when not told
+    off = load_cluster_config(None, {"engine.batch_prefill_tokens_beside_urgent": "null"}, env={})
+    assert off.engine.batch_prefill_tokens_beside_urgent is None
