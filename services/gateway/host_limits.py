@@ -138,11 +138,18 @@ class HostLimits:
         with self:
             return sum(_COUNT.unpack_from(self._mm, self._count_at(row, c))[0] for c in range(self.layout.columns))
 
-    def add_in_flight(self, tenant: str, delta: int) -> None:
-        """Count ``delta`` more (or fewer) of ``tenant``'s requests in flight at this gateway."""
-        at = self._count_at(self.layout.row(tenant), self.index)
+    def add_in_flight(self, tenant: str, delta: int, below: int | None = None) -> bool:
+        """Count ``delta`` more (or fewer) of ``tenant``'s requests in flight at this gateway. ``below``: only if the
+        tenant's count at every gateway is below it, checked and added under one lock (no other gateway's request
+        slips in between); False: it was not, and nothing was added."""
+        row = self.layout.row(tenant)
+        at = self._count_at(row, self.index)
         with self:
+            if below is not None and sum(_COUNT.unpack_from(self._mm, self._count_at(row, c))[0]
+                                         for c in range(self.layout.columns)) >= below:
+                return False
             _COUNT.pack_into(self._mm, at, _COUNT.unpack_from(self._mm, at)[0] + delta)
+            return True
 
 
 class SharedCell:

@@ -431,28 +431,30 @@ class HttpFrontend:
                                       "with stream true and the X-Request-Id of the stream to resume")
         rid = request.headers.get("X-Request-Id") or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         if resume is None:
-            self.gw.admit_in_flight(t, rid, parsed.model)
-            self.gw.admit_request(t, rid, parsed.model)
-        if parsed.service_tier is not None:
-            for r in parsed.requests:
-                r.priority_class = parsed.service_tier
-        asked = parsed.service_tier or common_pb2.PRIORITY_CLASS_UNSPECIFIED
-        tier = oa.TIER_OF_CLASS[self.gw.tenancy.priority_class(t, asked)]
-        for i, r in enumerate(parsed.requests):
-            r.request_id = rid if len(parsed.requests) == 1 else f"{rid}-{i}"
-        fmt = oa.LogprobFormatter(await self._token_text() if parsed.logprobs else str)
-        builder = oa.ResponseBuilder(parsed, rid, fmt, tier)
-        parent = telemetry.incoming_context([(k.lower(), v) for k, v in request.headers.items()])
-        try:
-            with self.gw.in_flight(t), telemetry.stream_span(f"openai.{kind}", telemetry.SERVER,
-                                                             {"request_id": rid, "tenant": tenant}, parent):
-                if parsed.stream:
-                    return await self._stream(request, parsed, builder, t, resume)
-                return await self._unary(parsed, builder, t)
-        except (QuotaExceeded, RequestTooLarge):
+            self.gw.admit_in_flight(t, rid, parsed.model)  # counted in flight from here
+        with self.gw.in_flight(t, admitted=resume is None):  # released however the request ends
             if resume is None:
-                self.gw.tenancy.refund_request(t)  # refused after the door: nothing is half-admitted
-            raise
+                self.gw.admit_request(t, rid, parsed.model)
+            if parsed.service_tier is not None:
+                for r in parsed.requests:
+                    r.priority_class = parsed.service_tier
+            asked = parsed.service_tier or common_pb2.PRIORITY_CLASS_UNSPECIFIED
+            tier = oa.TIER_OF_CLASS[self.gw.tenancy.priority_class(t, asked)]
+            for i, r in enumerate(parsed.requests):
+                r.request_id = rid if len(parsed.requests) == 1 else f"{rid}-{i}"
+            fmt = oa.LogprobFormatter(await self._token_text() if parsed.logprobs else str)
+            builder = oa.ResponseBuilder(parsed, rid, fmt, tier)
+            parent = telemetry.incoming_context([(k.lower(), v) for k, v in request.headers.items()])
+            try:
+                with telemetry.stream_span(f"openai.{kind}", telemetry.SERVER, {"request_id": rid, "tenant": tenant},
+                                           parent):
+                    if parsed.stream:
+                        return await self._stream(request, parsed, builder, t, resume)
+                    return await self._unary(parsed, builder, t)
+            except (QuotaExceeded, RequestTooLarge):
+                if resume is None:
+                    self.gw.tenancy.refund_request(t)  # refused after the door: nothing is half-admitted
+                raise
 
     async def _choice(self, req: frontend_pb2.GenerateRequest, tenant: Tenant, resumable: bool = False,
                       after: int | None = None) -> AsyncIterator[frontend_pb2.GenerateResponse]:

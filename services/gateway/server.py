@@ -194,24 +194,28 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             tenant = self.app.identify(_metadata(context, "authorization"), _metadata(context, "x-tenant-id"),
                                        request.request_id, request.model)
             try:
-                self.app.admit_in_flight(tenant, request.request_id, request.model)
-                self.app.admit_request(tenant, request.request_id, request.model)
+                self.app.admit_in_flight(tenant, request.request_id, request.model)  # counted in flight from here
             except QuotaExceeded as e:
                 context.set_trailing_metadata(_grpc_headers(e.headers))
                 raise
-            if tenant.has_quotas:  # OpenAI's x-ratelimit-* headers, as metadata
-                await context.send_initial_metadata(_grpc_headers(tenant.ratelimit_headers()))
-            left = context.time_remaining()
-            deadline = None if left is None else time.monotonic() + left
-            try:
-                with self.app.in_flight(tenant):
+            with self.app.in_flight(tenant, admitted=True):  # released however the call ends
+                try:
+                    self.app.admit_request(tenant, request.request_id, request.model)
+                except QuotaExceeded as e:
+                    context.set_trailing_metadata(_grpc_headers(e.headers))
+                    raise
+                if tenant.has_quotas:  # OpenAI's x-ratelimit-* headers, as metadata
+                    await context.send_initial_metadata(_grpc_headers(tenant.ratelimit_headers()))
+                left = context.time_remaining()
+                deadline = None if left is None else time.monotonic() + left
+                try:
                     async for resp in self._generate(request, tenant, deadline):
                         yield resp
-            except (QuotaExceeded, RequestTooLarge) as e:
-                self.app.tenancy.refund_request(tenant)  # refused after the door: nothing is half-admitted
-                if isinstance(e, QuotaExceeded):
-                    context.set_trailing_metadata(_grpc_headers({**e.headers, **tenant.ratelimit_headers()}))
-                raise
+                except (QuotaExceeded, RequestTooLarge) as e:
+                    self.app.tenancy.refund_request(tenant)  # refused after the door: nothing is half-admitted
+                    if isinstance(e, QuotaExceeded):
+                        context.set_trailing_metadata(_grpc_headers({**e.headers, **tenant.ratelimit_headers()}))
+                    raise
 
     async def _generate(self, request: frontend_pb2.GenerateRequest, tenant: Tenant, deadline: float | None
                         ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
@@ -321,9 +325,12 @@ class GatewayService:
 
     def admit_in_flight(self, tenant: Tenant, request_id: str, model: str) -> None:
         """The gateway's and the tenant's in-flight caps (``gateway.max_inflight_requests``; the tenant's
-        ``max_inflight``, else ``gateway.tenant_max_inflight``), one count for both front doors. Raises
-        QuotaExceeded (HTTP 429, gRPC RESOURCE_EXHAUSTED, Retry-After); the refusal is counted and audited.
-        Checked before the request's quota takes anything."""
+        ``max_inflight``, else ``gateway.tenant_max_inflight``), one count for both front doors. Checks them and
+        counts the request in flight in one step (a tenant's count shared by the host's gateways: under the file's
+        lock), so requests arriving together cannot all pass a cap one below; the caller then runs the request in
+        ``in_flight(tenant, admitted=True)``, which releases the count however it ends. Raises QuotaExceeded (HTTP
+        429, gRPC RESOURCE_EXHAUSTED, Retry-After), counting nothing; the refusal is counted and audited. Checked
+        before the request's quota takes anything."""
         g = self.cfg.cluster.gateway
         cap, key = g.tenant_max_inflight, "gateway.tenant_max_inflight"
         if tenant.cfg.max_inflight:
@@ -331,10 +338,11 @@ class GatewayService:
         if self.inflight >= g.max_inflight_requests:
             msg, code = (f"the gateway queue is full ({self.inflight} requests in flight); retry after the "
                          "Retry-After seconds", "queue_full")
-        elif cap is not None and self.tenant_in_flight(tenant.name) >= cap:
+        elif not self._count(tenant.name, 1, cap):
             msg, code = (f"tenant {tenant.name or '(default)'} is over its quota of {cap} requests in flight "
                          f"({key}); retry after the Retry-After seconds", "quota_exceeded")
         else:
+            self.inflight += 1
             return
         self.accounting.refused(tenant, "in_flight", AuditRecord(
             tenant.name, request_id, model or self.cfg.cluster.model, "RESOURCE_EXHAUSTED"))
@@ -346,25 +354,33 @@ class GatewayService:
         shared = self._shared_counts
         return shared.in_flight(name) if shared is not None else self.tenant_inflight[name]
 
-    @contextlib.contextmanager
-    def in_flight(self, tenant: Tenant) -> Iterator[None]:
-        """Counts a request in flight, at this gateway and for its tenant, while the block runs."""
-        shared, name = self._shared_counts, tenant.name
-        self.inflight += 1
+    def _count(self, name: str, delta: int, below: int | None = None) -> bool:
+        """Add ``delta`` to the tenant's in-flight count; with ``below``, only if the count is below it (one step).
+        False: it was not, and nothing was added."""
+        shared = self._shared_counts
         if shared is not None:
-            shared.add_in_flight(name, 1)
+            return shared.add_in_flight(name, delta, below)
+        n = self.tenant_inflight[name]
+        if below is not None and n >= below:
+            return False
+        if n + delta:
+            self.tenant_inflight[name] = n + delta
         else:
-            self.tenant_inflight[name] += 1
+            del self.tenant_inflight[name]
+        return True
+
+    @contextlib.contextmanager
+    def in_flight(self, tenant: Tenant, admitted: bool = False) -> Iterator[None]:
+        """Counts a request in flight, at this gateway and for its tenant, while the block runs. ``admitted``:
+        ``admit_in_flight`` counted it already; the block's end releases that count."""
+        if not admitted:
+            self.inflight += 1
+            self._count(tenant.name, 1)
         try:
             yield
         finally:
             self.inflight -= 1
-            if shared is not None:
-                shared.add_in_flight(name, -1)
-            else:
-                self.tenant_inflight[name] -= 1
-                if not self.tenant_inflight[name]:
-                    del self.tenant_inflight[name]
+            self._count(tenant.name, -1)
 
     def admit_request(self, tenant: Tenant, request_id: str, model: str) -> None:
         """Take the request's token from the tenant's requests-per-minute bucket (before any work). Raises

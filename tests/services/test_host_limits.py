@@ -85,6 +85,9 @@ def test_in_flight_counts_sum_every_gateway_and_a_restarted_one_starts_from_zero
     assert g0.in_flight("someone") == 1 and g0.in_flight("calm") == 0
     g1.add_in_flight("flood", -1)
     assert g0.in_flight("flood") == 4
+    assert not g1.add_in_flight("flood", 1, below=4) and g0.in_flight("flood") == 4  # at the cap: nothing added
+    assert g1.add_in_flight("flood", 1, below=5) and g0.in_flight("flood") == 5
+    g1.add_in_flight("flood", -1)
     HostLimits(path, cluster, 0)  # gateway-0 started again: its requests died with it
     assert g1.in_flight("flood") == 1 and g1.in_flight("someone") == 1
     lay = Layout.of(cluster)
@@ -124,15 +127,30 @@ def test_two_gateways_hold_a_tenant_to_one_in_flight_cap(tmp_path):
     cluster = with_shared_limits(_cluster(**{"tenants.flood.max_inflight": 2}), tmp_path)
     HostLimits.create(cluster.gateway.shared_limits_file, cluster)
     g0, g1 = (GatewayService(cluster.service("gateway", i)) for i in range(2))
-    flood = g0.tenancy.tenants["flood"]
-    with g0.in_flight(flood):
-        g1.admit_in_flight(g1.tenancy.tenants["flood"], "r2", "")
-        with g1.in_flight(g1.tenancy.tenants["flood"]), pytest.raises(QuotaExceeded,
-                                                                       match=r"over its quota of 2 requests in flight"):
+    flood, flood1 = g0.tenancy.tenants["flood"], g1.tenancy.tenants["flood"]
+    g0.admit_in_flight(flood, "r1", "")
+    with g0.in_flight(flood, admitted=True):
+        g1.admit_in_flight(flood1, "r2", "")
+        with g1.in_flight(flood1, admitted=True), pytest.raises(QuotaExceeded,
+                                                                match=r"over its quota of 2 requests in flight"):
             g0.admit_in_flight(flood, "r3", "")
         g0.admit_in_flight(flood, "r4", "")  # one ended: room again
-    assert g0.tenant_in_flight("flood") == g1.tenant_in_flight("flood") == 0
+        with g0.in_flight(flood, admitted=True):
+            assert g1.tenant_in_flight("flood") == 2 and g0.inflight == 2 and g1.inflight == 0
+    assert g0.tenant_in_flight("flood") == g1.tenant_in_flight("flood") == 0 and g0.inflight == 0
     assert not g0.tenant_inflight and not g1.tenant_inflight  # counted in the file, not per gateway
+
+    # admission counts the request at once: requests that arrive together (the handlers await between admission
+    # and their work) cannot all pass a cap, on one gateway or across two
+    for _ in range(2):
+        (g0 if _ else g1).admit_in_flight(flood, "together", "")
+    for g, t in ((g0, flood), (g1, flood1)):
+        with pytest.raises(QuotaExceeded, match="over its quota of 2 requests in flight"):
+            g.admit_in_flight(t, "third", "")
+    assert g0.tenant_in_flight("flood") == 2 and g0.inflight == g1.inflight == 1
+    with g0.in_flight(flood, admitted=True), g1.in_flight(flood1, admitted=True):
+        pass
+    assert g0.tenant_in_flight("flood") == 0
 
     quota_only = with_shared_limits(_cluster(**{"tenants.flood.max_inflight": 0}), tmp_path / "q")
     (tmp_path / "q").mkdir()
