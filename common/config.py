@@ -145,6 +145,10 @@ class EngineConfig:
     # 16: on an H200 with SmolLM2 it kept a flood's effect on an interactive tenant's TTFT and TPOT p99 within 20% and
     # 10%, and no limit did not (docs/benchmarks.md, the noisy-neighbour benchmark). Only batch-class work waits.
     batch_prefill_tokens_beside_urgent: int | None = 16
+    # the most batch-class sequences that decode in a step that also runs an interactive or standard one; the others
+    # keep their blocks and slot and decode in the next step without urgent work (None: no limit; 0: batch decodes
+    # pause while urgent work runs). Bounds what batch traffic adds to an urgent token's step.
+    batch_decode_rows_beside_urgent: int | None = None
     # the most prompt tokens a step takes while sequences are decoding, so a prompt lengthens their next token by a
     # short step only (with chunked prefill: an unsplittable prompt is not held back). None: the step budget, except
     # on a decode worker once it pulls KV from prefill workers (common/engine.py, LLMEngine.pulls_kv): its own
@@ -206,6 +210,9 @@ class EngineConfig:
         if self.batch_prefill_tokens_beside_urgent is not None and self.batch_prefill_tokens_beside_urgent < 1:
             raise ValueError("batch_prefill_tokens_beside_urgent must be >= 1 (or unset: no limit), got "
                              f"{self.batch_prefill_tokens_beside_urgent}")
+        if self.batch_decode_rows_beside_urgent is not None and self.batch_decode_rows_beside_urgent < 0:
+            raise ValueError("batch_decode_rows_beside_urgent must be >= 0 (or unset: no limit), got "
+                             f"{self.batch_decode_rows_beside_urgent}")
         if self.cuda_graph_prefill_tokens < 0:
             raise ValueError(f"cuda_graph_prefill_tokens must be >= 0, got {self.cuda_graph_prefill_tokens}")
         if self.prompt_tokens_beside_decodes is not None and self.prompt_tokens_beside_decodes < 1:

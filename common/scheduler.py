@@ -7,7 +7,9 @@ chunk never takes an urgent sequence's budget); waiting ones in the order of ``c
 (priority, arrival); a tenant at its per-worker cap waits. With one tenant and one class that is (priority,
 arrival) order. An interactive or standard sequence that finds no free slot (``max_num_seqs``) or no blocks for
 its first chunk preempts batch-class running ones. With ``batch_prefill_tokens_beside_urgent`` set, batch-class prompts get at most that many tokens in a
-step that also runs interactive or standard work; with ``prompt_tokens_beside_decodes`` set, all prompts together get
+step that also runs interactive or standard work, and with ``batch_decode_rows_beside_urgent`` set at most that many
+batch-class sequences decode in such a step (the others skip it, keeping their blocks); with
+``prompt_tokens_beside_decodes`` set, all prompts together get
 at most that many in a step while sequences are decoding (their next token then waits for a short step). When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
 class first, then the tenant furthest ahead on its counter, then the lowest priority and latest arrival. Its
 blocks are freed (their hashes stay in the prefix cache) and it goes back to waiting, to be recomputed later with
@@ -63,6 +65,7 @@ class _Step:
 
     budget: int
     batch_prefill: int | None  # batch-class prompt tokens left for a step with urgent work (None: no limit)
+    batch_rows: int | None = None  # batch-class decodes left for a step with urgent work (None: no limit)
     prompt_left: int | None = None  # prompt tokens left for a step beside decoding sequences (None: no limit)
     prefills: list[ScheduledSeq] = field(default_factory=list)
     decodes: list[ScheduledSeq] = field(default_factory=list)
@@ -82,17 +85,20 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         batch_prefill_tokens_beside_urgent: int | None = None,
         prompt_tokens_beside_decodes: int | None = None,
+        batch_decode_rows_beside_urgent: int | None = None,
     ) -> None:
         """``batch_prefill_tokens_beside_urgent``: the most prompt tokens batch-class sequences get in a step that
         also runs an interactive or standard sequence (None: no limit). ``prompt_tokens_beside_decodes``: the most
         prompt tokens a step takes while running sequences are decoding (None: the step budget; only with chunked
-        prefill)."""
+        prefill). ``batch_decode_rows_beside_urgent``: the most batch-class sequences that decode in a step with an
+        interactive or standard one (None: no limit); the others skip it, keeping their blocks."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.enable_chunked_prefill = enable_chunked_prefill
         self.batch_prefill_tokens_beside_urgent = batch_prefill_tokens_beside_urgent
         self.prompt_tokens_beside_decodes = prompt_tokens_beside_decodes
+        self.batch_decode_rows_beside_urgent = batch_decode_rows_beside_urgent
         self.waiting = FairQueue()
         self.running: list[Sequence] = []  # sorted by (class, priority, arrival)
         self.num_running_by_class = [0] * len(PriorityClass)
@@ -157,7 +163,8 @@ class Scheduler:
         self.detach(victim)
 
     def schedule(self) -> SchedulerOutput:
-        st = _Step(self.max_num_batched_tokens, self.batch_prefill_tokens_beside_urgent)
+        st = _Step(self.max_num_batched_tokens, self.batch_prefill_tokens_beside_urgent,
+                   self.batch_decode_rows_beside_urgent)
         # without chunked prefill a prompt cannot be split, so a cap would hold a longer one back while anything
         # decodes: it applies only with chunks
         if (self.prompt_tokens_beside_decodes is not None and self.enable_chunked_prefill
@@ -178,18 +185,26 @@ class Scheduler:
 
     def _limit(self, st: _Step, seq: Sequence, n: int) -> int:
         """``n`` tokens for ``seq``, fewer when it is a prompt chunk beside decoding sequences or a batch-class
-        prompt chunk beside urgent work."""
+        prompt chunk beside urgent work; none for a batch-class decode beside urgent work past the step's rows."""
         if st.prompt_left is not None and _prompt_chunk(seq):
             n = min(n, st.prompt_left)
         if self._limited(st, seq):
             assert st.batch_prefill is not None
             n = min(n, st.batch_prefill)
+        if self._row_limited(st, seq):
+            assert st.batch_rows is not None
+            n = min(n, 1 if st.batch_rows > 0 else 0)
         return n
 
     @staticmethod
     def _limited(st: _Step, seq: Sequence) -> bool:
         return (st.urgent and st.batch_prefill is not None and seq.tenancy.klass == PriorityClass.BATCH
                 and _prompt_chunk(seq))
+
+    @staticmethod
+    def _row_limited(st: _Step, seq: Sequence) -> bool:
+        return (st.urgent and st.batch_rows is not None and seq.tenancy.klass == PriorityClass.BATCH
+                and not _prompt_chunk(seq))
 
     def _scheduled(self, st: _Step, item: ScheduledSeq, prefill: bool) -> None:
         seq, n = item.seq, item.num_tokens
@@ -201,6 +216,9 @@ class Scheduler:
         if self._limited(st, seq):
             assert st.batch_prefill is not None
             st.batch_prefill -= n
+        if self._row_limited(st, seq):
+            assert st.batch_rows is not None
+            st.batch_rows -= 1
         st.urgent = st.urgent or seq.tenancy.klass != PriorityClass.BATCH
 
     def _run(self, st: _Step, i: int, urgent_only: bool) -> int:
@@ -211,8 +229,8 @@ class Scheduler:
             if urgent_only and seq.tenancy.klass == PriorityClass.BATCH:
                 break
             n = self._limit(st, seq, min(seq.num_tokens + seq.pending - seq.num_computed_tokens, st.budget))
-            if n == 0 or seq.pending_final:  # a batch prompt that waits for a step without urgent work, or a
-                i += 1  # sequence whose token on the device ends it
+            if n == 0 or seq.pending_final:  # a batch prompt or decode that waits for a step without urgent work,
+                i += 1  # or a sequence whose token on the device ends it
                 continue
             while not self.bm.can_allocate(self.bm.num_new_blocks(seq, seq.num_computed_tokens + n)):
                 victim = self._victim(self.running[i:])  # never what this step already runs

@@ -203,3 +203,33 @@ def test_the_default_is_on_for_cuda_only(make_engine):
     assert EngineConfig().async_scheduling is None
     assert not make_engine(dtype="float32").async_scheduling  # this CPU: nothing to overlap with
     assert EngineConfig(async_scheduling=True, tensor_parallel_size=2).async_scheduling  # rank 0 sends the fed ids
+
+
+@pytest.mark.parametrize("rows", [0, 1])
+def test_batch_decodes_held_back_beside_urgent_work_give_the_same_tokens(make_engine, prompts, rows):
+    """``batch_decode_rows_beside_urgent``: batch-class rows skip the steps that run an interactive one past the cap,
+    their token from the step before still on the device when a step skips them. Every request gets the tokens
+    the synchronous engine without a cap gives, in more steps, and every block comes back."""
+    from common.sequence import PriorityClass, Tenancy
+
+    sync, fast = make_engine(async_scheduling=False, dtype="float32"), make_engine(
+        async_scheduling=True, dtype="float32", batch_decode_rows_beside_urgent=rows)
+    p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(eng):
+        got: dict[str, list[int]] = {}
+        for i, ids in enumerate(prompts[:4]):
+            eng.add_request(f"b{i}", ids, p, tenancy=Tenancy("flood", PriorityClass.BATCH, 1.0, None))
+        n0 = eng.num_steps
+        while eng.has_unfinished():
+            if eng.num_steps - n0 == 3:  # the batch rows are decoding: an interactive request arrives
+                eng.add_request("u", prompts[4], SamplingParams(max_tokens=8, temperature=0),
+                                tenancy=Tenancy("calm", PriorityClass.INTERACTIVE, 1.0, None))
+            for o in eng.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return got, eng.num_steps - n0
+
+    (want, sync_steps), (got, fast_steps) = run(sync), run(fast)
+    assert got == want and len(got) == 5 and all(len(v) == 24 for k, v in got.items() if k != "u")
+    assert fast_steps > sync_steps  # the batch rows waited while the interactive one ran
+    assert fast.block_manager.num_free_blocks == fast.block_manager.num_blocks and not fast.has_unfinished()

@@ -32,10 +32,11 @@ def seq(tenant: str = "", klass: PriorityClass = STD, weight: float = 1.0, cap: 
 class Loop:
     """The engine's step loop on the real scheduler, without a model; counts the weighted tokens served."""
 
-    def __init__(self, blocks: int = 256, budget: int = 64, max_seqs: int = 8, batch_prefill: int | None = None
-                 ) -> None:
+    def __init__(self, blocks: int = 256, budget: int = 64, max_seqs: int = 8, batch_prefill: int | None = None,
+                 batch_rows: int | None = None) -> None:
         self.sch = Scheduler(BlockManager(blocks, 4, "m", enable_prefix_caching=False), budget, max_seqs,
-                             batch_prefill_tokens_beside_urgent=batch_prefill)
+                             batch_prefill_tokens_beside_urgent=batch_prefill,
+                             batch_decode_rows_beside_urgent=batch_rows)
         self.served: Counter[str] = Counter()
         self.admitted: list[Sequence] = []
 
@@ -180,6 +181,51 @@ def test_batch_prompts_go_on_in_small_chunks_beside_urgent_work():
     loop.sch.update_after_step(out)
     for s in (big, other):
         loop.sch.remove(s)
+
+
+@pytest.mark.parametrize("rows", [0, 2])
+def test_batch_decodes_beside_urgent_work_are_capped_and_keep_their_blocks(rows):
+    """With ``batch_decode_rows_beside_urgent`` at most that many batch sequences decode in a step with urgent work
+    (the tenant furthest behind first: the running order); the others skip it with their blocks held, and all decode
+    again once no urgent work runs. Every sequence still finishes with all its tokens."""
+    loop = Loop(budget=64, batch_rows=rows)
+    flood = [seq("b", BAT, prompt=4, max_tokens=40) for _ in range(4)]
+    for s in flood:
+        loop.sch.add(s)
+    loop.step()  # their prompts; they decode from now on
+    held = loop.sch.bm.num_free_blocks
+    urgent = seq("u", INT, prompt=4, max_tokens=6)
+    loop.sch.add(urgent)
+    beside = []
+    while urgent.status is not SequenceStatus.FINISHED:
+        out = loop.sch.schedule()
+        assert urgent in [i.seq for i in (*out.prefills, *out.decodes)]
+        beside.append(sum(1 for i in out.decodes if i.seq.tenancy.klass == BAT))
+        sampled = [i.seq for i in (*out.prefills, *out.decodes) if i.samples]
+        loop.sch.update_after_step(out)
+        for s in sampled:
+            s.output_ids.append(1)
+        if len(urgent.output_ids) >= urgent.max_tokens:
+            loop.sch.remove(urgent)
+            urgent.status = SequenceStatus.FINISHED
+    assert beside == [rows] * len(beside) and len(beside) == 6
+    assert all(s.status is SequenceStatus.RUNNING for s in flood) and loop.sch.num_preemptions == 0
+    assert loop.sch.bm.num_free_blocks <= held  # the skipped ones kept their blocks
+    out = loop.sch.schedule()  # no urgent work: every batch sequence decodes
+    assert sorted(i.seq.request_id for i in out.decodes) == sorted(s.request_id for s in flood)
+    loop.sch.update_after_step(out)
+    for s in flood:
+        s.output_ids.append(1)
+    loop.drain()
+    assert all(len(s.output_ids) == 40 for s in flood)
+
+
+def test_batch_decode_rows_default_is_no_limit_and_negative_is_refused():
+    from common.config import EngineConfig
+
+    assert EngineConfig().batch_decode_rows_beside_urgent is None
+    with pytest.raises(ValueError, match="batch_decode_rows_beside_urgent must be >= 0"):
+        EngineConfig(batch_decode_rows_beside_urgent=-1)
 
 
 def run_until_preempted(loop: Loop, seqs: list[Sequence]) -> list[str]:
