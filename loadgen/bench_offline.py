@@ -166,8 +166,12 @@ def _versions(vllm_venv: Path | None) -> dict[str, str]:
     return out
 
 
-def _source_state() -> dict[str, str]:
-    """The commit the engine ran from, and a digest of uncommitted changes to it (common/), if any."""
+SOURCE_DIRS = ("common", "services", "loadgen", "protos")
+
+
+def _source_state() -> dict[str, Any]:
+    """The commit the benchmark ran from and, where the tree differs from it in the code (``SOURCE_DIRS``), a digest
+    of the difference and the files that differ: a tree copied to another machine with an older ``.git`` says so."""
     import hashlib
     import subprocess
 
@@ -177,10 +181,11 @@ def _source_state() -> dict[str, str]:
         return r.stdout if r.returncode == 0 else ""
 
     head = git("rev-parse", "--short", "HEAD").strip()
-    diff = git("diff", "HEAD", "--", "common")
-    out = {"commit": head or "unknown"}
+    diff = git("diff", "HEAD", "--", *SOURCE_DIRS)
+    out: dict[str, Any] = {"commit": head or "unknown"}
     if diff:
-        out["uncommitted_common_sha1"] = hashlib.sha1(diff.encode()).hexdigest()[:12]
+        out["uncommitted_sha1"] = hashlib.sha1(diff.encode()).hexdigest()[:12]
+        out["uncommitted_files"] = git("diff", "HEAD", "--name-only", "--", *SOURCE_DIRS).split()
     return out
 
 

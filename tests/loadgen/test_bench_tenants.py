@@ -50,3 +50,21 @@ def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up():
     assert EngineConfig().batch_prefill_tokens_beside_urgent == 16  # what the bench measures when not told
     off = load_cluster_config(None, {"engine.batch_prefill_tokens_beside_urgent": "null"}, env={})
     assert off.engine.batch_prefill_tokens_beside_urgent is None
+
+
+def test_a_result_names_its_commit_and_the_code_files_that_differ_from_it():
+    """Every benchmark's ``source``: the commit, and where the code differs from it, which files (a tree copied to a
+    GPU machine with an older .git)."""
+    import subprocess
+
+    from loadgen import bench_offline
+
+    repo = Path(bench_offline.__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    changed = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--name-only", "--", *bench_offline.SOURCE_DIRS],
+                             capture_output=True, text=True).stdout.split()
+    src = bench_offline._source_state()
+    assert src["commit"] == head
+    assert src.get("uncommitted_files", []) == changed
+    assert ("uncommitted_sha1" in src) == bool(changed)
