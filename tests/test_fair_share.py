@@ -14,7 +14,7 @@ import pytest
 from common.block_manager import BlockManager
 from common.fair_share import DECODE_WEIGHT, PREFILL_WEIGHT
 from common.sampling import SamplingParams
-from common.scheduler import Scheduler
+from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import PriorityClass, Sequence, SequenceStatus, Tenancy
 
 BAT, INT, STD = PriorityClass.BATCH, PriorityClass.INTERACTIVE, PriorityClass.STANDARD
@@ -40,7 +40,7 @@ class Loop:
         self.served: Counter[str] = Counter()
         self.admitted: list[Sequence] = []
 
-    def step(self) -> None:
+    def step(self) -> SchedulerOutput:
         out = self.sch.schedule()
         self.admitted += [i.seq for i in out.prefills if i.seq.num_computed_tokens == 0 and not i.seq.output_ids]
         for item in (*out.prefills, *out.decodes):
@@ -53,6 +53,7 @@ class Loop:
             s.output_ids.append(1)
             if len(s.output_ids) >= s.max_tokens:
                 self.sch.remove(s)
+        return out
 
     def waiting(self, tenant: str) -> int:
         return sum(1 for s in self.sch.waiting if s.tenancy.tenant == tenant)
@@ -197,17 +198,10 @@ def test_batch_decodes_beside_urgent_work_are_capped_and_keep_their_blocks(rows)
     urgent = seq("u", INT, prompt=4, max_tokens=6)
     loop.sch.add(urgent)
     beside = []
-    while urgent.status is not SequenceStatus.FINISHED:
-        out = loop.sch.schedule()
+    while urgent in loop.sch.running or urgent in loop.sch.waiting:
+        out = loop.step()
         assert urgent in [i.seq for i in (*out.prefills, *out.decodes)]
         beside.append(sum(1 for i in out.decodes if i.seq.tenancy.klass == BAT))
-        sampled = [i.seq for i in (*out.prefills, *out.decodes) if i.samples]
-        loop.sch.update_after_step(out)
-        for s in sampled:
-            s.output_ids.append(1)
-        if len(urgent.output_ids) >= urgent.max_tokens:
-            loop.sch.remove(urgent)
-            urgent.status = SequenceStatus.FINISHED
     assert beside == [rows] * len(beside) and len(beside) == 6
     assert all(s.status is SequenceStatus.RUNNING for s in flood) and loop.sch.num_preemptions == 0
     assert loop.sch.bm.num_free_blocks <= held  # the skipped ones kept their blocks
