@@ -30,7 +30,9 @@ It prints the interactive tenant's TTFT and TPOT p50/p99 in both runs and their 
 its share of the capacity and of what the interactive tenant left, and who got the 429s. Requests due in the first
 ``--warmup-seconds`` of a run are sent but left out. Each run has a cache salt of its own, so run (b) does not hit
 run (a)'s prefix cache. Around each run it reads every process's ``/metrics`` and prints what stood the cluster
-still: the gateway's event loop waking late (over 20 ms, over 100 ms) and garbage collections of 50 ms or more. The
+still: the gateway's event loop waking late (over 20 ms, over 100 ms) and garbage collections of 50 ms or more;
+and the CPU each process used (``loadgen/proc_cpu.py``: the cluster's, a worker's engine core as its child, the
+flood's clients and the load generator), which says which process a flood saturates. The
 result keeps the interactive tenant's request ids, send times and TTFTs (``client_records``): run the cluster with
 ``--set trace_dir=DIR`` and ``python -m loadgen.trace_summary DIR --client RESULT`` splits each TTFT into the way to
 the gateway, the gateway's own TTFT and the way back.
@@ -46,6 +48,7 @@ import hashlib
 import json
 import math
 import multiprocessing as mp
+import os
 import secrets
 import sys
 import tempfile
@@ -57,6 +60,7 @@ from typing import Any
 import yaml
 
 from common.loop_lag import LoopLag
+from loadgen import proc_cpu
 from loadgen.bench_gpu_serving import free_base_port
 from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.bench_serve import _finite
@@ -354,6 +358,13 @@ def _stalls(w: MetricsWatcher, names: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def _cpu_line(window: str, rounds: list[dict[str, float]]) -> str:
+    """The processes' CPU in a window, averaged over its rounds, the busiest first."""
+    names = {k for r in rounds for k in r}
+    avg = sorted(((sum(r.get(k, 0.0) for r in rounds) / len(rounds), k) for k in names), reverse=True)
+    return f"CPU, % of a core, {window}: " + ", ".join(f"{k} {v:.0f}" for v, k in avg if v >= 1)
+
+
 def _stall_line(window: str, s: dict[str, Any]) -> str:
     parts = []
     for k, v in s.items():
@@ -382,15 +393,21 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
     lags: dict[str, list[float]] = {"alone": [], "beside_flood": []}
     names = named_endpoints_from_state(state_file) if state_file is not None and state_file.exists() else {}
     stalls: dict[str, list[dict[str, Any]]] = {"alone": [], "beside_flood": []}
+    cpu: dict[str, list[dict[str, float]]] = {"alone": [], "beside_flood": []}
+    cluster = proc_cpu.cluster_pids(state_file) if state_file is not None and state_file.exists() else {}
 
     async def watched(window: str, phase: Any) -> Any:
         w = MetricsWatcher(list(names), interval=3600)  # one scrape before and one after the window
+        roots = {**cluster, os.getpid(): "load generator",
+                 **{p.pid: "flood clients" for p in (flood_proc.procs if flood_proc else []) if p.pid}}
+        c0, t0 = proc_cpu.snapshot(roots), time.perf_counter()
         await w.start()
         try:
             return await phase
         finally:
             await w.stop()
             stalls[window].append(_stalls(w, names))
+            cpu[window].append(proc_cpu.percent(c0, proc_cpu.snapshot(roots), time.perf_counter() - t0))
     flood_proc: _FloodProcess | None = None
     try:
         await run_warmups(target, iter_requests(_workload(a.flood_input_len, 8, a.seed + 9), builder, [probe]),
@@ -467,6 +484,9 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
         "client_loop_lag_ms": {k: stats(v, 1e3) for k, v in lags.items()},
         # the cluster's own stalls in each window (one entry per round): gateway loop lag, long collections
         "server_stalls": stalls,
+        # percent of a core each process used in each window (one entry per round): the cluster's (a descendant,
+        # such as a worker's engine core, as NAME/child), the flood's clients and this process
+        "process_cpu_percent": cpu,
         # the interactive tenant's measured requests, to line up with the cluster's spans when it ran with
         # trace_dir: `python -m loadgen.trace_summary DIR --client RESULT`
         "client_records": {w: [{"request_id": r.request_id, "start_wall_ns": r.start_wall_ns,
@@ -516,6 +536,7 @@ def format_result(r: dict[str, Any]) -> str:
             for k, v in r.get("client_loop_lag_ms", {}).items()),
         *(_stall_line(f"{window}, round {i + 1}", s) for window, rounds in r.get("server_stalls", {}).items()
           for i, s in enumerate(rounds)),
+        *(_cpu_line(window, rounds) for window, rounds in r.get("process_cpu_percent", {}).items() if rounds),
         f"targets: TTFT p99 moved {100 * (q['ttft_p99'] - 1):+.0f}% (< +20%: {'met' if ok_ttft else 'MISSED'}), "
         f"TPOT p99 moved {100 * (q['tpot_p99'] - 1):+.0f}% (< +10%: {'met' if ok_tpot else 'MISSED'})",
     ]

@@ -187,7 +187,7 @@ def test_batch_prompts_go_on_in_small_chunks_beside_urgent_work():
 @pytest.mark.parametrize("rows", [0, 2])
 def test_batch_decodes_beside_urgent_work_are_capped_and_keep_their_blocks(rows):
     """With ``batch_decode_rows_beside_urgent`` at most that many batch sequences decode in a step with urgent work
-    (the tenant furthest behind first: the running order); the others skip it with their blocks held, and all decode
+    (in the running order: priority, then arrival); the others skip it with their blocks held, and all decode
     again once no urgent work runs. Every sequence still finishes with all its tokens."""
     loop = Loop(budget=64, batch_rows=rows)
     flood = [seq("b", BAT, prompt=4, max_tokens=40) for _ in range(4)]
