@@ -308,6 +308,12 @@ def _tokens_in_window(recs: list[RequestRecord], lo: float, hi: float) -> int:
     return n
 
 
+def _was_sent(r: RequestRecord) -> bool:
+    """Whether the client sent the request (it stamps the wall clock as it sends; one cancelled while due keeps
+    ``start`` 0 and would read as sent on time)."""
+    return r.start_wall_ns is not None
+
+
 def _refused(recs: list[RequestRecord]) -> int:
     return sum(1 for r in recs if r.error_kind == "RESOURCE_EXHAUSTED")
 
@@ -462,7 +468,7 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
     sa, sb = summarize(alone), summarize(beside)
     flood_tok_s, inter_tok_s = flood_tokens / window, inter_tokens / window
     spare = max(1e-9, capacity_tok_s - inter_tok_s)
-    sent = len(flood_recs)
+    sent = [r for r in flood_recs if _was_sent(r)]
     refused = {"interactive": _refused(alone) + _refused(beside), "flood": _refused(flood_recs),
                "probe": _refused(cal)}
     return {
@@ -470,10 +476,11 @@ async def _main(a: argparse.Namespace, address: str, keys: dict[str, str], state
         "config": {k: v for k, v in vars(a).items() if k != "func"},
         "capacity": {"request_throughput": capacity_rps, "output_throughput": capacity_tok_s,
                      "calibration": cal_s},
-        "flood": {"offered_rps": flood.rate, "fair_share_rps": fair_rps, "sent": sent,
+        "flood": {"offered_rps": flood.rate, "fair_share_rps": fair_rps, "sent": len(sent),
+                  "never_sent": len(flood_recs) - len(sent),  # due, then cancelled at the run's end before sending
                   "refused_429": refused["flood"], "outcomes": _outcomes(flood_recs), "client_processes": n_flood,
                   # how long after its due time each flood request was sent: its clients keeping up, or not
-                  "send_late_ms": stats([max(0.0, r.start - r.scheduled) for r in flood_recs], 1e3),
+                  "send_late_ms": stats([max(0.0, r.start - r.scheduled) for r in sent], 1e3),
                   "output_throughput": flood_tok_s,
                   "share_of_capacity": flood_tok_s / capacity_tok_s if capacity_tok_s else math.nan,
                   "share_of_spare": flood_tok_s / spare,
@@ -523,7 +530,8 @@ def format_result(r: dict[str, Any]) -> str:
         "",
         f"flood: offered {f['offered_rps']:.2f} req/s ({f['offered_rps'] / f['fair_share_rps']:.0f}× its fair share "
         f"of {f['fair_share_rps']:.2f}) from {f['client_processes']} client processes, sent {f['sent']} ("
-        f"{_late(f['send_late_ms'])}), refused with 429 {f['refused_429']}",
+        f"{_late(f['send_late_ms'])}; {f.get('never_sent', 0)} due but cancelled before they were sent), refused "
+        f"with 429 {f['refused_429']}",
         f"flood throughput {f['output_throughput']:.0f} output tok/s = {100 * f['share_of_capacity']:.0f}% of the "
         f"capacity, {100 * f['share_of_spare']:.0f}% of the spare capacity ({f['spare_output_throughput']:.0f} tok/s "
         f"left by the interactive tenant's {r['interactive']['output_throughput_beside']:.0f})",

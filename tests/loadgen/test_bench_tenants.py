@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common.cluster_config import load_cluster_config
 from common.config import EngineConfig
-from loadgen.bench_tenants import _late, _outcomes, flood_processes, up_command
+from loadgen.bench_tenants import _late, _outcomes, _was_sent, flood_processes, up_command
 from loadgen.metrics import RequestRecord, stats
 from services.cli import build_parser
 
@@ -31,6 +31,8 @@ def test_the_floods_outcomes_are_counted_by_how_each_request_ended():
     assert out["error_samples"] == {"RESOURCE_EXHAUSTED": "tenant flood is over its quota", "UNAVAILABLE": "x" * 200}
     assert _late(stats([0.001, 0.002, 0.1], 1e3)).startswith("p50 / p99 / max 2.0 / 98.0 / 100 ms")
     assert _late(stats([], 1e3)) == "none"
+    recs[0].start_wall_ns = 1  # the client stamps a request as it sends it
+    assert [_was_sent(r) for r in recs[:2]] == [True, False]  # cancelled while due: never sent, not "0 ms late"
 
 
 def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up():
