@@ -58,6 +58,8 @@ def prepack(model: LlamaModel, small_batch: bool = False) -> bool:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
+    if model.dtype == torch.bfloat16 and not bf16_packing_supported():
+        return False  # oneDNN's bf16 path needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT: the plain matmul runs
     reorder = torch.ops.mkldnn._reorder_linear_weight
     mats = [model.lm_head] + [w for layer in model.layers for w in (layer.qkv, layer.o_proj, layer.gate_up,
                                                                      layer.down)]
@@ -71,6 +73,13 @@ def prepack(model: LlamaModel, small_batch: bool = False) -> bool:
             if w is not model.embed_tokens:  # a tied head's weight is also the embedding table
                 w.data = torch.empty(0, dtype=model.dtype, device=model.device)
     return True
+
+
+def bf16_packing_supported() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls on this CPU (AVX-512 bw/vl/dq or AVX-NE-CONVERT); without it a
+    bfloat16 weight cannot be reordered into its blocked layout."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 def prefill_kernel_fits(model: LlamaModel) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common import cpu_kernels
+from common import cpu_kernels, model_cpu
 from common.model import AttentionMetadata, cache_rows, paged_attention
 
 
@@ -198,6 +198,8 @@ def test_greedy_sampling_from_bfloat16_logits_equals_float32():
     assert res.token_ids == want and res.logprobs[5] is not None and res.logprobs[0] is None
 
 
+@pytest.mark.skipif(not (cpu_kernels.vectorized() and model_cpu.bf16_packing_supported()),
+                    reason="the bfloat16 fast path needs the AVX-512 kernels and oneDNN's bfloat16 matmul")
 def test_bfloat16_fast_path_is_on_and_no_further_from_float32_than_the_portable_one():
     """bfloat16 on CPU runs the kernels (attention, the fused stages) by default. Neither bf16 path equals the
     float32 reference token for token (bf16 rounds), so the check is: over the 20 reference prompts, greedy tokens
