@@ -191,9 +191,8 @@ class Scheduler:
         if self._limited(st, seq):
             assert st.batch_prefill is not None
             n = min(n, st.batch_prefill)
-        if self._row_limited(st, seq):
-            assert st.batch_rows is not None
-            n = min(n, 1 if st.batch_rows > 0 else 0)
+        if self._row_limited(st, seq) and st.batch_rows is not None and st.batch_rows <= 0:
+            n = 0
         return n
 
     @staticmethod

@@ -198,7 +198,7 @@ class IncrementalDetokenizer:
 
     With ``skip_special_tokens`` a special token is not fed to the decode stream: it adds no text, and the stream,
     which waits for a token that adds text before it moves its window on, would re-decode a run of them from its
-    start at every step (a run of n costs O(n²): 2,000 of SmolLM2's EOS took 0.3 s).
+    start at every step (a run of n costs O(n²) decodes).
     """
 
     _PREFILL_CONTEXT = 6

@@ -169,14 +169,15 @@ def _versions(vllm_venv: Path | None) -> dict[str, str]:
 SOURCE_DIRS = ("common", "services", "loadgen", "protos")
 
 
-def _source_state() -> dict[str, Any]:
+def _source_state(repo: Path | None = None) -> dict[str, Any]:
     """The commit the benchmark ran from and, where the tree differs from it in the code (``SOURCE_DIRS``), a digest
-    of the difference and the files that differ: a tree copied to another machine with an older ``.git`` says so."""
+    of the difference and the files that differ: a tree copied to another machine with an older ``.git`` says so.
+    ``repo``: this checkout unless given."""
     import hashlib
     import subprocess
 
     def git(*args: str) -> str:
-        r = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), *args],
+        r = subprocess.run(["git", "-C", str(repo or Path(__file__).resolve().parents[1]), *args],
                            capture_output=True, text=True)
         return r.stdout if r.returncode == 0 else ""
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from common import machine
+from loadgen import proc_cpu
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,8 @@ class CpuMonitor:
         import threading
 
         self.interval = interval
-        self.hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.samples: list[tuple[float, float]] = []  # (time, cumulative foreign CPU seconds)
-        self._last: dict[int, int] = {}
+        self._last: dict[int, float] = {}
         self._foreign = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cpu-monitor", daemon=True)
@@ -104,16 +104,7 @@ class CpuMonitor:
             self._sample()
 
     def _sample(self) -> None:
-        procs: dict[int, tuple[int, int]] = {}  # pid -> (ppid, utime + stime)
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                text = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            f = text[text.rindex(")") + 2 :].split()
-            procs[int(name)] = (int(f[1]), int(f[11]) + int(f[12]))
+        procs = proc_cpu.process_table()  # pid -> (ppid, CPU seconds)
         ours = {os.getpid()}
         changed = True
         while changed:
@@ -122,13 +113,13 @@ class CpuMonitor:
                 if ppid in ours and pid not in ours:
                     ours.add(pid)
                     changed = True
-        delta = 0
+        delta = 0.0
         for pid, (_, t) in procs.items():
             prev = self._last.get(pid)
             if pid not in ours and prev is not None:  # a new process's past is not counted
                 delta += max(0, t - prev)
         self._last = {pid: t for pid, (_, t) in procs.items()}
-        self._foreign += delta / self.hz
+        self._foreign += delta
         self.samples.append((time.time(), self._foreign))
 
     def other_cores(self, t0: float, t1: float) -> float | None:

@@ -15,8 +15,8 @@ from pathlib import Path
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _stats() -> dict[int, tuple[int, float]]:
-    """pid → (parent pid, CPU seconds) of every process now."""
+def process_table() -> dict[int, tuple[int, float]]:
+    """pid → (parent pid, CPU seconds: user + system) of every process now (empty without /proc)."""
     out = {}
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
@@ -34,7 +34,7 @@ def _stats() -> dict[int, tuple[int, float]]:
 def snapshot(roots: dict[int, str]) -> dict[str, float]:
     """CPU seconds by name: each root's own (``roots``: pid → name; names may repeat, they add up), and its
     descendants' under ``name + "/child"``."""
-    stats = _stats()
+    stats = process_table()
     out: dict[str, float] = {}
     for pid, (_, cpu) in stats.items():
         cur, depth = pid, 0

@@ -54,19 +54,32 @@ def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up():
     assert off.engine.batch_prefill_tokens_beside_urgent is None
 
 
-def test_a_result_names_its_commit_and_the_code_files_that_differ_from_it():
+def test_a_result_names_its_commit_and_the_code_files_that_differ_from_it(tmp_path):
     """Every benchmark's ``source``: the commit, and where the code differs from it, which files (a tree copied to a
-    GPU machine with an older .git)."""
+    GPU machine with an older .git); changes outside the code (docs) are not counted."""
     import subprocess
 
-    from loadgen import bench_offline
+    from loadgen.bench_offline import _source_state
 
-    repo = Path(bench_offline.__file__).resolve().parents[1]
-    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    changed = subprocess.run(["git", "-C", str(repo), "diff", "HEAD", "--name-only", "--", *bench_offline.SOURCE_DIRS],
-                             capture_output=True, text=True).stdout.split()
-    src = bench_offline._source_state()
-    assert src["commit"] == head
-    assert src.get("uncommitted_files", []) == changed
-    assert ("uncommitted_sha1" in src) == bool(changed)
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    for f in ("services/a.py", "docs/b.md", "common/c.py"):
+        (tmp_path / f).parent.mkdir(exist_ok=True)
+        (tmp_path / f).write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = git("rev-parse", "--short", "HEAD")
+    assert _source_state(tmp_path) == {"commit": head}
+    (tmp_path / "docs/b.md").write_text("changed\n")
+    assert _source_state(tmp_path) == {"commit": head}  # not code
+    (tmp_path / "services/a.py").write_text("x = 2\n")
+    (tmp_path / "common/c.py").write_text("x = 3\n")
+    got = _source_state(tmp_path)
+    assert got["commit"] == head and got["uncommitted_files"] == ["common/c.py", "services/a.py"]
+    assert len(got["uncommitted_sha1"]) == 12
+    (tmp_path / "common/c.py").write_text("x = 4\n")
+    assert _source_state(tmp_path)["uncommitted_sha1"] != got["uncommitted_sha1"]
+    assert _source_state(tmp_path / "nowhere") == {"commit": "unknown"}
