@@ -191,6 +191,8 @@ class BlockManager:
             return
         bs = self.block_size
         full = seq.num_computed_tokens // bs
+        if len(seq.block_hashes) >= full:  # most steps: a decode's token fills no block
+            return
         keys = self._keys(seq)
         while len(seq.block_hashes) < full:
             i = len(seq.block_hashes)

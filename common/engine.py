@@ -606,7 +606,8 @@ class LLMEngine:
         sampling, toks, lps = step.seqs, result.token_ids, result.logprobs
         for s in sampling:
             s.pending, s.pending_final = 0, False
-        keep = [j for j, s in enumerate(sampling) if self._live(s)]
+        live = self._seqs.get
+        keep = [j for j, s in enumerate(sampling) if live(s.request_id) is s]  # ``_live``, inline: every row
         if len(keep) < len(sampling):  # aborted while its token was on the device
             sampling, toks, lps = [sampling[j] for j in keep], [toks[j] for j in keep], [lps[j] for j in keep]
         if not step.sent:  # the next masks start before the rows below
@@ -630,9 +631,10 @@ class LLMEngine:
             if broken and not o.finished:
                 s.status, s.finish_reason = SequenceStatus.FINISHED, FinishReason.STOP
                 o.finished, o.finish_reason = True, FinishReason.STOP
-            if o.finished or s.request_id in self._prefill_only:
+            prefill_only = bool(self._prefill_only) and s.request_id in self._prefill_only
+            if o.finished or prefill_only:
                 self.sampler.release(s.request_id)
-            if s.request_id in self._prefill_only:
+            if prefill_only:
                 self._finish_prefill_only(s, o)
             elif o.finished:
                 self.scheduler.remove(s)
@@ -672,13 +674,14 @@ class LLMEngine:
         p = s.params
         reason: FinishReason | None = None
         stop_tok = (not p.ignore_eos and tok in self.model_cfg.eos_token_ids) or tok in p.stop_token_ids
-        at_limit = len(s.output_ids) >= s.max_tokens or s.num_tokens >= self.max_model_len
+        n_out = len(s.output_ids)
+        at_limit = n_out >= s.max_tokens or len(s.prompt_ids) + n_out >= self.max_model_len
         grammar_done = False
         if s.matcher is not None and self._grammars is not None:
             # a grammar allows EOS only where it is complete, and EOS only once it is complete (or broken); at the
             # length limit a complete grammar ends with stop too (its matcher catches up: once a request)
             grammar_done = tok in self._grammars.eos_ids or (at_limit and s.matcher.terminated)
-        if (stop_tok and len(s.output_ids) >= p.min_tokens) or grammar_done:
+        if (stop_tok and n_out >= p.min_tokens) or grammar_done:
             reason = FinishReason.STOP
         if reason is None and at_limit:
             reason = FinishReason.LENGTH
@@ -691,8 +694,8 @@ class LLMEngine:
             logprobs=[lp] if lp is not None else None,
             finished=reason is not None,
             finish_reason=reason,
-            num_prompt_tokens=s.num_prompt_tokens,
-            num_output_tokens=len(s.output_ids),
+            num_prompt_tokens=len(s.prompt_ids),
+            num_output_tokens=n_out,
             num_cached_tokens=s.num_cached_tokens,
         )
 

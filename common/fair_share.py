@@ -159,6 +159,13 @@ class FairQueue:
             t = self._tenants[seq.tenancy.tenant]
             t.counter += cost / t.weight
 
+    def charge_decode(self, seq: Sequence) -> None:
+        """:meth:`charge` of a decode: one token computed past the prompt, one generated."""
+        if seq.num_charged_tokens < len(seq.prompt_ids):  # its prompt was computed elsewhere (a pulled KV)
+            seq.num_charged_tokens = len(seq.prompt_ids)
+        t = self._tenants[seq.tenancy.tenant]
+        t.counter += DECODE_WEIGHT / t.weight
+
     def _state(self, seq: Sequence) -> TenantState:
         name = seq.tenancy.tenant
         t = self._tenants.get(name)

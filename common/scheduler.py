@@ -30,7 +30,7 @@ def _running_key(s: Sequence) -> tuple[int, int, float, int]:
     return (s.tenancy.klass, *s.order_key)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs twice as much, and one is made per row a step
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens computed for it this step
@@ -103,6 +103,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by (class, priority, arrival)
         self.num_running_by_class = [0] * len(PriorityClass)
         self.num_preemptions = 0
+        self.fast_decodes = True  # ``_run`` schedules plain decodes inline (False: every row by the general path)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -223,10 +224,35 @@ class Scheduler:
     def _run(self, st: _Step, i: int, urgent_only: bool) -> int:
         """Schedule running sequences from index ``i`` (only interactive and standard ones if ``urgent_only``),
         preempting when blocks run out. Returns the index it stopped at."""
-        while i < len(self.running) and st.budget > 0:
-            seq = self.running[i]
-            if urgent_only and seq.tenancy.klass == PriorityClass.BATCH:
+        bm, bs, running = self.bm, self.bm.block_size, self.running
+        while i < len(running) and st.budget > 0:
+            seq = running[i]
+            klass = seq.tenancy.klass
+            if urgent_only and klass == PriorityClass.BATCH:
                 break
+            c = seq.num_computed_tokens
+            if (self.fast_decodes and c == len(seq.prompt_ids) + len(seq.output_ids) + seq.pending - 1 and (seq.output_ids or seq.pending)
+                    and not (st.urgent and st.batch_rows is not None and klass == PriorityClass.BATCH)):
+                # a decode no row cap applies to (most rows of most steps): what the general path below does for
+                # it, without its per-row calls
+                if seq.pending_final:
+                    i += 1
+                    continue
+                if c >= len(seq.block_ids) * bs:  # its token starts a block
+                    if not bm.can_allocate(1):
+                        n = 1  # the general path preempts for it
+                    else:
+                        bm.allocate(seq, c + 1)
+                        n = 0
+                else:
+                    n = 0
+                if n == 0:
+                    st.decodes.append(ScheduledSeq(seq, 1))
+                    self.waiting.charge_decode(seq)
+                    st.budget -= 1
+                    st.urgent = st.urgent or klass != PriorityClass.BATCH
+                    i += 1
+                    continue
             n = self._limit(st, seq, min(seq.num_tokens + seq.pending - seq.num_computed_tokens, st.budget))
             if n == 0 or seq.pending_final:  # a batch prompt or decode that waits for a step without urgent work,
                 i += 1  # or a sequence whose token on the device ends it

@@ -1,0 +1,151 @@
+"""``python -m loadgen.bench_step_rows``: what each decoding row adds to an engine step's host time.
+
+A step's host work (scheduling, staging the inputs, queueing the pick, handing the tokens out) is Python that grows
+with the rows; on a GPU whose step for a small model takes about a millisecond it is the step. Every row a
+neighbour adds (a batch tenant's flood, docs/benchmarks.md "Noisy neighbour") lengthens every other row's step by
+that much. This runs the engine alone with ``R`` requests decoding (nothing else: no prompts in the steps), for
+each ``R`` of ``--rows``, greedy and sampled (temperature 1, top_p 0.9, top_k 50, repetition_penalty 1.1, as
+``tokenmill bench gpu-serving``), and times ``--steps`` steps: the median step and its phases (the engine's own
+counters, ``LLMEngine.step_phases``). The scheduler's two ways of scheduling a plain decode, inline (the default)
+and through its general path (``Scheduler.fast_decodes = False``), alternate in ``--rounds`` rounds in the same
+run; the table gives each one's median round and the cost of a row: the slope of the step against the rows.
+
+Run: ``python -m loadgen.bench_step_rows`` (the embedded SmolLM2 on CUDA where there is one, else the no-op model on
+the CPU: the host's work alone); ``--model dummy:llama-3.2-1b --tokenizer smollm2`` for a 1B's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from loadgen.bench_gpu_serving import SAMPLINGS
+from loadgen.bench_offline import _machine, _say, _source_state
+
+PATHS = ("inline", "general")
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """The least-squares slope of ``ys`` against ``xs``."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+
+
+def measure(eng: Any, n_rows: int, params: Any, input_len: int, steps: int, rounds: int,
+            paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``n_rows`` requests decoding; per path, the median over rounds of the median step (µs) and of each phase's
+    mean per step (µs). The requests are aborted at the end (their blocks freed)."""
+    ids = [f"rows{n_rows}-{i}" for i in range(n_rows)]
+    for i, rid in enumerate(ids):
+        eng.add_request(rid, [(7 * i + j) % 1000 + 10 for j in range(input_len)], params)
+    while any(len(eng._seqs[r].output_ids) < 2 for r in ids):  # every prompt computed and decoding
+        eng.step()
+    for _ in range(10):
+        eng.step()
+    got: dict[str, list[tuple[float, dict[str, float]]]] = {p: [] for p in paths}
+    for r in range(rounds):
+        for path in paths if r % 2 == 0 else paths[::-1]:
+            eng.scheduler.fast_decodes = path == "inline"
+            eng.reset_step_counters()
+            times = []
+            for _ in range(steps):
+                t = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t)
+            n = max(1, eng.num_steps)
+            got[path].append((statistics.median(times) * 1e6, {k: v / n * 1e6 for k, v in eng.step_phases().items()}))
+    eng.scheduler.fast_decodes = True
+    for rid in ids:
+        eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    out = {}
+    for path, runs in got.items():
+        out[path] = {"step_us": statistics.median(s for s, _ in runs),
+                     "rounds_us": [round(s, 1) for s, _ in runs],
+                     "phases_us": {k: statistics.median(p[k] for _, p in runs) for k in runs[0][1]}}
+    return out
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
+
+    from common.cluster_config import ClusterConfig
+    from common.engine import LLMEngine
+    from common.loader import load_model_source
+    from common.machine import default_dtype
+
+    device: Literal["cpu", "cuda"] = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    noop = a.noop if a.noop is not None else device == "cpu"
+    cfg = dataclasses.replace(ClusterConfig().engine, device=device, noop_model=noop, dtype=default_dtype(device),
+                              max_num_seqs=max(a.rows), max_num_batched_tokens=max(2048, max(a.rows)))
+    _say(f"loading {a.model} on {device}{' (no-op model: the host work alone)' if noop else ''} ...")
+    eng = LLMEngine(load_model_source(a.model, a.tokenizer), cfg)
+    # every step of every path and round, and the prompts' steps, within max_tokens and the context
+    max_tokens = min(eng.max_model_len - a.input_len - 1, a.steps * a.rounds * 2 + 64)
+    results: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
+    for s in SAMPLINGS:
+        if s.name not in a.samplings:
+            continue
+        results[s.name] = {}
+        for n in a.rows:
+            _say(f"{s.name}, {n} rows: {a.rounds} rounds × {len(PATHS)} paths × {a.steps} steps")
+            results[s.name][n] = measure(eng, n, s.params(max_tokens), a.input_len, a.steps, a.rounds, PATHS)
+    eng.close()
+    device_name = torch.cuda.get_device_name() if device == "cuda" else _machine().get("cpu", "cpu")
+    print(f"\n{a.model}{' (no-op model)' if noop else ''} on {device_name}, {cfg.dtype}, decode-only steps, "
+          f"median of {a.rounds} rounds of {a.steps} steps\n")
+    phases = list(next(iter(next(iter(results.values())).values()))["inline"]["phases_us"])
+    print(f"| sampling | rows | scheduling | step µs | {' | '.join(phases)} | inline ÷ general |")
+    print("|---|---:|---|---:|" + "---:|" * len(phases) + "---:|")
+    summary: dict[str, dict[str, float]] = {}
+    for name, by_rows in results.items():
+        for n, r in by_rows.items():
+            for path in PATHS:
+                x = r[path]
+                ratio = f"{r['inline']['step_us'] / r['general']['step_us']:.2f}×" if path == "inline" else ""
+                print(f"| {name} | {n} | {path} | {x['step_us']:.0f} | "
+                      + " | ".join(f"{x['phases_us'][k]:.0f}" for k in phases) + f" | {ratio} |")
+        rows = list(by_rows)
+        summary[name] = {path: slope([float(n) for n in rows], [by_rows[n][path]["step_us"] for n in rows])
+                         for path in PATHS}
+    print("\n| sampling | µs a row, inline | µs a row, general |")
+    print("|---|---:|---:|")
+    for name, sl in summary.items():
+        print(f"| {name} | {sl['inline']:.2f} | {sl['general']:.2f} |")
+    if a.result_file:
+        doc = {"tool": "python -m loadgen.bench_step_rows", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "machine": _machine(), "source": _source_state(), "device": device_name, "model": a.model,
+               "noop_model": noop, "dtype": cfg.dtype, "config": vars(a),
+               "results": {k: {str(n): v for n, v in by.items()} for k, by in results.items()},
+               "us_per_row": summary}
+        Path(a.result_file).write_text(json.dumps(doc, indent=1))
+        _say(f"wrote {a.result_file}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--tokenizer", default=None, help="tokenizer spec (a dummy model has none: smollm2)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda where there is one")
+    p.add_argument("--noop", action=argparse.BooleanOptionalAction, default=None,
+                   help="the no-op model (engine.noop_model): default on the CPU, where a real forward dwarfs the host")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--samplings", nargs="+", default=[s.name for s in SAMPLINGS], choices=[s.name for s in SAMPLINGS])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--result-file", default=None)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""``python -m loadgen.bench_step_rows`` on the no-op model: the table, the JSON, every request's blocks back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadgen import bench_step_rows
+
+
+def test_slope_is_least_squares() -> None:
+    assert bench_step_rows.slope([1, 2, 3], [5, 7, 9]) == pytest.approx(2.0)
+    assert bench_step_rows.slope([1, 8, 32], [10.0, 10.0, 10.0]) == 0.0
+    assert bench_step_rows.slope([4, 4], [1.0, 9.0]) == 0.0  # one x: no slope
+
+
+def test_runs_both_paths_and_frees_every_block(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    engines = []
+    real = bench_step_rows.measure
+
+    def spy(eng, *args, **kw):  # type: ignore[no-untyped-def]
+        engines.append(eng)
+        return real(eng, *args, **kw)
+
+    monkeypatch.setattr(bench_step_rows, "measure", spy)
+    out = tmp_path / "rows.json"
+    assert bench_step_rows.main(["--device", "cpu", "--rows", "1", "4", "--steps", "5", "--rounds", "2",
+                                 "--result-file", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["noop_model"] is True
+    for sampling in ("greedy", "sampled"):
+        for rows in ("1", "4"):
+            r = doc["results"][sampling][rows]
+            for path in bench_step_rows.PATHS:
+                assert len(r[path]["rounds_us"]) == 2 and r[path]["step_us"] > 0
+                assert set(r[path]["phases_us"]) == {"schedule", "launch", "wait", "outputs", "sample", "other"}
+        assert set(doc["us_per_row"][sampling]) == set(bench_step_rows.PATHS)
+    eng = engines[0]
+    assert not eng.has_unfinished() and eng.scheduler.fast_decodes
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    table = capsys.readouterr().out
+    assert "| greedy | 4 | inline |" in table and "| sampled | 4 | general |" in table
