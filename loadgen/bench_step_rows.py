@@ -6,9 +6,12 @@ neighbour adds (a batch tenant's flood, docs/benchmarks.md "Noisy neighbour") le
 that much. This runs the engine alone with ``R`` requests decoding (nothing else: no prompts in the steps), for
 each ``R`` of ``--rows``, greedy and sampled (temperature 1, top_p 0.9, top_k 50, repetition_penalty 1.1, as
 ``tokenmill bench gpu-serving``), and times ``--steps`` steps: the median step and its phases (the engine's own
-counters, ``LLMEngine.step_phases``). The scheduler's two ways of scheduling a plain decode, inline (the default)
+counters, ``LLMEngine.step_phases``), each window with requests of its own, started afresh (a step's attention
+grows with the contexts, so windows of longer-lived requests would drift). The scheduler's two ways of scheduling a plain decode, inline (the default)
 and through its general path (``Scheduler.fast_decodes = False``), alternate in ``--rounds`` rounds in the same
-run; the table gives each one's median round and the cost of a row: the slope of the step against the rows.
+run; the table gives each one's median round, the host's part of a step (every phase but the wait for the device:
+with async scheduling a step takes the longer of it and the device's time), and the cost of a row: the slope of
+the step against the rows.
 
 Run: ``python -m loadgen.bench_step_rows`` (the embedded SmolLM2 on CUDA where there is one, else the no-op model on
 the CPU: the host's work alone); ``--model dummy:llama-3.2-1b --tokenizer smollm2`` for a 1B's shape.
@@ -38,34 +41,43 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
 
 
-def measure(eng: Any, n_rows: int, params: Any, input_len: int, steps: int, rounds: int,
-            paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """``n_rows`` requests decoding; per path, the median over rounds of the median step (µs) and of each phase's
-    mean per step (µs). The requests are aborted at the end (their blocks freed)."""
-    ids = [f"rows{n_rows}-{i}" for i in range(n_rows)]
+def _window(eng: Any, ids: list[str], params: Any, input_len: int, steps: int) -> tuple[float, dict[str, float]]:
+    """``ids`` added as new requests, every prompt computed and 10 steps decoded, then ``steps`` decode-only steps
+    timed; the median step and each phase's mean per step (µs). The requests are aborted at the end (their blocks
+    freed). Every window starts its requests afresh, so their contexts are as long in every window (a step's
+    attention grows with them)."""
     for i, rid in enumerate(ids):
         eng.add_request(rid, [(7 * i + j) % 1000 + 10 for j in range(input_len)], params)
     while any(len(eng._seqs[r].output_ids) < 2 for r in ids):  # every prompt computed and decoding
         eng.step()
     for _ in range(10):
         eng.step()
-    got: dict[str, list[tuple[float, dict[str, float]]]] = {p: [] for p in paths}
-    for r in range(rounds):
-        for path in paths if r % 2 == 0 else paths[::-1]:
-            eng.scheduler.fast_decodes = path == "inline"
-            eng.reset_step_counters()
-            times = []
-            for _ in range(steps):
-                t = time.perf_counter()
-                eng.step()
-                times.append(time.perf_counter() - t)
-            n = max(1, eng.num_steps)
-            got[path].append((statistics.median(times) * 1e6, {k: v / n * 1e6 for k, v in eng.step_phases().items()}))
-    eng.scheduler.fast_decodes = True
+    eng.reset_step_counters()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    n = max(1, eng.num_steps)
+    phases = {k: v / n * 1e6 for k, v in eng.step_phases().items()}
     for rid in ids:
         eng.abort(rid)
     while eng.has_unfinished():
         eng.step()
+    return statistics.median(times) * 1e6, phases
+
+
+def measure(eng: Any, n_rows: int, params: Any, input_len: int, steps: int, rounds: int,
+            paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``n_rows`` requests decoding, each path in each round (in turn first): the median over rounds of the median
+    step (µs) and of each phase's mean per step (µs)."""
+    got: dict[str, list[tuple[float, dict[str, float]]]] = {p: [] for p in paths}
+    for r in range(rounds):
+        for path in paths if r % 2 == 0 else paths[::-1]:
+            eng.scheduler.fast_decodes = path == "inline"
+            got[path].append(_window(eng, [f"rows{n_rows}-{r}-{path}-{i}" for i in range(n_rows)], params, input_len,
+                                     steps))
+    eng.scheduler.fast_decodes = True
     out = {}
     for path, runs in got.items():
         out[path] = {"step_us": statistics.median(s for s, _ in runs),
@@ -88,8 +100,8 @@ def run(a: argparse.Namespace) -> int:
                               max_num_seqs=max(a.rows), max_num_batched_tokens=max(2048, max(a.rows)))
     _say(f"loading {a.model} on {device}{' (no-op model: the host work alone)' if noop else ''} ...")
     eng = LLMEngine(load_model_source(a.model, a.tokenizer), cfg)
-    # every step of every path and round, and the prompts' steps, within max_tokens and the context
-    max_tokens = min(eng.max_model_len - a.input_len - 1, a.steps * a.rounds * 2 + 64)
+    max_tokens = min(eng.max_model_len - a.input_len - 1, a.steps + 64)  # a window's steps, and its prompts'
+
     results: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
     for s in SAMPLINGS:
         if s.name not in a.samplings:
@@ -103,15 +115,16 @@ def run(a: argparse.Namespace) -> int:
     print(f"\n{a.model}{' (no-op model)' if noop else ''} on {device_name}, {cfg.dtype}, decode-only steps, "
           f"median of {a.rounds} rounds of {a.steps} steps\n")
     phases = list(next(iter(next(iter(results.values())).values()))["inline"]["phases_us"])
-    print(f"| sampling | rows | scheduling | step µs | {' | '.join(phases)} | inline ÷ general |")
-    print("|---|---:|---|---:|" + "---:|" * len(phases) + "---:|")
+    print(f"| sampling | rows | scheduling | step µs | host µs | {' | '.join(phases)} | inline ÷ general |")
+    print("|---|---:|---|---:|---:|" + "---:|" * len(phases) + "---:|")
     summary: dict[str, dict[str, float]] = {}
     for name, by_rows in results.items():
         for n, r in by_rows.items():
             for path in PATHS:
                 x = r[path]
                 ratio = f"{r['inline']['step_us'] / r['general']['step_us']:.2f}×" if path == "inline" else ""
-                print(f"| {name} | {n} | {path} | {x['step_us']:.0f} | "
+                host = sum(v for k, v in x["phases_us"].items() if k != "wait")
+                print(f"| {name} | {n} | {path} | {x['step_us']:.0f} | {host:.0f} | "
                       + " | ".join(f"{x['phases_us'][k]:.0f}" for k in phases) + f" | {ratio} |")
         rows = list(by_rows)
         summary[name] = {path: slope([float(n) for n in rows], [by_rows[n][path]["step_us"] for n in rows])
