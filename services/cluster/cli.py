@@ -265,28 +265,31 @@ def machine_defaults(cluster: ClusterConfig, given: frozenset[str]) -> tuple[Clu
 
 
 GATEWAY_CORES = 4  # host cores per gateway process at most, when tokenmill up chooses how many run on CUDA
+GATEWAYS_PER_DECODE = 4  # gateways a decode worker gets on CUDA, within GATEWAY_CORES
 
 
 def gateway_defaults(cluster: ClusterConfig, given: frozenset[str],
                      cores: int | None = None) -> tuple[ClusterConfig, list[str]]:
     """How many gateways ``tokenmill up`` starts where ``gateway.count`` was not given, and why (empty: one).
 
-    On CUDA one gateway per decode worker and at least two, sharing the public ports (``gateway.share_ports``),
-    within one per ``GATEWAY_CORES`` of the host's cores: one gateway process relays about 13,000 streamed
-    tokens a second on an H200's host, less than one GPU decodes with a 1B model (docs/benchmarks.md), and refuses
-    a few hundred over-quota requests a second beside that. The host's gateways share the tenants' quotas
-    (services/gateway/host_limits.py). It keeps one where state lives in a gateway process: resumable streams (a
-    client's new connection may reach another gateway)."""
+    On CUDA ``GATEWAYS_PER_DECODE`` per decode worker, sharing the public ports (``gateway.share_ports``), within one
+    per ``GATEWAY_CORES`` of the host's cores: one gateway process relays about 13,000 streamed tokens a second at a
+    full core on an H200's host, less than one GPU decodes with a 1B model, and a gateway near a full core queues
+    every request it takes, the interactive ones too; four per worker keep each at a third of a core or less under a
+    flood of over-quota requests beside a GPU's full stream (docs/benchmarks.md, "The gateways per decode worker").
+    The host's gateways share the tenants' quotas (services/gateway/host_limits.py). It keeps one where state lives
+    in a gateway process: resumable streams (a client's new connection may reach another gateway)."""
     if cluster.engine.device != "cuda" or "gateway.count" in given:
         return cluster, []
     if cluster.gateway.resume_window_s > 0:
         return cluster, ["one gateway: a resumable stream lives in the gateway that started it (--gateways N)"]
-    n = min(max(2, cluster.decode.count), max(1, (cores or os.cpu_count() or 1) // GATEWAY_CORES))
+    n = min(max(2, GATEWAYS_PER_DECODE * cluster.decode.count), max(1, (cores or os.cpu_count() or 1) // GATEWAY_CORES))
     if n <= cluster.gateway.count:
         return cluster, []
     shared = " sharing the public ports" if cluster.gateway.share_ports else ""
     return (dataclasses.replace(cluster, gateway=dataclasses.replace(cluster.gateway, count=n)),
-            [f"{n} gateways{shared}: one relays about 13k streamed tokens/s, less than a GPU decodes (--gateways N)"])
+            [f"{n} gateways{shared}: one relays about 13k streamed tokens/s at a full core, less than a GPU decodes; "
+             f"{GATEWAYS_PER_DECODE} a decode worker keep each well below that (--gateways N)"])
 
 
 def _layout_line(c: ClusterConfig) -> str:

@@ -47,21 +47,23 @@ def test_gateways_of_one_host_share_the_public_ports_and_keep_private_ones():
         load_cluster_config(overrides={"gateway.count": 2, "gateway.http_port": 20401}, env={})
 
 
-def test_up_on_cuda_starts_a_gateway_per_decode_worker_and_at_least_two_within_the_cores():
+def test_up_on_cuda_starts_four_gateways_per_decode_worker_within_the_cores():
     def planned(cores: int, **overrides: object) -> tuple[int, list[str]]:
         cluster, given = load_cluster_config_given(overrides={"engine.device": "cuda", **overrides}, env={})
         out, why = gateway_defaults(cluster, given, cores=cores)
         return out.gateway.count, why
 
     count, why = planned(16)
-    assert count == 2 and why == ["2 gateways sharing the public ports: one relays about 13k streamed tokens/s, "
-                                  "less than a GPU decodes (--gateways N)"]
-    assert planned(64, **{"decode.count": 8})[0] == 8
-    assert planned(16, **{"decode.count": 8})[0] == 4  # one per 4 cores at most
+    assert count == 4 and why == ["4 gateways sharing the public ports: one relays about 13k streamed tokens/s at a "
+                                  "full core, less than a GPU decodes; 4 a decode worker keep each well below that "
+                                  "(--gateways N)"]
+    assert planned(256, **{"decode.count": 8})[0] == 32
+    assert planned(64, **{"decode.count": 8})[0] == 16  # one per 4 cores at most
+    assert planned(8)[0] == 2
     assert planned(4) == (1, [])  # a host with few cores keeps one
     assert planned(16, **{"gateway.count": 1}) == (1, [])  # asked for
-    assert planned(16, **{"tenants.flood.rpm": 480})[0] == 2  # the host's gateways share the buckets
-    assert planned(16, **{"gateway.tenant_max_inflight": 8})[0] == 2  # and the in-flight counts
+    assert planned(16, **{"tenants.flood.rpm": 480})[0] == 4  # the host's gateways share the buckets
+    assert planned(16, **{"gateway.tenant_max_inflight": 8})[0] == 4  # and the in-flight counts
     assert planned(16, **{"gateway.resume_window_s": 30}) == (
         1, ["one gateway: a resumable stream lives in the gateway that started it (--gateways N)"])
     cluster, given = load_cluster_config_given(env={})
@@ -77,9 +79,9 @@ def test_up_on_cuda_dry_run_lists_the_gateways(capsys, monkeypatch, tmp_path):
     code = main(["up", "--device", "cuda", "--tokenizer", "smollm2", "--dry-run", "--state-file",
                  str(tmp_path / "state.json")])
     out = capsys.readouterr().out
-    assert code == 0 and "2 gateways sharing the public ports" in out
+    assert code == 0 and "4 gateways sharing the public ports" in out
     rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
-    assert "gateway-0" in rows and "gateway-1" in rows and "gateway-2" not in rows
+    assert all(f"gateway-{i}" in rows for i in range(4)) and "gateway-4" not in rows
 
 
 def test_the_port_check_covers_the_shared_public_ports():
