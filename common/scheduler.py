@@ -231,22 +231,19 @@ class Scheduler:
             if urgent_only and klass == PriorityClass.BATCH:
                 break
             c = seq.num_computed_tokens
-            if (self.fast_decodes and c == len(seq.prompt_ids) + len(seq.output_ids) + seq.pending - 1 and (seq.output_ids or seq.pending)
+            if (self.fast_decodes and (seq.output_ids or seq.pending)
+                    and c == len(seq.prompt_ids) + len(seq.output_ids) + seq.pending - 1
                     and not (st.urgent and st.batch_rows is not None and klass == PriorityClass.BATCH)):
                 # a decode no row cap applies to (most rows of most steps): what the general path below does for
-                # it, without its per-row calls
+                # it, without its per-row calls; one whose token needs a block when none is free goes on below
+                # (it preempts)
                 if seq.pending_final:
                     i += 1
                     continue
-                if c >= len(seq.block_ids) * bs:  # its token starts a block
-                    if not bm.can_allocate(1):
-                        n = 1  # the general path preempts for it
-                    else:
+                grows = c >= len(seq.block_ids) * bs  # its token starts a block
+                if not grows or bm.can_allocate(1):
+                    if grows:
                         bm.allocate(seq, c + 1)
-                        n = 0
-                else:
-                    n = 0
-                if n == 0:
                     st.decodes.append(ScheduledSeq(seq, 1))
                     self.waiting.charge_decode(seq)
                     st.budget -= 1
