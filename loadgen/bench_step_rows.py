@@ -10,8 +10,9 @@ counters, ``LLMEngine.step_phases``), each window with requests of its own, star
 grows with the contexts, so windows of longer-lived requests would drift). The scheduler's two ways of scheduling a plain decode, inline (the default)
 and through its general path (``Scheduler.fast_decodes = False``), alternate in ``--rounds`` rounds in the same
 run; the table gives each one's median round, the host's part of a step (every phase but the wait for the device:
-with async scheduling a step takes the longer of it and the device's time), and the cost of a row: the slope of
-the step against the rows.
+with async scheduling a step takes the longer of it and the device's time), and the cost of a row: the slopes of
+the step and of the host's part against the rows (where the device bounds the step, only the host's slope is the
+host's cost).
 
 Run: ``python -m loadgen.bench_step_rows`` (the embedded SmolLM2 on CUDA where there is one, else the no-op model on
 the CPU: the host's work alone); ``--model dummy:llama-3.2-1b --tokenizer smollm2`` for a 1B's shape.
@@ -80,9 +81,11 @@ def measure(eng: Any, n_rows: int, params: Any, input_len: int, steps: int, roun
     eng.scheduler.fast_decodes = True
     out = {}
     for path, runs in got.items():
+        phases = {k: statistics.median(p[k] for _, p in runs) for k in runs[0][1]}
         out[path] = {"step_us": statistics.median(s for s, _ in runs),
                      "rounds_us": [round(s, 1) for s, _ in runs],
-                     "phases_us": {k: statistics.median(p[k] for _, p in runs) for k in runs[0][1]}}
+                     "host_us": sum(v for k, v in phases.items() if k != "wait"),  # the step but its device wait
+                     "phases_us": phases}
     return out
 
 
@@ -117,22 +120,22 @@ def run(a: argparse.Namespace) -> int:
     phases = list(next(iter(next(iter(results.values())).values()))["inline"]["phases_us"])
     print(f"| sampling | rows | scheduling | step µs | host µs | {' | '.join(phases)} | inline ÷ general |")
     print("|---|---:|---|---:|---:|" + "---:|" * len(phases) + "---:|")
-    summary: dict[str, dict[str, float]] = {}
+    summary: dict[str, dict[str, dict[str, float]]] = {}
     for name, by_rows in results.items():
         for n, r in by_rows.items():
             for path in PATHS:
                 x = r[path]
                 ratio = f"{r['inline']['step_us'] / r['general']['step_us']:.2f}×" if path == "inline" else ""
-                host = sum(v for k, v in x["phases_us"].items() if k != "wait")
-                print(f"| {name} | {n} | {path} | {x['step_us']:.0f} | {host:.0f} | "
+                print(f"| {name} | {n} | {path} | {x['step_us']:.0f} | {x['host_us']:.0f} | "
                       + " | ".join(f"{x['phases_us'][k]:.0f}" for k in phases) + f" | {ratio} |")
         rows = list(by_rows)
-        summary[name] = {path: slope([float(n) for n in rows], [by_rows[n][path]["step_us"] for n in rows])
-                         for path in PATHS}
-    print("\n| sampling | µs a row, inline | µs a row, general |")
-    print("|---|---:|---:|")
+        summary[name] = {what: {path: slope([float(n) for n in rows], [by_rows[n][path][what] for n in rows])
+                                for path in PATHS} for what in ("step_us", "host_us")}
+    print("\n| sampling | step µs a row, inline / general | host µs a row, inline / general |")
+    print("|---|---|---|")
     for name, sl in summary.items():
-        print(f"| {name} | {sl['inline']:.2f} | {sl['general']:.2f} |")
+        print(f"| {name} | {sl['step_us']['inline']:.2f} / {sl['step_us']['general']:.2f} | "
+              f"{sl['host_us']['inline']:.2f} / {sl['host_us']['general']:.2f} |")
     if a.result_file:
         doc = {"tool": "python -m loadgen.bench_step_rows", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "machine": _machine(), "source": _source_state(), "device": device_name, "model": a.model,

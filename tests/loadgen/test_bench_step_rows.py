@@ -36,8 +36,11 @@ def test_runs_both_paths_and_frees_every_block(tmp_path: Path, capsys: pytest.Ca
             r = doc["results"][sampling][rows]
             for path in bench_step_rows.PATHS:
                 assert len(r[path]["rounds_us"]) == 2 and r[path]["step_us"] > 0
+                assert r[path]["host_us"] == pytest.approx(
+                    sum(v for k, v in r[path]["phases_us"].items() if k != "wait"))
                 assert set(r[path]["phases_us"]) == {"schedule", "launch", "wait", "outputs", "sample", "other"}
-        assert set(doc["us_per_row"][sampling]) == set(bench_step_rows.PATHS)
+        for what in ("step_us", "host_us"):
+            assert set(doc["us_per_row"][sampling][what]) == set(bench_step_rows.PATHS)
     eng = engines[0]
     assert not eng.has_unfinished() and eng.scheduler.fast_decodes
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
