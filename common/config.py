@@ -141,7 +141,8 @@ class EngineConfig:
     kv_warm_links: bool | None = None
     enable_chunked_prefill: bool = True
     # the most prompt tokens batch-class sequences get in a step that also runs an interactive or standard one: their
-    # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit).
+    # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit; 0:
+    # batch prompts pause while urgent work runs).
     # 16: on an H200 with SmolLM2 it kept a flood's effect on an interactive tenant's TTFT and TPOT p99 within 20% and
     # 10%, and no limit did not (docs/benchmarks.md, the noisy-neighbour benchmark). Only batch-class work waits.
     batch_prefill_tokens_beside_urgent: int | None = 16
@@ -207,8 +208,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
-        if self.batch_prefill_tokens_beside_urgent is not None and self.batch_prefill_tokens_beside_urgent < 1:
-            raise ValueError("batch_prefill_tokens_beside_urgent must be >= 1 (or unset: no limit), got "
+        if self.batch_prefill_tokens_beside_urgent is not None and self.batch_prefill_tokens_beside_urgent < 0:
+            raise ValueError("batch_prefill_tokens_beside_urgent must be >= 0 (or unset: no limit), got "
                              f"{self.batch_prefill_tokens_beside_urgent}")
         if self.batch_decode_rows_beside_urgent is not None and self.batch_decode_rows_beside_urgent < 0:
             raise ValueError("batch_decode_rows_beside_urgent must be >= 0 (or unset: no limit), got "

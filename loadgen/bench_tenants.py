@@ -78,6 +78,13 @@ FLOOD_RPS_PER_PROCESS = 250.0  # the flood's requests a second per client proces
 FLOOD_OUTSTANDING = 512  # its requests in flight per client process at most: a client that falls behind stays alive
 
 
+def _tokens_or_none(v: str) -> str:
+    """``--batch-prefill-tokens``: a count >= 0, or "none" (no limit)."""
+    if v != "none" and not (v.isdigit() and int(v) >= 0):
+        raise argparse.ArgumentTypeError(f"expected a count of tokens >= 0 or 'none', got {v!r}")
+    return v
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tenants", help="noisy neighbour: an interactive tenant alone, then beside a flooding one",
                        description=__doc__.split("\n\n")[0])
@@ -106,9 +113,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--flood-processes", type=int, default=0,
                    help="client processes that send the flood, its rate split among them (default 0: one per "
                         f"{FLOOD_RPS_PER_PROCESS:g} req/s)")
-    p.add_argument("--batch-prefill-tokens", type=int, default=None,
+    p.add_argument("--batch-prefill-tokens", type=_tokens_or_none, default=None, metavar="N|none",
                    help="engine.batch_prefill_tokens_beside_urgent: the flood's prompt tokens in a step that runs "
-                        "the interactive tenant's (default: the engine's, 16; 0: no limit)")
+                        "the interactive tenant's (default: the engine's, 16; 0: none, the prompts pause; "
+                        "none: no limit)")
     p.add_argument("--calibrate-seconds", type=float, default=12.0, help="default 12")
     p.add_argument("--calibrate-concurrency", type=int, default=16, help="default 16")
     p.add_argument("--base-port", type=int, default=None,
@@ -152,8 +160,8 @@ def up_command(a: argparse.Namespace, config: Path, base: int, work: Path) -> li
         cmd += ["--model", a.model]
     if a.tokenizer:
         cmd += ["--tokenizer", a.tokenizer]
-    if a.batch_prefill_tokens is not None:  # 0: no limit (null)
-        cmd += ["--set", f"engine.batch_prefill_tokens_beside_urgent={a.batch_prefill_tokens or 'null'}"]
+    if a.batch_prefill_tokens is not None:  # "none": no limit (null)
+        cmd += ["--set", f"engine.batch_prefill_tokens_beside_urgent={a.batch_prefill_tokens.replace('none', 'null')}"]
     for item in a.set:
         cmd += ["--set", item]
     return cmd

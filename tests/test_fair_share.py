@@ -184,6 +184,37 @@ def test_batch_prompts_go_on_in_small_chunks_beside_urgent_work():
         loop.sch.remove(s)
 
 
+def test_batch_prompts_pause_beside_urgent_work_at_zero():
+    """``batch_prefill_tokens_beside_urgent=0``: a batch prompt, running or waiting, gets no token in a step that
+    runs urgent work, and goes on whole once none does; nothing is preempted."""
+    loop = Loop(budget=64, batch_prefill=0)
+    started = seq("b", BAT, prompt=40)
+    loop.sch.add(started)
+    loop.sch.add(urgent := seq("u", INT, prompt=4, max_tokens=6))
+    out = loop.step()  # the urgent prompt first; the batch prompt gets none of the step beside it
+    assert [i.seq for i in out.prefills] == [urgent]
+    waiting = seq("b", BAT, prompt=40)
+    loop.sch.add(waiting)
+    while urgent.status is not SequenceStatus.FINISHED:
+        out = loop.step()
+        assert [i.seq for i in (*out.prefills, *out.decodes)] == [urgent]
+        if len(urgent.output_ids) >= urgent.max_tokens:
+            urgent.status = SequenceStatus.FINISHED
+    assert started.num_computed_tokens == waiting.num_computed_tokens == 0 and loop.sch.num_preemptions == 0
+    out = loop.step()  # nothing urgent left: both prompts at once
+    assert sorted(i.num_tokens for i in out.prefills) == [24, 40]  # the step's budget of 64
+    loop.drain()
+    assert len(started.output_ids) == len(waiting.output_ids) == 16
+
+
+def test_batch_prefill_tokens_negative_is_refused():
+    from common.config import EngineConfig
+
+    assert EngineConfig(batch_prefill_tokens_beside_urgent=0).batch_prefill_tokens_beside_urgent == 0
+    with pytest.raises(ValueError, match="batch_prefill_tokens_beside_urgent must be >= 0"):
+        EngineConfig(batch_prefill_tokens_beside_urgent=-1)
+
+
 @pytest.mark.parametrize("rows", [0, 2])
 def test_batch_decodes_beside_urgent_work_are_capped_and_keep_their_blocks(rows):
     """With ``batch_decode_rows_beside_urgent`` at most that many batch sequences decode in a step with urgent work

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import pytest
+
 from common.cluster_config import load_cluster_config
 from common.config import EngineConfig
 from loadgen.bench_tenants import _late, _outcomes, _was_sent, flood_processes, up_command
@@ -42,13 +44,16 @@ def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up():
     assert "--model" not in cmd and "--tokenizer" not in cmd
     assert cmd[cmd.index("--gateway-port") + 1] == "20450" and cmd[cmd.index("--http-port") + 1] == "20451"
     a = build_parser().parse_args(["bench", "tenants", "--model", "dummy:llama-3.1-8b", "--tokenizer", "/tmp/tok",
-                                   "--temperature", "0", "--set", "engine.device=cuda", "--batch-prefill-tokens", "0"])
+                                   "--temperature", "0", "--set", "engine.device=cuda", "--batch-prefill-tokens", "none"])
     cmd = up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
     assert cmd[cmd.index("--model") + 1] == "dummy:llama-3.1-8b" and cmd[cmd.index("--tokenizer") + 1] == "/tmp/tok"
     assert cmd[-2:] == ["--set", "engine.device=cuda"] and a.temperature == 0.0
-    assert "engine.batch_prefill_tokens_beside_urgent=null" in cmd  # 0: no limit
-    a = build_parser().parse_args(["bench", "tenants", "--batch-prefill-tokens", "8"])
-    assert "engine.batch_prefill_tokens_beside_urgent=8" in up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
+    assert "engine.batch_prefill_tokens_beside_urgent=null" in cmd  # none: no limit
+    for n in ("8", "0"):  # 0: the flood's prompts pause beside the interactive tenant's steps
+        a = build_parser().parse_args(["bench", "tenants", "--batch-prefill-tokens", n])
+        assert f"engine.batch_prefill_tokens_beside_urgent={n}" in up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "tenants", "--batch-prefill-tokens", "-1"])
     assert EngineConfig().batch_prefill_tokens_beside_urgent == 16  # what the bench measures when not told
     off = load_cluster_config(None, {"engine.batch_prefill_tokens_beside_urgent": "null"}, env={})
     assert off.engine.batch_prefill_tokens_beside_urgent is None
