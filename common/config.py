@@ -140,16 +140,18 @@ class EngineConfig:
     # when the link sat idle (common/kv_transfer.py, KvTransferAgent.warm_link). None: for pools on GPUs
     kv_warm_links: bool | None = None
     enable_chunked_prefill: bool = True
-    # the most prompt tokens batch-class sequences get in a step that also runs an interactive or standard one: their
-    # prompts go on in small chunks beside the urgent decodes instead of lengthening those steps (None: no limit; 0:
-    # batch prompts pause while urgent work runs).
-    # 16: on an H200 with SmolLM2 it kept a flood's effect on an interactive tenant's TTFT and TPOT p99 within 20% and
-    # 10%, and no limit did not (docs/benchmarks.md, the noisy-neighbour benchmark). Only batch-class work waits.
-    batch_prefill_tokens_beside_urgent: int | None = 16
-    # the most batch-class sequences that decode in a step that also runs an interactive or standard one; the others
-    # keep their blocks and slot and decode in the next step without urgent work (None: no limit; 0: batch decodes
-    # pause while urgent work runs). Bounds what batch traffic adds to an urgent token's step.
-    batch_decode_rows_beside_urgent: int | None = None
+    # the most prompt tokens batch-class sequences get in a step that also runs an interactive or standard one
+    # (None: no limit; 0: batch prompts pause while urgent work runs), and the most batch-class sequences that decode
+    # in such a step (None: no limit; 0: they pause, keeping their blocks and slot, and decode in the next step
+    # without urgent work). Both 0: batch work yields to urgent work, so a batch flood does not lengthen an urgent
+    # token's step. On an H200 with SmolLM2 that held a flood's effect on an interactive tenant's TPOT p99 to -8% and
+    # +6%, where 16 prompt tokens and no row limit gave +21% and +23% (docs/benchmarks.md, the noisy neighbour).
+    batch_prefill_tokens_beside_urgent: int | None = 0
+    batch_decode_rows_beside_urgent: int | None = 0
+    # after this many steps in a row in which those caps held batch work back, one step lets every batch decode in
+    # and batch prompts at least a KV block of tokens: under steady urgent work batch work still moves, one step in
+    # this many plus one (None: it waits for a step without urgent work)
+    batch_yield_max_steps: int | None = 32
     # the most prompt tokens a step takes while sequences are decoding, so a prompt lengthens their next token by a
     # short step only (with chunked prefill: an unsplittable prompt is not held back). None: the step budget, except
     # on a decode worker once it pulls KV from prefill workers (common/engine.py, LLMEngine.pulls_kv): its own
@@ -211,6 +213,8 @@ class EngineConfig:
         if self.batch_prefill_tokens_beside_urgent is not None and self.batch_prefill_tokens_beside_urgent < 0:
             raise ValueError("batch_prefill_tokens_beside_urgent must be >= 0 (or unset: no limit), got "
                              f"{self.batch_prefill_tokens_beside_urgent}")
+        if self.batch_yield_max_steps is not None and self.batch_yield_max_steps < 1:
+            raise ValueError(f"batch_yield_max_steps must be >= 1 (or unset: no bound), got {self.batch_yield_max_steps}")
         if self.batch_decode_rows_beside_urgent is not None and self.batch_decode_rows_beside_urgent < 0:
             raise ValueError("batch_decode_rows_beside_urgent must be >= 0 (or unset: no limit), got "
                              f"{self.batch_decode_rows_beside_urgent}")

@@ -179,7 +179,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs, self.cfg.enable_chunked_prefill,
             self.cfg.batch_prefill_tokens_beside_urgent, self.cfg.prompt_tokens_beside_decodes,
-            self.cfg.batch_decode_rows_beside_urgent,
+            self.cfg.batch_decode_rows_beside_urgent, self.cfg.batch_yield_max_steps,
         )
         self._seqs: dict[str, Sequence] = {}  # waiting or running
         self._pending_kv: dict[str, Sequence] = {}  # prefilled elsewhere, KV on its way

@@ -8,7 +8,9 @@ chunk never takes an urgent sequence's budget); waiting ones in the order of ``c
 arrival) order. An interactive or standard sequence that finds no free slot (``max_num_seqs``) or no blocks for
 its first chunk preempts batch-class running ones. With ``batch_prefill_tokens_beside_urgent`` set, batch-class prompts get at most that many tokens in a
 step that also runs interactive or standard work, and with ``batch_decode_rows_beside_urgent`` set at most that many
-batch-class sequences decode in such a step (the others skip it, keeping their blocks); with
+batch-class sequences decode in such a step (the others skip it, keeping their blocks); after
+``batch_yield_max_steps`` such steps in a row that held batch work back, one step lets every batch decode in and
+batch prompts at least a block's worth of tokens (so batch work never starves under steady urgent work); with
 ``prompt_tokens_beside_decodes`` set, all prompts together get
 at most that many in a step while sequences are decoding (their next token then waits for a short step). When a running sequence cannot get a block, one not yet scheduled this step is preempted: batch
 class first, then the tenant furthest ahead on its counter, then the lowest priority and latest arrival. Its
@@ -72,6 +74,7 @@ class _Step:
     preempted: list[Sequence] = field(default_factory=list)
     starved: bool = False  # a running sequence had to be preempted: nothing is admitted
     urgent: bool = False  # the step runs an interactive or standard sequence
+    held: bool = False  # a cap held batch-class work back beside urgent work
 
 
 class Scheduler:
@@ -86,12 +89,15 @@ class Scheduler:
         batch_prefill_tokens_beside_urgent: int | None = None,
         prompt_tokens_beside_decodes: int | None = None,
         batch_decode_rows_beside_urgent: int | None = None,
+        batch_yield_max_steps: int | None = None,
     ) -> None:
         """``batch_prefill_tokens_beside_urgent``: the most prompt tokens batch-class sequences get in a step that
         also runs an interactive or standard sequence (None: no limit). ``prompt_tokens_beside_decodes``: the most
         prompt tokens a step takes while running sequences are decoding (None: the step budget; only with chunked
         prefill). ``batch_decode_rows_beside_urgent``: the most batch-class sequences that decode in a step with an
-        interactive or standard one (None: no limit); the others skip it, keeping their blocks."""
+        interactive or standard one (None: no limit); the others skip it, keeping their blocks.
+        ``batch_yield_max_steps``: after that many steps in a row in which those caps held batch work back, the next
+        step lets every batch decode in and batch prompts at least a block of tokens (None: no bound)."""
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -99,6 +105,8 @@ class Scheduler:
         self.batch_prefill_tokens_beside_urgent = batch_prefill_tokens_beside_urgent
         self.prompt_tokens_beside_decodes = prompt_tokens_beside_decodes
         self.batch_decode_rows_beside_urgent = batch_decode_rows_beside_urgent
+        self.batch_yield_max_steps = batch_yield_max_steps
+        self.held_streak = 0  # steps in a row in which a cap held batch work back beside urgent work
         self.waiting = FairQueue()
         self.running: list[Sequence] = []  # sorted by (class, priority, arrival)
         self.num_running_by_class = [0] * len(PriorityClass)
@@ -164,8 +172,14 @@ class Scheduler:
         self.detach(victim)
 
     def schedule(self) -> SchedulerOutput:
-        st = _Step(self.max_num_batched_tokens, self.batch_prefill_tokens_beside_urgent,
-                   self.batch_decode_rows_beside_urgent)
+        prompts, rows = self.batch_prefill_tokens_beside_urgent, self.batch_decode_rows_beside_urgent
+        relief = self.batch_yield_max_steps is not None and self.held_streak >= self.batch_yield_max_steps
+        if relief:
+            # batch work has yielded that many steps in a row: this one lets its decodes in, and a block of prompt
+            rows = None
+            if prompts is not None:
+                prompts = max(prompts, self.bm.block_size)
+        st = _Step(self.max_num_batched_tokens, prompts, rows)
         # without chunked prefill a prompt cannot be split, so a cap would hold a longer one back while anything
         # decodes: it applies only with chunks
         if (self.prompt_tokens_beside_decodes is not None and self.enable_chunked_prefill
@@ -182,6 +196,7 @@ class Scheduler:
         self._run(st, i, urgent_only=False)
         if not st.starved:
             self._admit(st, urgent_only=False)
+        self.held_streak = self.held_streak + 1 if st.held and not relief else 0
         return SchedulerOutput(st.prefills, st.decodes, st.preempted)
 
     def _limit(self, st: _Step, seq: Sequence, n: int) -> int:
@@ -189,11 +204,12 @@ class Scheduler:
         prompt chunk beside urgent work; none for a batch-class decode beside urgent work past the step's rows."""
         if st.prompt_left is not None and _prompt_chunk(seq):
             n = min(n, st.prompt_left)
-        if self._limited(st, seq):
-            assert st.batch_prefill is not None
-            n = min(n, st.batch_prefill)
+        if self._limited(st, seq) and st.batch_prefill is not None and n > st.batch_prefill:
+            n = st.batch_prefill
+            st.held = True
         if self._row_limited(st, seq) and st.batch_rows is not None and st.batch_rows <= 0:
             n = 0
+            st.held = True
         return n
 
     @staticmethod

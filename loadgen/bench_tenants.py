@@ -115,7 +115,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"{FLOOD_RPS_PER_PROCESS:g} req/s)")
     p.add_argument("--batch-prefill-tokens", type=_tokens_or_none, default=None, metavar="N|none",
                    help="engine.batch_prefill_tokens_beside_urgent: the flood's prompt tokens in a step that runs "
-                        "the interactive tenant's (default: the engine's, 16; 0: none, the prompts pause; "
+                        "the interactive tenant's (default: the engine's, 0: the prompts pause; "
                         "none: no limit)")
     p.add_argument("--calibrate-seconds", type=float, default=12.0, help="default 12")
     p.add_argument("--calibrate-concurrency", type=int, default=16, help="default 16")

@@ -212,8 +212,9 @@ def test_batch_decodes_held_back_beside_urgent_work_give_the_same_tokens(make_en
     the synchronous engine without a cap gives, in more steps, and every block comes back."""
     from common.sequence import PriorityClass, Tenancy
 
-    sync, fast = make_engine(async_scheduling=False, dtype="float32"), make_engine(
-        async_scheduling=True, dtype="float32", batch_decode_rows_beside_urgent=rows)
+    sync = make_engine(async_scheduling=False, dtype="float32", batch_decode_rows_beside_urgent=None,
+                       batch_prefill_tokens_beside_urgent=None)
+    fast = make_engine(async_scheduling=True, dtype="float32", batch_decode_rows_beside_urgent=rows)
     p = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
     def run(eng):

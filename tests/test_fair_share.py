@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 from common.block_manager import BlockManager
+from common.config import EngineConfig
 from common.fair_share import DECODE_WEIGHT, PREFILL_WEIGHT
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
@@ -33,10 +34,10 @@ class Loop:
     """The engine's step loop on the real scheduler, without a model; counts the weighted tokens served."""
 
     def __init__(self, blocks: int = 256, budget: int = 64, max_seqs: int = 8, batch_prefill: int | None = None,
-                 batch_rows: int | None = None) -> None:
+                 batch_rows: int | None = None, yield_steps: int | None = None) -> None:
         self.sch = Scheduler(BlockManager(blocks, 4, "m", enable_prefix_caching=False), budget, max_seqs,
                              batch_prefill_tokens_beside_urgent=batch_prefill,
-                             batch_decode_rows_beside_urgent=batch_rows)
+                             batch_decode_rows_beside_urgent=batch_rows, batch_yield_max_steps=yield_steps)
         self.served: Counter[str] = Counter()
         self.admitted: list[Sequence] = []
 
@@ -207,9 +208,35 @@ def test_batch_prompts_pause_beside_urgent_work_at_zero():
     assert len(started.output_ids) == len(waiting.output_ids) == 16
 
 
-def test_batch_prefill_tokens_negative_is_refused():
-    from common.config import EngineConfig
+def test_batch_work_held_back_beside_urgent_work_moves_every_yield_max_steps():
+    """``batch_yield_max_steps``: under steady urgent work, batch work paused by the caps (0 rows, 0 prompt tokens)
+    gets one step in every ``batch_yield_max_steps`` + 1: every batch decode, and a block of a batch prompt."""
+    loop = Loop(budget=64, batch_prefill=0, batch_rows=0, yield_steps=3)
+    flood = [seq("b", BAT, prompt=4, max_tokens=200) for _ in range(3)]
+    for s in flood:
+        loop.sch.add(s)
+    loop.step()  # their prompts; they decode from now on
+    urgent = seq("u", INT, prompt=4, max_tokens=200)  # steady urgent work
+    loop.sch.add(urgent)
+    loop.step()
+    prompt = seq("b", BAT, prompt=40)
+    loop.sch.add(prompt)
+    rows, chunks = [], []
+    for _ in range(12):
+        out = loop.step()
+        assert urgent in [i.seq for i in out.decodes]
+        rows.append(sum(1 for i in out.decodes if i.seq.tenancy.klass == BAT))
+        chunks.append(sum(i.num_tokens for i in out.prefills if i.seq is prompt))
+    # the urgent prompt's step held the flood back first: the streak starts there
+    assert rows == [0, 0, 3] + [0, 0, 0, 3] * 2 + [0]
+    assert chunks == [0, 0, 4] + [0, 0, 0, 4] * 2 + [0]  # a block (4 tokens) of the batch prompt in each relief step
+    assert loop.sch.num_preemptions == 0
+    assert EngineConfig().batch_yield_max_steps == 32
+    with pytest.raises(ValueError, match="batch_yield_max_steps must be >= 1"):
+        EngineConfig(batch_yield_max_steps=0)
 
+
+def test_batch_prefill_tokens_negative_is_refused():
     assert EngineConfig(batch_prefill_tokens_beside_urgent=0).batch_prefill_tokens_beside_urgent == 0
     with pytest.raises(ValueError, match="batch_prefill_tokens_beside_urgent must be >= 0"):
         EngineConfig(batch_prefill_tokens_beside_urgent=-1)
@@ -245,10 +272,8 @@ def test_batch_decodes_beside_urgent_work_are_capped_and_keep_their_blocks(rows)
     assert all(len(s.output_ids) == 40 for s in flood)
 
 
-def test_batch_decode_rows_default_is_no_limit_and_negative_is_refused():
-    from common.config import EngineConfig
-
-    assert EngineConfig().batch_decode_rows_beside_urgent is None
+def test_batch_work_pauses_beside_urgent_work_by_default_and_negative_caps_are_refused():
+    assert (EngineConfig().batch_decode_rows_beside_urgent, EngineConfig().batch_prefill_tokens_beside_urgent) == (0, 0)
     with pytest.raises(ValueError, match="batch_decode_rows_beside_urgent must be >= 0"):
         EngineConfig(batch_decode_rows_beside_urgent=-1)
 

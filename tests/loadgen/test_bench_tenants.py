@@ -54,7 +54,7 @@ def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up():
         assert f"engine.batch_prefill_tokens_beside_urgent={n}" in up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "tenants", "--batch-prefill-tokens", "-1"])
-    assert EngineConfig().batch_prefill_tokens_beside_urgent == 16  # what the bench measures when not told
+    assert EngineConfig().batch_prefill_tokens_beside_urgent == 0  # what the bench measures when not told
     off = load_cluster_config(None, {"engine.batch_prefill_tokens_beside_urgent": "null"}, env={})
     assert off.engine.batch_prefill_tokens_beside_urgent is None
 
