@@ -21,6 +21,9 @@ from tests.services.harness import running_cluster
 from tests.services.test_cluster_e2e import all_blocks_free, wait_for
 
 MAX_LEN = 1024
+# a valid request without max_tokens (a mangled body can be one) samples up to the context, 1,022 tokens: on a loaded
+# 2-core CI VM that took over 120 s (the fuzzer's default), twice in a row, in one run
+GRPC_TIMEOUT_S = 300.0
 # Deterministic for CI; each example is a real request, so hypothesis's timing checks do not apply.
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -53,7 +56,7 @@ def test_http_answers_bad_input_with_a_4xx_openai_error(cluster, case):
 def test_grpc_answers_bad_input_with_a_client_error_code(cluster, case):
     async def send() -> fuzz.Outcome:
         async with grpc.aio.insecure_channel(cluster["gateway"], options=GRPC_OPTIONS) as ch:
-            return await fuzz.send_grpc(ch, case)
+            return await fuzz.send_grpc(ch, case, timeout_s=GRPC_TIMEOUT_S)
 
     out = asyncio.run(send())
     event(f"{case.what}: {out.status}")  # the mix, with --hypothesis-show-statistics
