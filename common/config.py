@@ -144,8 +144,9 @@ class EngineConfig:
     # (None: no limit; 0: batch prompts pause while urgent work runs), and the most batch-class sequences that decode
     # in such a step (None: no limit; 0: they pause, keeping their blocks and slot, and decode in the next step
     # without urgent work). Both 0: batch work yields to urgent work, so a batch flood does not lengthen an urgent
-    # token's step. On an H200 with SmolLM2 that held a flood's effect on an interactive tenant's TPOT p99 to -8% and
-    # +6%, where 16 prompt tokens and no row limit gave +21% and +23% (docs/benchmarks.md, the noisy neighbour).
+    # token's step. On an H200 with SmolLM2 a flood moved an interactive tenant's TPOT p99 by -8% and +6% paused,
+    # +9% and +10.1% with these defaults, +21% and +23% with 16 prompt tokens and no row limit (docs/benchmarks.md,
+    # the noisy neighbour).
     batch_prefill_tokens_beside_urgent: int | None = 0
     batch_decode_rows_beside_urgent: int | None = 0
     # after this many steps in a row in which those caps held batch work back, one step lets every batch decode in
