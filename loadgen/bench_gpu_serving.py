@@ -1,4 +1,4 @@
-"""``tokenmill bench gpu-serving``: the engine alone against the served cluster, under the same load, on one device.
+"""``tokenmill bench gpu-serving``: the engine alone against the served cluster, under the same load.
 
 For each model (default: the Llama-3.1-8B dummy and the Llama-3.2-1B shape, random weights, SmolLM2's tokenizer):
 
@@ -7,8 +7,9 @@ For each model (default: the Llama-3.1-8B dummy and the Llama-3.2-1B shape, rand
    ``--max-concurrency``). A short warm-up; the decode step timed at a batch of ``--max-concurrency`` decoding
    sequences, greedy and sampled (median of ``--steps``, back to back); then the load as a closed loop (a request is
    added as soon as one ends), greedy then sampled.
-2. The served cluster: ``tokenmill up`` as a user starts it (``--prefills 0``: the aggregated layout, one device),
-   on free ports below 32768, ready when the gateway's ``/health`` answers 200. The same load through each client of
+2. The served cluster: ``tokenmill up`` as a user starts it, with one decode worker and ``--prefills`` prefill
+   workers (default 0: the aggregated layout, one device; ``--prefills 1`` on two GPUs: prompts on GPU 0, KV pulled
+   over NIXL, decoding on GPU 1), on free ports below 32768, ready when the gateway's ``/health`` answers 200. The same load through each client of
    ``--backends`` (gRPC ``Generate``; OpenAI ``/v1/completions`` with the same prompt token ids), greedy then
    sampled, each run under a fresh cache salt; a short warm-up first; then SIGTERM to the launcher.
 
@@ -22,7 +23,10 @@ embedding table — plus the KV of ``--max-concurrency`` sequences at the run's 
 ÷ the copy bandwidth measured at the start of the same run. In this closed loop every finished request is replaced
 by a new prompt, so a decode step shares the device with ``--input-len ÷ --output-len`` prompt tokens per decoding
 row; the mixed limit adds their matmul and attention FLOPs ÷ the bf16 matmul rate measured in the same run (the
-floor of a step that computes both on one device).
+floor of a step that computes both on one device). With prefill workers the decode worker's steps carry no prompts
+(unless the router falls back to a local prefill), so there the step limit is the floor. Each row's TPOT is also set
+against the limit at the decode rows its steps really ran (the engine's step counters: a decode worker whose prompts
+come slower than its streams end runs fewer than ``--max-concurrency``).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SamplingFields, SendOptions
 from loadgen.metrics import RequestRecord, summarize
 from loadgen.runner import LoadConfig, run_warmups
-from loadgen.server_metrics import ENGINE_STEP_PHASES, fold_means
+from loadgen.server_metrics import ENGINE_STEP_PHASES, fold_means, named_endpoints_from_state
 from loadgen.workloads import PromptBuilder, RequestSpec, build_requests
 
 DEFAULT_MODELS = ("dummy:llama-3.1-8b", "dummy:llama-3.2-1b")
@@ -332,8 +336,10 @@ def start_cluster(name: str, up_args: list[str], log_dir: Path, startup_timeout:
 
 def served_cluster(model: str, a: argparse.Namespace, dtype: str,
                    log_dir: Path) -> contextlib.AbstractContextManager[dict[str, Any]]:
-    """``tokenmill up`` on one device (aggregated: ``--prefills 0``) for ``model``, as ``start_cluster`` runs it."""
-    args = ["--model", spec_arg(model), "--prefills", "0", "--set", f"engine.max_num_seqs={a.max_concurrency}",
+    """``tokenmill up`` with one decode worker and ``--prefills`` prefill workers (0: aggregated, one device) for
+    ``model``, as ``start_cluster`` runs it."""
+    args = ["--model", spec_arg(model), "--prefills", str(a.prefills), "--decodes", "1",
+            "--set", f"engine.max_num_seqs={a.max_concurrency}",
             "--set", f"engine.dtype={dtype}", "--device", a.device, "--tokenizer", spec_arg(a.tokenizer)]
     for item in a.set_items or []:
         args += ["--set", item]
@@ -415,6 +421,7 @@ async def served_runs(a: argparse.Namespace, cluster: dict[str, Any], builder: P
                  f"{s['output_throughput']:.1f} output tok/s, TPOT p50 {s['tpot_ms']['p50'] or 0:.2f} ms, "
                  f"TTFT p50 {s['ttft_ms']['p50'] or 0:.1f} ms ({time.perf_counter() - t0:.1f} s)")
             row = _row(model, sampling.name, backend, s, run["server"])
+            row["decode_workers"] = decode_workers(run["server"], cluster["state"])
             if traces:  # each worker's trace of the measured load, and its engine's steps as the trace shows them
                 row["profile"] = {"traces": traces, "steps": {
                     wid: profile_summary.steps(profile_summary.load_events(path)) for wid, path in traces.items()}}
@@ -425,6 +432,19 @@ async def served_runs(a: argparse.Namespace, cluster: dict[str, Any], builder: P
                              f"{100 * st['gpu_busy_share']:.0f}% of their span")
             res.doc["rows"].append(row)
             res.save()
+
+
+def decode_workers(server: dict[str, Any] | None, state: str) -> dict[str, float] | None:
+    """The engine counters of the cluster's decode workers alone, summed (a prefill worker's steps carry prompts
+    and no decode rows: in the cluster's sum they would dilute the decode steps)."""
+    names = named_endpoints_from_state(state)
+    dec = [d for u, d in (server or {}).get("by_endpoint", {}).items() if names.get(u, "").startswith("decode")]
+    return {k: sum(d.get(k, 0.0) for d in dec) for k in set().union(*dec)} if dec else None
+
+
+def _steps(r: dict[str, Any]) -> dict[str, Any]:
+    """A row's engine step counters: the decode workers' for a served run, the engine's own for the engine alone."""
+    return r.get("decode_workers") or r.get("server") or {}
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -445,16 +465,38 @@ def _ratios(result: dict[str, Any]) -> None:
         lim = result["models"].get(r["model"], {}).get("limit", {})
         for key, name in (("limit_ms", "tpot_p50_vs_limit"), ("mixed_limit_ms", "tpot_p50_vs_mixed_limit")):
             r[name] = r["tpot_p50_ms"] / lim[key] if lim.get(key) and r["tpot_p50_ms"] else None
+        rows = decode_rows_per_step(_steps(r))
+        r["decode_rows_per_step"] = rows
+        r["limit_at_rows_ms"] = limit_at_rows(lim, rows) if lim and rows else None
+        r["tpot_p50_vs_limit_at_rows"] = (r["tpot_p50_ms"] / r["limit_at_rows_ms"]
+                                          if r["limit_at_rows_ms"] and r["tpot_p50_ms"] else None)
+
+
+def decode_rows_per_step(server: dict[str, Any] | None) -> float | None:
+    """The mean decode rows of a run's steps, from the engine's step counters (None without them)."""
+    steps = (server or {}).get("engine_steps")
+    return (server or {}).get("engine_step_decode_rows", 0.0) / steps if steps else None
+
+
+def limit_at_rows(lim: dict[str, Any], rows: float) -> float:
+    """The step limit (``step_limit``'s) with ``rows`` decoding sequences in place of its batch: the same weights,
+    the KV of ``rows`` sequences at the same mean context."""
+    return (lim["weight_bytes"] + lim["kv_bytes"] * rows / lim["batch"]) / lim["bandwidth_Bps"] * 1e3
 
 
 def _x(v: float | None, fmt: str = ".2f", suffix: str = "×") -> str:
     return "—" if v is None else f"{v:{fmt}}{suffix}"
 
 
+def _at_rows(r: dict[str, Any]) -> str:
+    v = r.get("tpot_p50_vs_limit_at_rows")
+    return "—" if v is None else f"{v:.2f}× ({r['decode_rows_per_step']:.0f} rows: {r['limit_at_rows_ms']:.2f} ms)"
+
+
 def build_table(result: dict[str, Any]) -> str:
     lines = ["| model | sampling | client | output tok/s | TPOT p50 ms | TTFT p50 ms | ÷ engine, same sampling "
-             "| ÷ engine greedy | TPOT p50 ÷ limit | ÷ mixed limit | client CPU |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ÷ engine greedy | TPOT p50 ÷ limit | ÷ mixed limit | ÷ limit at its rows | client CPU |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         failed = f" ({r['failed']} FAILED)" if r["failed"] else ""
         share = r["summary"].get("client_cpu_share")
@@ -462,7 +504,8 @@ def build_table(result: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['sampling']} | {r['client']}{failed} | {r['output_tok_s']:,.1f} | "
                      f"{_x(r['tpot_p50_ms'], '.2f', '')} | {_x(r['ttft_p50_ms'], '.1f', '')} | "
                      f"{_x(r['vs_engine_same_sampling'])} | {_x(r['vs_engine_greedy'])} | "
-                     f"{_x(r['tpot_p50_vs_limit'])} | {_x(r.get('tpot_p50_vs_mixed_limit'))} | {cpu} |")
+                     f"{_x(r['tpot_p50_vs_limit'])} | {_x(r.get('tpot_p50_vs_mixed_limit'))} | "
+                     f"{_at_rows(r)} | {cpu} |")
     for model, m in result["models"].items():
         lim, st = m.get("limit"), m.get("step")
         if lim:
@@ -486,24 +529,24 @@ def build_table(result: dict[str, Any]) -> str:
               "busy | idle | engine queue ms | engine TTFT ms | gateway TTFT ms |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        e, dur = r.get("server") or {}, r["summary"].get("duration_s") or 0.0
+        e, dur = _steps(r), r["summary"].get("duration_s") or 0.0
         n = e.get("engine_steps")
         if not n or not dur:
             continue
         lines.append(f"| {r['model']} | {r['sampling']} | {r['client']} | {n:,.0f} | "
                      f"{1000 * e['engine_step_seconds'] / n:.2f} | {e['engine_step_decode_rows'] / n:.1f} | "
                      f"{e['engine_step_prompt_tokens'] / n:.0f} | {e['engine_step_seconds'] / dur:.0%} | "
-                     f"{e.get('engine_idle_seconds', 0.0) / dur:.0%} | {_mean_ms(e, 'engine_queue')} | "
-                     f"{_mean_ms(e, 'engine_ttft')} | {_mean_ms(e, 'ttft')} |")
-    phase_rows = [r for r in result["rows"] if (r.get("server") or {}).get("engine_steps")
-                  and any(f"engine_phase_{p}" in r["server"] for p in ENGINE_STEP_PHASES)]
+                     f"{e.get('engine_idle_seconds', 0.0) / dur:.0%} | {_mean_ms(r.get('server') or {}, 'engine_queue')} | "
+                     f"{_mean_ms(r.get('server') or {}, 'engine_ttft')} | {_mean_ms(r.get('server') or {}, 'ttft')} |")
+    phase_rows = [r for r in result["rows"] if _steps(r).get("engine_steps")
+                  and any(f"engine_phase_{p}" in _steps(r) for p in ENGINE_STEP_PHASES)]
     if phase_rows:
         lines += ["", "Where a step's host time went, ms a step (common/engine.py, STEP_PHASES; wait = the engine thread "
                   "blocked on the device for picked tokens: with async scheduling the GPU's time it did not hide):",
                   "", "| model | sampling | client | " + " | ".join(ENGINE_STEP_PHASES) + " |",
                   "|---|---|---|" + "---:|" * len(ENGINE_STEP_PHASES)]
         for r in phase_rows:
-            e = r["server"]
+            e = _steps(r)
             lines.append(f"| {r['model']} | {r['sampling']} | {r['client']} | " + " | ".join(
                 f"{1000 * e.get(f'engine_phase_{p}', 0.0) / e['engine_steps']:.2f}" for p in ENGINE_STEP_PHASES) + " |")
     heads = [f"{r['model']} {r['client']} {r['vs_engine_greedy']:.2f}×" for r in result["rows"]
@@ -524,6 +567,8 @@ def _parse(a: argparse.Namespace) -> tuple[list[str], list[str]]:
     backends = [b.strip() for b in a.backends.split(",") if b.strip()]
     if not models or not backends or any(b not in BACKENDS for b in backends):
         raise SystemExit(f"--models and --backends need at least one each; backends: {', '.join(BACKENDS)}")
+    if a.prefills < 0:
+        raise SystemExit("--prefills must be >= 0")
     if min(a.num_prompts, a.input_len, a.output_len, a.max_concurrency, a.steps) < 1 or a.output_len < 2:
         raise SystemExit("--num-prompts, --input-len, --max-concurrency and --steps must be >= 1, --output-len >= 2")
     if a.device == "cuda":
@@ -689,7 +734,8 @@ def run(a: argparse.Namespace) -> int:
     res.save()
     print(f"\nGPU serving benchmark on {device_name} ({a.device}, {dtype}): {a.num_prompts} prompts of "
           f"{a.input_len} random tokens, {a.output_len} out (EOS ignored), {a.max_concurrency} in flight; sampled = "
-          f"{SAMPLINGS[1].fields()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"{SAMPLINGS[1].fields()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; served: "
+          + (f"{a.prefills} prefill worker(s) + 1 decode worker" if a.prefills else "aggregated, one decode worker"))
     return report_end(res, table, path, res.doc["rows"])
 
 
@@ -717,7 +763,7 @@ def served_phase(a: argparse.Namespace, model: str, dtype: str, builder: PromptB
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gpu-serving", help="the engine alone against the served cluster, same load, one device",
+    p = sub.add_parser("gpu-serving", help="the engine alone against the served cluster, same load",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(DEFAULT_MODELS),
                    help=f"comma-separated model specs (default {','.join(DEFAULT_MODELS)})")
@@ -731,6 +777,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=128, help="output tokens, EOS ignored (default 128)")
     p.add_argument("--max-concurrency", type=int, default=64,
                    help="requests in flight, closed loop; also the engine's max_num_seqs (default 64)")
+    p.add_argument("--prefills", type=int, default=0,
+                   help="prefill workers of the served cluster, a GPU each, beside its one decode worker (default 0: "
+                        "the aggregated layout, one device; 1 on two GPUs: prompts on one, decoding on the other)")
     p.add_argument("--backends", default="grpc,openai", help=f"served clients, of {','.join(BACKENDS)} "
                                                              "(default grpc,openai)")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per sampling (default 20)")

@@ -9,7 +9,7 @@ import pytest
 
 from common.config import ModelConfig
 from common.loader import load_model_source
-from loadgen.bench_gpu_serving import SAMPLINGS, served_target, step_limit
+from loadgen.bench_gpu_serving import SAMPLINGS, limit_at_rows, served_target, step_limit
 from loadgen.clients import SAMPLING_FIELDS
 from loadgen.server_metrics import ENGINE_STEP_PHASES
 from loadgen.workloads import RequestSpec
@@ -86,6 +86,10 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
         assert 0 < r["tpot_p50_vs_mixed_limit"] < r["tpot_p50_vs_limit"]
     for sampling in ("greedy", "sampled"):  # each served run has its own cache salt: no prefix-cache hit
         assert rows["grpc", sampling]["server"]["prefix_cache_hits"] == 0
+        # aggregated: the one decode worker's steps are all the cluster's
+        dec = rows["grpc", sampling]["decode_workers"]
+        assert dec["engine_steps"] == rows["grpc", sampling]["server"]["engine_steps"] > 0
+        assert 0 < rows["grpc", sampling]["decode_rows_per_step"] <= 4
     assert rows["engine", "greedy"]["vs_engine_greedy"] == 1.0
     for sampling in ("greedy", "sampled"):  # the served decode worker profiled through each load: its steps
         prof = rows["grpc", sampling]["profile"]
@@ -116,3 +120,37 @@ def test_engine_and_served_cluster_under_the_same_load(tmp_path, capsys):
     assert len(ratios) == 3 and m["step"]["ratio"] == ratios[1]
     assert {"smollm2: engine load", "smollm2: cluster start"} <= set(res["phases_s"])
     assert "| smollm2 | sampled | grpc |" in text and "sampled ÷ greedy" in text
+
+
+def test_served_with_a_prefill_worker_reports_the_decode_workers_steps(tmp_path, capsys):
+    """``--prefills 1``: the served cluster runs one prefill and one decode worker; every prompt is prefilled
+    remotely (threshold 1 token), so the decode worker's steps carry no prompt tokens, and the rows' step figures and
+    limit at their rows are the decode worker's alone, not diluted by the prefill worker's steps."""
+    out = tmp_path / "gs.json"
+    code = main(["bench", "gpu-serving", "--device", "cpu", "--models", "smollm2", "--num-prompts", "4",
+                 "--input-len", "32", "--output-len", "4", "--max-concurrency", "4", "--backends", "grpc",
+                 "--skip-engine", "--prefills", "1", "--set", "tokenizer.count=1",
+                 "--set", "router.prefill_threshold_tokens=1", "--result-file", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    assert res["models"]["smollm2"]["served_processes"] == {"decode": 1, "gateway": 1, "prefill": 1, "router": 1,
+                                                            "tokenizer": 1}
+    lim = res["models"]["smollm2"]["limit"]
+    assert len(res["rows"]) == 2
+    for r in res["rows"]:
+        assert (r["summary"]["completed"], r["summary"]["failed"]) == (4, 0), r
+        whole, dec = r["server"], r["decode_workers"]
+        assert whole["engine_steps"] > dec["engine_steps"] > 0  # the prefill worker stepped too
+        assert dec["engine_step_prompt_tokens"] == 0 and whole["engine_step_prompt_tokens"] >= 4 * 32
+        assert r["decode_rows_per_step"] == pytest.approx(dec["engine_step_decode_rows"] / dec["engine_steps"])
+        assert 0 < r["decode_rows_per_step"] <= 4
+        assert r["limit_at_rows_ms"] == pytest.approx(limit_at_rows(lim, r["decode_rows_per_step"]))
+        assert r["tpot_p50_vs_limit_at_rows"] == pytest.approx(r["tpot_p50_ms"] / r["limit_at_rows_ms"])
+    assert "1 prefill worker(s) + 1 decode worker" in text and "÷ limit at its rows" in text
+
+
+def test_the_limit_at_fewer_rows_reads_their_kv_only():
+    lim = {"weight_bytes": 100.0, "kv_bytes": 64.0, "batch": 64, "bandwidth_Bps": 1e3}
+    assert limit_at_rows(lim, 64) == pytest.approx(164.0)
+    assert limit_at_rows(lim, 16) == pytest.approx(116.0)
