@@ -35,8 +35,10 @@ N = 32  # greedy tokens compared per prompt (hf_reference holds 64; EOS masked f
 PICK = [0, 2, 5, 9, 12, 14, 17, 19]  # of the twenty reference prompts: chat and plain, short and long
 STORY = "Once upon a time, in a small village by the sea,"
 
-AGGREGATED = (*GPU_ENGINE_ARGS, "--set", "prefill.count=0", "--set", "engine.kv_cache_memory=2GiB",
-              "--set", "engine.gpu_memory_utilization=0.3")
+# one aggregated worker on one GPU, on a machine with any number of them (without decode.count a decode worker
+# would start on every GPU: tests/gpu/test_two_gpus.py covers that layout)
+AGGREGATED = (*GPU_ENGINE_ARGS, "--set", "prefill.count=0", "--set", "decode.count=1",
+              "--set", "engine.kv_cache_memory=2GiB", "--set", "engine.gpu_memory_utilization=0.3")
 # 1 prefill + 1 decode, both on GPU 0 (a one-device list: "cuda:0"; a bare "0" would be a GPU count): the launcher
 # splits gpu_memory_utilization between them; prompts above the threshold are prefilled remotely and their KV
 # pulled over NIXL
