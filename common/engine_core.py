@@ -183,6 +183,7 @@ class WorkerCore:
             "kv_free": bm.num_free_blocks, "kv_total": bm.num_blocks, "prefix_queries": bm.stats.queries,
             "prefix_hits": bm.stats.hits,
             **{f"phase_{k}": v for k, v in e.step_phases().items()},
+            **{f"loop_{k}": v for k, v in (self.loop.loop_seconds.items() if self.loop else ())},
         }
         for klass in PriorityClass:
             waiting, running = e.num_by_class(klass)

@@ -26,6 +26,10 @@ from common.engine import LLMEngine, RequestOutput
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STEP_RANGE = "tokenmill.engine_step"  # a profile's range around each step (common/profiling.py)
+# the loop's own work between steps, timed (/metrics: tokenmill:engine_loop_seconds{part}): the commands run
+# without waiting (a wait with nothing to run is idle time), the tick, the hook before a step, the outputs handed
+# on, the hook at the end of an iteration
+LOOP_PARTS = ("commands", "tick", "before", "outputs", "after")
 
 
 class EngineLoop:
@@ -68,6 +72,7 @@ class EngineLoop:
         self._stopping = False
         self.error: BaseException | None = None
         self.idle_seconds = 0.0  # blocked for a command with no sequence to run (/metrics: tokenmill:engine_idle_seconds)
+        self.loop_seconds = dict.fromkeys(LOOP_PARTS, 0.0)  # the time between steps by part, summed
         self.profiling = False  # each step in a profiler range of its own (common/profiling.py)
 
     def start(self) -> None:
@@ -119,28 +124,39 @@ class EngineLoop:
             self.ready.set_result(self.engine)
         eng = self.engine
         assert eng is not None
+        spent = self.loop_seconds
+        clock = time.perf_counter
         try:
             while not self._stopping:
+                t = clock()
                 if eng.has_unfinished():
                     self._run_commands(eng, block=False)
+                    spent["commands"] += clock() - t
                 else:
-                    t = time.perf_counter()
                     self._run_commands(eng, block=True)
-                    self.idle_seconds += time.perf_counter() - t
+                    self.idle_seconds += clock() - t
+                t = clock()
                 if self._on_tick is not None:
                     self._on_tick(eng)
+                spent["tick"] += clock() - t
                 if eng.has_unfinished():
+                    t = clock()
                     if self._after is not None:
                         self._after(False)
+                    spent["before"] += clock() - t
                     if self.profiling:
                         with record_function(STEP_RANGE):
                             outs = eng.step()
                     else:
                         outs = eng.step()
+                    t = clock()
                     if outs:
                         self._on_outputs(outs)
+                    spent["outputs"] += clock() - t
+                t = clock()
                 if self._after is not None:
                     self._after(True)
+                spent["after"] += clock() - t
         except BaseException as e:  # the worker fails what waits on the engine and goes down
             self.error = e
             self._stopping = True  # later submits fail at once

@@ -17,7 +17,7 @@ from common import gc_watch, rpc
 from common.cluster_config import ServiceConfig
 from common.engine import STEP_PHASES, LLMEngine
 from common.engine_core import CoreHandle, CoreInfo, ProcessCore, ThreadCore, WorkerCore
-from common.engine_loop import EngineLoop
+from common.engine_loop import LOOP_PARTS, EngineLoop
 from common.kv_transfer import KvCompat
 from common.load_report import report_forever
 from common.rpc import Unavailable
@@ -90,6 +90,9 @@ class WorkerMetrics:
                                         "time by phase, summed (schedule, launch, wait: blocked on the device for "
                                         "picked tokens, outputs, sample, other): common/engine.py, STEP_PHASES",
                                         ["phase"], registry=r)
+        self.loop_seconds = Gauge("tokenmill:engine_loop_seconds", "Seconds of the engine thread's work between "
+                                  "steps, by part, summed (commands, tick: KV pulls and leases, before, outputs, "
+                                  "after: common/engine_loop.py, LOOP_PARTS)", ["part"], registry=r)
         self.idle_seconds = Gauge("tokenmill:engine_idle_seconds", "Seconds the engine thread waited for work with "
                                   "no sequence to run", registry=r)
         self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
@@ -126,6 +129,8 @@ class WorkerMetrics:
             getattr(self, key).set_function(read(key))
         for phase in STEP_PHASES:
             self.step_phase_seconds.labels(phase).set_function(read(f"phase_{phase}"))
+        for part in LOOP_PARTS:
+            self.loop_seconds.labels(part).set_function(read(f"loop_{part}"))
         for klass in PriorityClass:
             label = klass.name.lower()
             self.class_waiting.labels(label).set_function(read(f"waiting_{label}"))

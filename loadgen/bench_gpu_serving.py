@@ -62,7 +62,12 @@ from loadgen.bench_offline import _machine, _say, _source_state
 from loadgen.clients import BACKENDS, GrpcTarget, OpenAITarget, SamplingFields, SendOptions
 from loadgen.metrics import RequestRecord, summarize
 from loadgen.runner import LoadConfig, run_warmups
-from loadgen.server_metrics import ENGINE_STEP_PHASES, fold_means, named_endpoints_from_state
+from loadgen.server_metrics import (
+    ENGINE_LOOP_PARTS,
+    ENGINE_STEP_PHASES,
+    fold_means,
+    named_endpoints_from_state,
+)
 from loadgen.workloads import PromptBuilder, RequestSpec, build_requests
 
 DEFAULT_MODELS = ("dummy:llama-3.1-8b", "dummy:llama-3.2-1b")
@@ -549,6 +554,19 @@ def build_table(result: dict[str, Any]) -> str:
             e = _steps(r)
             lines.append(f"| {r['model']} | {r['sampling']} | {r['client']} | " + " | ".join(
                 f"{1000 * e.get(f'engine_phase_{p}', 0.0) / e['engine_steps']:.2f}" for p in ENGINE_STEP_PHASES) + " |")
+    loop_rows = [r for r in result["rows"] if _steps(r).get("engine_steps")
+                 and any(f"engine_loop_{p}" in _steps(r) for p in ENGINE_LOOP_PARTS)]
+    if loop_rows:
+        lines += ["", "The engine thread's work between steps, ms a step (common/engine_loop.py, LOOP_PARTS; tick: the "
+                  "KV pulls' posting and polling; after: the iteration's outputs and counters sent on), and the wall "
+                  "time a step (the run's duration ÷ its steps, idle time included):", "",
+                  "| model | sampling | client | " + " | ".join(ENGINE_LOOP_PARTS) + " | wall a step |",
+                  "|---|---|---|" + "---:|" * (len(ENGINE_LOOP_PARTS) + 1)]
+        for r in loop_rows:
+            e, dur = _steps(r), r["summary"].get("duration_s") or 0.0
+            lines.append(f"| {r['model']} | {r['sampling']} | {r['client']} | " + " | ".join(
+                f"{1000 * e.get(f'engine_loop_{p}', 0.0) / e['engine_steps']:.2f}" for p in ENGINE_LOOP_PARTS)
+                + f" | {1000 * dur / e['engine_steps']:.2f} |")
     heads = [f"{r['model']} {r['client']} {r['vs_engine_greedy']:.2f}×" for r in result["rows"]
              if r["client"] != "engine" and r["sampling"] == "sampled" and r["vs_engine_greedy"]]
     if heads:

@@ -62,3 +62,44 @@ def test_a_factory_that_fails_fails_ready_and_what_was_submitted():
         pending.result(timeout=30)
     assert isinstance(loop.error, FileNotFoundError)
     loop.stop()
+
+
+def test_the_work_between_steps_is_timed_by_part_and_waiting_is_idle_time():
+    """A tick that sleeps 2 ms and an outputs hook that sleeps 1 ms show in ``loop_seconds`` in proportion to the
+    steps; the loop's wait for work before and after the request counts as idle time, not as commands."""
+    import time
+
+    from common.engine_loop import LOOP_PARTS
+    from loadgen.server_metrics import ENGINE_LOOP_PARTS
+
+    assert LOOP_PARTS == ENGINE_LOOP_PARTS  # the benchmark reads the parts by these names
+    done = threading.Event()
+    ticks_while_busy = []
+
+    def on_outputs(outs: list[RequestOutput]) -> None:
+        time.sleep(0.001)
+        if any(o.finished for o in outs):
+            done.set()
+
+    def tick(e: LLMEngine) -> None:
+        if e.has_unfinished():
+            ticks_while_busy.append(1)
+            time.sleep(0.002)
+
+    engine = LLMEngine.from_spec("dummy:tiny-llama", EngineConfig(kv_cache_memory=4 << 20))
+    loop = EngineLoop(engine, on_outputs, on_tick=tick)
+    loop.start()
+    try:
+        time.sleep(0.3)  # nothing to run: idle
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        loop.submit(lambda e: e.add_request("r", [3, 4, 5, 6], params)).result(timeout=30)
+        assert done.wait(60)
+        time.sleep(0.3)
+        steps = loop.submit(lambda e: e.num_steps).result(30)
+    finally:
+        loop.stop()
+    spent = loop.loop_seconds
+    assert set(spent) == set(LOOP_PARTS) and steps == 20
+    assert spent["tick"] >= 0.002 * len(ticks_while_busy) and len(ticks_while_busy) >= steps - 1
+    assert spent["outputs"] >= 0.001 * steps
+    assert spent["commands"] < 0.1 and loop.idle_seconds >= 0.5  # both waits are idle time

@@ -147,7 +147,10 @@ def test_served_with_a_prefill_worker_reports_the_decode_workers_steps(tmp_path,
         assert 0 < r["decode_rows_per_step"] <= 4
         assert r["limit_at_rows_ms"] == pytest.approx(limit_at_rows(lim, r["decode_rows_per_step"]))
         assert r["tpot_p50_vs_limit_at_rows"] == pytest.approx(r["tpot_p50_ms"] / r["limit_at_rows_ms"])
+        # the decode worker's work between steps: its pulls ticked, its outputs and counters sent on
+        assert dec["engine_loop_tick"] > 0 and dec["engine_loop_after"] > 0 and dec["engine_loop_outputs"] > 0
     assert "1 prefill worker(s) + 1 decode worker" in text and "÷ limit at its rows" in text
+    assert "The engine thread's work between steps" in text
 
 
 def test_the_limit_at_fewer_rows_reads_their_kv_only():
