@@ -13,7 +13,7 @@ from itertools import islice
 
 import numpy as np
 
-from common.hashing import ROOT_HASH, HashKeys, block_hash
+from common.hashing import ROOT_HASH, HashKeys, block_hash, chain_block_hashes
 from common.sequence import Sequence
 
 
@@ -193,18 +193,16 @@ class BlockManager:
         full = seq.num_computed_tokens // bs
         if len(seq.block_hashes) >= full:  # most steps: a decode's token fills no block
             return
-        keys = self._keys(seq)
-        while len(seq.block_hashes) < full:
-            i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
-            toks = tuple(seq.tokens_range(i * bs, (i + 1) * bs))
-            h = block_hash(parent, toks, keys)
+        start = len(seq.block_hashes)
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        toks = seq.tokens_range(start * bs, full * bs)
+        for k, h in enumerate(chain_block_hashes(parent, toks, bs, self._keys(seq))):
             seq.block_hashes.append(h)
-            b = self.blocks[seq.block_ids[i]]
+            b = self.blocks[seq.block_ids[start + k]]
             if h not in self._by_hash:
                 self._by_hash[h] = b.block_id
                 b.hash = h
-                b.tokens = toks
+                b.tokens = tuple(toks[k * bs : (k + 1) * bs])
                 if self.track_events:
                     self._events.append((True, h))
 

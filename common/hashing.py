@@ -32,20 +32,17 @@ class HashKeys:
 
 def block_hash(parent: int, tokens: Sequence[int], keys: HashKeys) -> int:
     """Hash of one full block given its parent block's hash (``ROOT_HASH`` for the first block)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<Q", parent))
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    h.update(keys.encode())
-    return int.from_bytes(h.digest(), "little")
+    return chain_block_hashes(parent, tokens, len(tokens), keys)[0]
 
 
-def prefix_block_hashes(tokens: Sequence[int], block_size: int, keys: HashKeys) -> list[int]:
-    """Hashes of every full block of ``tokens`` (a trailing partial block has none)."""
+def chain_block_hashes(parent: int, tokens: Sequence[int], block_size: int, keys: HashKeys) -> list[int]:
+    """Hashes of every full block of ``tokens`` (a trailing partial block has none), the first one's parent
+    ``parent``. The tokens are converted once and the keys encoded once for all the blocks: a pulled 1,024-token
+    prompt commits its 64 blocks in one call on the decode worker's engine thread."""
     out: list[int] = []
-    parent = ROOT_HASH
     arr = np.asarray(tokens, dtype=np.int64)
     kb = keys.encode()
-    for i in range(len(tokens) // block_size):
+    for i in range(len(arr) // block_size):
         h = hashlib.blake2b(digest_size=8)
         h.update(struct.pack("<Q", parent))
         h.update(arr[i * block_size : (i + 1) * block_size].tobytes())
@@ -53,3 +50,8 @@ def prefix_block_hashes(tokens: Sequence[int], block_size: int, keys: HashKeys) 
         parent = int.from_bytes(h.digest(), "little")
         out.append(parent)
     return out
+
+
+def prefix_block_hashes(tokens: Sequence[int], block_size: int, keys: HashKeys) -> list[int]:
+    """Hashes of every full block of ``tokens`` (a trailing partial block has none)."""
+    return chain_block_hashes(ROOT_HASH, tokens, block_size, keys)

@@ -213,3 +213,32 @@ def test_without_chunked_prefill_the_cap_beside_decodes_holds_no_prompt_back():
     out = sch.schedule()
     assert [(i.seq.request_id, i.num_tokens) for i in out.prefills] == [("p", 30)]
     assert [i.seq.request_id for i in out.decodes] == ["d"]
+
+
+def test_blocks_committed_at_once_or_one_by_one_get_the_routers_hashes():
+    """A pulled prompt commits all its blocks in one call, a decoding sequence one block at a time, across the
+    prompt/output boundary: either way each block's hash is the router's (``prefix_block_hashes``) for the same
+    tokens and salt, and a later prompt with those tokens finds them."""
+    import random
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(1000) for _ in range(37)]
+    outputs = [rng.randrange(1000) for _ in range(12)]
+    keys = HashKeys("m", cache_salt="t")
+    bm = BlockManager(64, 4, "m")
+    bm.track_events = True
+    s = seq("a", prompt, salt="t")
+    run_prefill(bm, s)  # 9 full blocks at once
+    assert s.block_hashes == prefix_block_hashes(prompt, 4, keys)
+    for t in outputs:  # then one token at a time: blocks fill across the prompt's tail
+        s.output_ids.append(t)
+        bm.allocate(s, s.num_tokens)
+        s.num_computed_tokens = s.num_tokens
+        bm.commit_full_blocks(s)
+    whole = prompt + outputs
+    assert s.block_hashes == prefix_block_hashes(whole, 4, keys) and len(s.block_hashes) == 12
+    assert [bm.blocks[b].tokens for b in s.block_ids[:12]] == [tuple(whole[i:i + 4]) for i in range(0, 48, 4)]
+    stored, removed = bm.drain_events()
+    assert stored == s.block_hashes and removed == []
+    again = seq("b", [*whole, 5], salt="t")
+    assert bm.match_prefix(again) == s.block_ids[:12]
