@@ -9,9 +9,10 @@ For each model (default: the Llama-3.1-8B dummy and the Llama-3.2-1B shape, rand
    added as soon as one ends), greedy then sampled.
 2. The served cluster: ``tokenmill up`` as a user starts it, with one decode worker and ``--prefills`` prefill
    workers (default 0: the aggregated layout, one device; ``--prefills 1`` on two GPUs: prompts on GPU 0, KV pulled
-   over NIXL, decoding on GPU 1), on free ports below 32768, ready when the gateway's ``/health`` answers 200. The same load through each client of
-   ``--backends`` (gRPC ``Generate``; OpenAI ``/v1/completions`` with the same prompt token ids), greedy then
-   sampled, each run under a fresh cache salt; a short warm-up first; then SIGTERM to the launcher.
+   over NIXL, decoding on GPU 1), on free ports below 32768, ready when the gateway's ``/health`` answers 200. The
+   same load through each client of ``--backends`` (gRPC ``Generate``; OpenAI ``/v1/completions`` with the same
+   prompt token ids), greedy then sampled, each run under a fresh cache salt; a short warm-up first; then SIGTERM to
+   the launcher.
 
 The load: ``--num-prompts`` random word-token prompts of exactly ``--input-len`` tokens (loadgen/workloads.py; the
 same prompts for the engine and every client), ``--output-len`` tokens each, EOS ignored, ``--max-concurrency`` in
