@@ -535,15 +535,15 @@ def build_table(result: dict[str, Any]) -> str:
               "busy | idle | engine queue ms | engine TTFT ms | gateway TTFT ms |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
-        e, dur = _steps(r), r["summary"].get("duration_s") or 0.0
+        e, srv, dur = _steps(r), r.get("server") or {}, r["summary"].get("duration_s") or 0.0
         n = e.get("engine_steps")
         if not n or not dur:
             continue
         lines.append(f"| {r['model']} | {r['sampling']} | {r['client']} | {n:,.0f} | "
                      f"{1000 * e['engine_step_seconds'] / n:.2f} | {e['engine_step_decode_rows'] / n:.1f} | "
                      f"{e['engine_step_prompt_tokens'] / n:.0f} | {e['engine_step_seconds'] / dur:.0%} | "
-                     f"{e.get('engine_idle_seconds', 0.0) / dur:.0%} | {_mean_ms(r.get('server') or {}, 'engine_queue')} | "
-                     f"{_mean_ms(r.get('server') or {}, 'engine_ttft')} | {_mean_ms(r.get('server') or {}, 'ttft')} |")
+                     f"{e.get('engine_idle_seconds', 0.0) / dur:.0%} | {_mean_ms(srv, 'engine_queue')} | "
+                     f"{_mean_ms(srv, 'engine_ttft')} | {_mean_ms(srv, 'ttft')} |")
     phase_rows = [r for r in result["rows"] if _steps(r).get("engine_steps")
                   and any(f"engine_phase_{p}" in _steps(r) for p in ENGINE_STEP_PHASES)]
     if phase_rows:

@@ -90,11 +90,11 @@ def test_the_work_between_steps_is_timed_by_part_and_waiting_is_idle_time():
     loop = EngineLoop(engine, on_outputs, on_tick=tick)
     loop.start()
     try:
-        time.sleep(0.3)  # nothing to run: idle
+        time.sleep(0.5)  # nothing to run: idle
         params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
         loop.submit(lambda e: e.add_request("r", [3, 4, 5, 6], params)).result(timeout=30)
         assert done.wait(60)
-        time.sleep(0.3)
+        time.sleep(0.5)
         steps = loop.submit(lambda e: e.num_steps).result(30)
     finally:
         loop.stop()
@@ -102,4 +102,5 @@ def test_the_work_between_steps_is_timed_by_part_and_waiting_is_idle_time():
     assert set(spent) == set(LOOP_PARTS) and steps == 20
     assert spent["tick"] >= 0.002 * len(ticks_while_busy) and len(ticks_while_busy) >= steps - 1
     assert spent["outputs"] >= 0.001 * steps
-    assert spent["commands"] < 0.1 and loop.idle_seconds >= 0.5  # both waits are idle time
+    # both waits are idle time (~1 s; a loaded machine may start the loop's thread late, so not all of the first)
+    assert spent["commands"] < 0.1 and loop.idle_seconds >= 0.6
