@@ -13,7 +13,7 @@ from itertools import islice
 
 import numpy as np
 
-from common.hashing import ROOT_HASH, HashKeys, block_hash, chain_block_hashes
+from common.hashing import ROOT_HASH, HashKeys, iter_block_hashes
 from common.sequence import Sequence
 
 
@@ -22,7 +22,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
-    tokens: tuple[int, ...] | None = None  # kept to confirm a hash hit
+    tokens: bytes | None = None  # its token ids as the bytes its hash covers (``iter_block_hashes``): a hit is confirmed
 
 
 @dataclass(slots=True)
@@ -86,27 +86,28 @@ class BlockManager:
         return HashKeys(self.model_id, cache_salt=seq.cache_salt)
 
     def match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq``'s tokens, leaving ≥ 1 token to compute."""
+        """Block ids holding the longest cached prefix of ``seq``'s tokens, leaving ≥ 1 token to compute. The blocks
+        are hashed in one pass up to the first miss."""
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
-        keys = self._keys(seq)
-        parent = ROOT_HASH
+        if max_blocks <= 0:
+            return []
         hit: list[int] = []
-        for i in range(max_blocks):
-            toks = tuple(seq.tokens_range(i * bs, (i + 1) * bs))
-            h = block_hash(parent, toks, keys)
-            bid = self._by_hash.get(h)
-            if bid is None or self.blocks[bid].tokens != toks:
+        by_hash, blocks = self._by_hash, self.blocks
+        for h, toks in iter_block_hashes(ROOT_HASH, seq.tokens_range(0, max_blocks * bs), bs, self._keys(seq)):
+            bid = by_hash.get(h)
+            if bid is None or blocks[bid].tokens != toks:
                 break
             hit.append(bid)
-            parent = h
         return hit
 
-    def admit(self, seq: Sequence) -> None:
-        """First admission: take the cached prefix (refs++), count the lookup."""
-        hit = self.match_prefix(seq)
+    def admit(self, seq: Sequence, hit: list[int] | None = None) -> None:
+        """First admission: take the cached prefix (refs++), count the lookup. ``hit``: what :meth:`match_prefix`
+        just returned for ``seq`` (nothing has changed the cache since), so the prefix is not looked up twice."""
+        if hit is None:
+            hit = self.match_prefix(seq)
         for bid in hit:
             self._take(bid)
         seq.block_ids = list(hit)
@@ -196,13 +197,13 @@ class BlockManager:
         start = len(seq.block_hashes)
         parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
         toks = seq.tokens_range(start * bs, full * bs)
-        for k, h in enumerate(chain_block_hashes(parent, toks, bs, self._keys(seq))):
+        for k, (h, data) in enumerate(iter_block_hashes(parent, toks, bs, self._keys(seq))):
             seq.block_hashes.append(h)
             b = self.blocks[seq.block_ids[start + k]]
             if h not in self._by_hash:
                 self._by_hash[h] = b.block_id
                 b.hash = h
-                b.tokens = tuple(toks[k * bs : (k + 1) * bs])
+                b.tokens = data
                 if self.track_events:
                     self._events.append((True, h))
 

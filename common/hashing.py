@@ -1,7 +1,7 @@
 """Content addresses of full KV blocks: a chained hash shared by the engine and the router.
 
-``block_hash(parent, tokens, extra)`` is a 64-bit integer from blake2b over the parent's hash, the block's token
-ids and the extra keys (model id, adapter, cache salt). Chaining makes a block's address depend on the whole
+A block's hash is a 64-bit integer from blake2b over the parent block's hash, the block's token ids and the extra
+keys (model id, adapter, cache salt): ``iter_block_hashes``. Chaining makes a block's address depend on the whole
 prefix before it, so equal hashes mean equal prefixes (confirmed by comparing tokens on a hit).
 The router calls ``prefix_block_hashes`` on the same ids with the same keys, so its overlap counts are exact.
 """
@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import numpy as np
+from functools import cache
 
 ROOT_HASH = 0
+_PARENT = struct.Struct("<Q")
+
+
+@cache
+def _block_struct(block_size: int) -> struct.Struct:
+    """A block's token ids as the bytes its hash covers: ``block_size`` little-endian int64."""
+    return struct.Struct(f"<{block_size}q")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,26 +36,27 @@ class HashKeys:
         return f"{self.model_id}\x00{self.adapter}\x00{self.cache_salt}".encode()
 
 
-def block_hash(parent: int, tokens: Sequence[int], keys: HashKeys) -> int:
-    """Hash of one full block given its parent block's hash (``ROOT_HASH`` for the first block)."""
-    return chain_block_hashes(parent, tokens, len(tokens), keys)[0]
+def iter_block_hashes(parent: int, tokens: Sequence[int], block_size: int,
+                      keys: HashKeys) -> Iterator[tuple[int, bytes]]:
+    """``(hash, tokens)`` of each full block of ``tokens`` in order (a trailing partial block has none), the first
+    one's parent ``parent``; a block's tokens as the little-endian int64 bytes its hash covers, which the prefix
+    cache keeps to confirm a hit. Lazy, so a lookup that misses early hashes no more blocks; the keys are encoded
+    once for all the blocks."""
+    kb = keys.encode()
+    pack = _block_struct(block_size).pack
+    for i in range(len(tokens) // block_size):
+        data = pack(*tokens[i * block_size : (i + 1) * block_size])
+        h = hashlib.blake2b(_PARENT.pack(parent), digest_size=8)
+        h.update(data)
+        h.update(kb)
+        parent = int.from_bytes(h.digest(), "little")
+        yield parent, data
 
 
 def chain_block_hashes(parent: int, tokens: Sequence[int], block_size: int, keys: HashKeys) -> list[int]:
     """Hashes of every full block of ``tokens`` (a trailing partial block has none), the first one's parent
-    ``parent``. The tokens are converted once and the keys encoded once for all the blocks: a pulled 1,024-token
-    prompt commits its 64 blocks in one call on the decode worker's engine thread."""
-    out: list[int] = []
-    arr = np.asarray(tokens, dtype=np.int64)
-    kb = keys.encode()
-    for i in range(len(arr) // block_size):
-        h = hashlib.blake2b(digest_size=8)
-        h.update(struct.pack("<Q", parent))
-        h.update(arr[i * block_size : (i + 1) * block_size].tobytes())
-        h.update(kb)
-        parent = int.from_bytes(h.digest(), "little")
-        out.append(parent)
-    return out
+    ``parent``."""
+    return [h for h, _ in iter_block_hashes(parent, tokens, block_size, keys)]
 
 
 def prefix_block_hashes(tokens: Sequence[int], block_size: int, keys: HashKeys) -> list[int]:

@@ -307,7 +307,7 @@ class Scheduler:
             if not self.bm.can_allocate(need):
                 break
             self.waiting.admit(seq)
-            self.bm.admit(seq)
+            self.bm.admit(seq, None if seq.block_ids else hit)
             self.bm.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             self._insert_running(seq)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
+import pytest
+
+from common import block_manager
 from common.block_manager import BlockManager
 from common.hashing import HashKeys, prefix_block_hashes
 from common.sampling import SamplingParams
@@ -34,6 +40,47 @@ def test_prefix_hit_shares_blocks_and_counts():
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 16
+
+
+def test_block_hashes_are_blake2b_over_parent_tokens_and_keys():
+    """The hash format every worker and the router share, against a plain reference: blake2b-64 over the parent's
+    hash (little-endian u64), the block's ids (little-endian int64) and the keys, chained from ROOT_HASH."""
+    tokens = [5, 0, 49151, 7, 2**40, 3, 1, 9, 11]
+    keys = HashKeys("m", adapter="a", cache_salt="t")
+    parent, want = 0, []
+    for i in range(0, 8, 4):
+        h = hashlib.blake2b(digest_size=8)
+        h.update(parent.to_bytes(8, "little"))
+        h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[i:i + 4]))
+        h.update(b"m\x00a\x00t")
+        parent = int.from_bytes(h.digest(), "little")
+        want.append(parent)
+    assert prefix_block_hashes(tokens, 4, keys) == want
+
+
+@pytest.mark.parametrize("cached_blocks", [0, 3, 6])
+def test_an_admission_looks_its_prefix_up_once(monkeypatch, cached_blocks):
+    """The scheduler's admission hashes a waiting prompt's blocks once (up to its first miss), not again when the
+    block manager takes the hit."""
+    bm = BlockManager(64, 4, "m")
+    first = seq("a", [*range(24), 99])
+    run_prefill(bm, first)
+    passes = []
+    real = block_manager.iter_block_hashes
+
+    def counted(*args):
+        passes.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(block_manager, "iter_block_hashes", counted)
+    sch = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    second = seq("b", [*range(4 * cached_blocks), *(1000 + i for i in range(30 - 4 * cached_blocks))])
+    sch.add(second)
+    out = sch.schedule()
+    assert [i.seq.request_id for i in out.prefills] == ["b"]
+    assert second.num_cached_tokens == 4 * cached_blocks
+    assert second.block_ids[:cached_blocks] == first.block_ids[:cached_blocks]
+    assert len(passes) == 1
 
 
 def test_salt_and_model_separate_caches():
@@ -237,7 +284,8 @@ def test_blocks_committed_at_once_or_one_by_one_get_the_routers_hashes():
         bm.commit_full_blocks(s)
     whole = prompt + outputs
     assert s.block_hashes == prefix_block_hashes(whole, 4, keys) and len(s.block_hashes) == 12
-    assert [bm.blocks[b].tokens for b in s.block_ids[:12]] == [tuple(whole[i:i + 4]) for i in range(0, 48, 4)]
+    assert [bm.blocks[b].tokens for b in s.block_ids[:12]] == [struct.pack("<4q", *whole[i:i + 4])
+                                                                 for i in range(0, 48, 4)]
     stored, removed = bm.drain_events()
     assert stored == s.block_hashes and removed == []
     again = seq("b", [*whole, 5], salt="t")
