@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.metrics import stats
+from loadgen.server_metrics import ENGINE_LOOP_PARTS, ENGINE_STEP_PHASES
 
 _LAT = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 
@@ -78,6 +79,8 @@ def format_run(run: dict[str, Any], backend: str, where: str) -> str:
             if "prefix_cache_hit_rate" in d:
                 lines.append(f"  {url}: prefix-cache hit rate {_f(100 * d['prefix_cache_hit_rate'])} % of "
                              f"{d['prefix_cache_queries']:.0f} prompt tokens")
+            if d.get("engine_steps"):
+                lines.append(f"  {url}: {engine_line(d)}")
     elif srv.get("endpoints"):
         lines.append(f"server: no /metrics could be read ({srv.get('unreachable')})")
     for name, ts in (s.get("by_tenant") or {}).items():
@@ -86,6 +89,21 @@ def format_run(run: dict[str, Any], backend: str, where: str) -> str:
         lines.append(f"tenant {name}: {ts['completed']}/{ts['requests']} ok, {_f(ts['request_throughput'], '.2f')} "
                      f"req/s, TTFT p50 {_f(ts['ttft_ms']['p50'])} p99 {_f(ts['ttft_ms']['p99'])} ms{good}")
     return "\n".join(lines)
+
+
+def engine_line(d: dict[str, Any]) -> str:
+    """A worker's engine thread over the run, a step on average: its rows, its host phases
+    (``tokenmill:engine_step_phase_seconds``) and the work between steps (``tokenmill:engine_loop_seconds``)."""
+    n = d["engine_steps"]
+
+    def ms(key: str) -> str:
+        return f"{1e3 * d.get(key, 0.0) / n:.3f}"
+
+    phases = ", ".join(f"{p} {ms('engine_phase_' + p)}" for p in ENGINE_STEP_PHASES if f"engine_phase_{p}" in d)
+    loop = ", ".join(f"{p} {ms('engine_loop_' + p)}" for p in ENGINE_LOOP_PARTS if f"engine_loop_{p}" in d)
+    return (f"engine {n:.0f} steps, {d.get('engine_step_decode_rows', 0.0) / n:.1f} decode rows + "
+            f"{d.get('engine_step_prompt_tokens', 0.0) / n:.1f} prompt tokens a step; ms a step: "
+            f"{ms('engine_step_seconds')} in the step ({phases}); between steps: {loop}")
 
 
 def format_sweep(runs: list[dict[str, Any]]) -> str:
