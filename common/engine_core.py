@@ -179,6 +179,7 @@ class WorkerCore:
         s = {
             "steps": e.num_steps, "step_seconds": e.step_seconds, "step_decode_rows": e.step_decode_rows,
             "step_prompt_tokens": e.step_prompt_tokens, "idle_seconds": self.loop.idle_seconds if self.loop else 0.0,
+            "cpu_seconds": self.loop.cpu_seconds if self.loop else 0.0,
             "running": e.num_running, "waiting": e.num_waiting, "kv_used": bm.usage(),
             "kv_free": bm.num_free_blocks, "kv_total": bm.num_blocks, "prefix_queries": bm.stats.queries,
             "prefix_hits": bm.stats.hits,

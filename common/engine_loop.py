@@ -73,6 +73,9 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.idle_seconds = 0.0  # blocked for a command with no sequence to run (/metrics: tokenmill:engine_idle_seconds)
         self.loop_seconds = dict.fromkeys(LOOP_PARTS, 0.0)  # the time between steps by part, summed
+        # CPU time of the loop's thread since the engine was ready, renewed each iteration: against its busy wall time
+        # (the steps and loop_seconds), the rest is time it could not run (the GIL, a blocking write)
+        self.cpu_seconds = 0.0
         self.profiling = False  # each step in a profiler range of its own (common/profiling.py)
 
     def start(self) -> None:
@@ -125,9 +128,11 @@ class EngineLoop:
         eng = self.engine
         assert eng is not None
         spent = self.loop_seconds
-        clock = time.perf_counter
+        clock, cpu = time.perf_counter, time.thread_time
+        cpu0 = cpu()
         try:
             while not self._stopping:
+                self.cpu_seconds = cpu() - cpu0
                 t = clock()
                 if eng.has_unfinished():
                     self._run_commands(eng, block=False)
@@ -164,6 +169,7 @@ class EngineLoop:
             if self._on_failure is not None:
                 self._on_failure(e)
         finally:
+            self.cpu_seconds = cpu() - cpu0
             self._fail_pending()
 
     def _fail_pending(self) -> None:

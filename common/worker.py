@@ -95,6 +95,10 @@ class WorkerMetrics:
                                   "after: common/engine_loop.py, LOOP_PARTS)", ["part"], registry=r)
         self.idle_seconds = Gauge("tokenmill:engine_idle_seconds", "Seconds the engine thread waited for work with "
                                   "no sequence to run", registry=r)
+        self.cpu_seconds = Gauge("tokenmill:engine_thread_cpu_seconds", "CPU seconds of the engine thread since the "
+                                 "engine was ready; its busy time (engine_step_seconds plus engine_loop_seconds) less "
+                                 "this is time it could not run: waiting for the GIL or a blocking write",
+                                 registry=r)
         self.expired_leases = Counter("tokenmill:nixl_expired_leases", "KV leases that expired unread",
                                       registry=r)
         # one observation per request's KV transfer, on both sides: decode from posting its READ to seeing it
@@ -138,8 +142,8 @@ class WorkerMetrics:
 
 
 # the gauges ``WorkerMetrics.bind`` reads from the engine core's counters, by attribute (= the counter's key)
-STATS_GAUGES = ("steps", "step_seconds", "step_decode_rows", "step_prompt_tokens", "idle_seconds", "running", "waiting",
-                "kv_used", "kv_free", "kv_total", "prefix_queries", "prefix_hits", "nixl_bytes", "nixl_seconds",
+STATS_GAUGES = ("steps", "step_seconds", "step_decode_rows", "step_prompt_tokens", "idle_seconds", "cpu_seconds",
+                "running", "waiting", "kv_used", "kv_free", "kv_total", "prefix_queries", "prefix_hits", "nixl_bytes", "nixl_seconds",
                 "nixl_busy", "nixl_failures", "nixl_reads", "nixl_descriptors", "nixl_post", "nixl_warmups")
 
 

@@ -93,7 +93,8 @@ def format_run(run: dict[str, Any], backend: str, where: str) -> str:
 
 def engine_line(d: dict[str, Any]) -> str:
     """A worker's engine thread over the run, a step on average: its rows, its host phases
-    (``tokenmill:engine_step_phase_seconds``) and the work between steps (``tokenmill:engine_loop_seconds``)."""
+    (``tokenmill:engine_step_phase_seconds``), the work between steps (``tokenmill:engine_loop_seconds``), and the
+    share of that busy time its thread ran on a CPU (``tokenmill:engine_thread_cpu_seconds``)."""
     n = d["engine_steps"]
 
     def ms(key: str) -> str:
@@ -101,9 +102,12 @@ def engine_line(d: dict[str, Any]) -> str:
 
     phases = ", ".join(f"{p} {ms('engine_phase_' + p)}" for p in ENGINE_STEP_PHASES if f"engine_phase_{p}" in d)
     loop = ", ".join(f"{p} {ms('engine_loop_' + p)}" for p in ENGINE_LOOP_PARTS if f"engine_loop_{p}" in d)
+    busy = d.get("engine_step_seconds", 0.0) + sum(d.get(f"engine_loop_{p}", 0.0) for p in ENGINE_LOOP_PARTS)
+    on_cpu = (f"; its thread on a CPU {100 * d['engine_cpu_seconds'] / busy:.0f}% of that time"
+              if busy > 0 and "engine_cpu_seconds" in d else "")
     return (f"engine {n:.0f} steps, {d.get('engine_step_decode_rows', 0.0) / n:.1f} decode rows + "
             f"{d.get('engine_step_prompt_tokens', 0.0) / n:.1f} prompt tokens a step; ms a step: "
-            f"{ms('engine_step_seconds')} in the step ({phases}); between steps: {loop}")
+            f"{ms('engine_step_seconds')} in the step ({phases}); between steps: {loop}{on_cpu}")
 
 
 def format_sweep(runs: list[dict[str, Any]]) -> str:

@@ -46,6 +46,7 @@ _COUNTERS = {
     "engine_step_decode_rows": ("tokenmill:engine_step_decode_rows",),
     "engine_step_prompt_tokens": ("tokenmill:engine_step_prompt_tokens",),
     "engine_idle_seconds": ("tokenmill:engine_idle_seconds",),
+    "engine_cpu_seconds": ("tokenmill:engine_thread_cpu_seconds",),
     **{f"engine_phase_{p}": (f'tokenmill:engine_step_phase_seconds{{"phase": "{p}"}}',) for p in ENGINE_STEP_PHASES},
     **{f"engine_loop_{p}": (f'tokenmill:engine_loop_seconds{{"part": "{p}"}}',) for p in ENGINE_LOOP_PARTS},
     # the workers' engines: arrival to the first prompt step, and to a first token computed there

@@ -104,3 +104,7 @@ def test_the_work_between_steps_is_timed_by_part_and_waiting_is_idle_time():
     assert spent["outputs"] >= 0.001 * steps
     # both waits are idle time (~1 s; a loaded machine may start the loop's thread late, so not all of the first)
     assert spent["commands"] < 0.1 and loop.idle_seconds >= 0.6
+    # the thread's CPU time: what it ran, not the sleeps in its hooks nor the idle waits
+    busy = engine.step_seconds + sum(spent.values())
+    slept = 0.002 * len(ticks_while_busy) + 0.001 * steps
+    assert 0 < loop.cpu_seconds < busy - 0.5 * slept

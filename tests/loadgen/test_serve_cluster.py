@@ -139,7 +139,8 @@ def test_http_chat_open_loop_tenants_and_shared_prefix(cluster, capsys, tmp_path
     assert "tenant alice:" in text and "prefix-cache hit rate" in text
     # each worker's engine a step: rows, host phases, the work between steps
     engine = [line for line in text.splitlines() if ": engine " in line and "ms a step" in line]
-    assert engine and all("schedule" in line and "between steps: commands" in line for line in engine)
+    assert engine and all("schedule" in line and "between steps: commands" in line and "on a CPU" in line
+                          for line in engine)
 
     # compare the gRPC sweep's first point with this run: a table of ratios
     a = tmp_path / "one.json"

@@ -314,6 +314,10 @@ def test_metrics_count_requests(cluster):
             between = {part: metric(p, f'tokenmill:engine_loop_seconds{{part="{part}"}}')
                        for part in ("commands", "tick", "before", "outputs", "after")}
             assert min(between.values()) >= 0 and between["after"] > 0 and between["outputs"] > 0, (p["name"], between)
+            # the engine thread's CPU time: some, and no more than its wall time since the engine was ready
+            cpu = metric(p, "tokenmill:engine_thread_cpu_seconds")
+            wall = secs + sum(between.values()) + metric(p, "tokenmill:engine_idle_seconds")
+            assert 0 < cpu < wall + 1.0, (p["name"], cpu, wall)
             assert metric(p, "tokenmill:engine_step_prompt_tokens") > 0, p["name"]
             rows = metric(p, "tokenmill:engine_step_decode_rows")
             assert rows <= metric(p, "tokenmill:generation_tokens_total"), p["name"]
