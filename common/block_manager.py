@@ -22,7 +22,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
-    tokens: bytes | None = None  # its token ids as the bytes its hash covers (``iter_block_hashes``): a hit is confirmed
+    tokens: bytes | None = None  # its ids as the bytes its hash covers (``iter_block_hashes``), to confirm a hit
 
 
 @dataclass(slots=True)

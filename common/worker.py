@@ -143,8 +143,9 @@ class WorkerMetrics:
 
 # the gauges ``WorkerMetrics.bind`` reads from the engine core's counters, by attribute (= the counter's key)
 STATS_GAUGES = ("steps", "step_seconds", "step_decode_rows", "step_prompt_tokens", "idle_seconds", "cpu_seconds",
-                "running", "waiting", "kv_used", "kv_free", "kv_total", "prefix_queries", "prefix_hits", "nixl_bytes", "nixl_seconds",
-                "nixl_busy", "nixl_failures", "nixl_reads", "nixl_descriptors", "nixl_post", "nixl_warmups")
+                "running", "waiting", "kv_used", "kv_free", "kv_total", "prefix_queries", "prefix_hits",
+                "nixl_bytes", "nixl_seconds", "nixl_busy", "nixl_failures", "nixl_reads", "nixl_descriptors",
+                "nixl_post", "nixl_warmups")
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:
