@@ -340,10 +340,9 @@ def start_cluster(name: str, up_args: list[str], log_dir: Path, startup_timeout:
         _say(f"{name}: cluster stopped (exit {proc.returncode})")
 
 
-def served_cluster(model: str, a: argparse.Namespace, dtype: str,
-                   log_dir: Path) -> contextlib.AbstractContextManager[dict[str, Any]]:
-    """``tokenmill up`` with one decode worker and ``--prefills`` prefill workers (0: aggregated, one device) for
-    ``model``, as ``start_cluster`` runs it."""
+def served_args(model: str, a: argparse.Namespace, dtype: str) -> list[str]:
+    """``tokenmill up``'s arguments for the served cluster of ``model``: one decode worker and ``--prefills``
+    prefill workers (0: aggregated, one device)."""
     args = ["--model", spec_arg(model), "--prefills", str(a.prefills), "--decodes", "1",
             "--set", f"engine.max_num_seqs={a.max_concurrency}",
             "--set", f"engine.dtype={dtype}", "--device", a.device, "--tokenizer", spec_arg(a.tokenizer)]
@@ -352,7 +351,27 @@ def served_cluster(model: str, a: argparse.Namespace, dtype: str,
     if getattr(a, "profile_dir", None):
         slug = model.replace(":", "-").replace("/", "-")
         args += ["--set", f"profile_dir={Path(a.profile_dir).resolve() / slug}"]
-    return start_cluster(model, args, log_dir, a.startup_timeout)
+    return args
+
+
+def served_cluster(model: str, a: argparse.Namespace, dtype: str,
+                   log_dir: Path) -> contextlib.AbstractContextManager[dict[str, Any]]:
+    """The served cluster of ``model`` (``served_args``), as ``start_cluster`` runs it."""
+    return start_cluster(model, served_args(model, a, dtype), log_dir, a.startup_timeout)
+
+
+def served_layout_error(models: list[str], a: argparse.Namespace, dtype: str, log_dir: Path) -> str | None:
+    """Each served cluster's layout, checked before anything runs: ``tokenmill up --dry-run`` with the same
+    arguments (its GPU plan: more workers than GPUs, no CUDA device, a device that does not exist). The launcher's
+    error line, or None when every cluster can start."""
+    for model in models:
+        cmd = [sys.executable, "-m", "services.cli", "up", *served_args(model, a, dtype), "--dry-run",
+               "--state-file", str(log_dir / "dry-run.json")]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
+        if p.returncode != 0:
+            said = (p.stderr.strip() or p.stdout.strip()).splitlines()
+            return f"{model}: the served cluster cannot start: {said[-1] if said else f'exit {p.returncode}'}"
+    return None
 
 
 def spec_arg(spec: str) -> str:
@@ -705,6 +724,11 @@ def run(a: argparse.Namespace) -> int:
     dtype = a.dtype or default_dtype(a.device)
     path = Path(a.result_file) if a.result_file else None
     log_dir = make_log_dir(a.log_dir, path, "gpu-serving")
+    if not a.skip_served:  # before the engine-alone half, which takes minutes a model
+        error = served_layout_error(models, a, dtype, log_dir)
+        if error is not None:
+            print(f"tokenmill bench gpu-serving: {error}", file=sys.stderr)
+            return 2
     device_name = torch.cuda.get_device_name() if a.device == "cuda" else _machine().get("cpu", "cpu")
     res = BenchResult(path, {
         "tool": "tokenmill bench gpu-serving", "device": a.device, "device_name": device_name, "dtype": dtype,

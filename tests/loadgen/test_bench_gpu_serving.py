@@ -157,3 +157,15 @@ def test_the_limit_at_fewer_rows_reads_their_kv_only():
     lim = {"weight_bytes": 100.0, "kv_bytes": 64.0, "batch": 64, "bandwidth_Bps": 1e3}
     assert limit_at_rows(lim, 64) == pytest.approx(164.0)
     assert limit_at_rows(lim, 16) == pytest.approx(116.0)
+
+
+def test_a_served_layout_that_cannot_start_is_refused_before_anything_runs(tmp_path, capsys):
+    """The served cluster's layout is checked first, by ``tokenmill up --dry-run`` with the same arguments: one line
+    naming the problem, exit 2, nothing measured (no result file; the engine-alone half takes minutes a model)."""
+    out = tmp_path / "r.json"
+    code = main(["bench", "gpu-serving", "--device", "cpu", "--models", "smollm2", "--backends", "grpc",
+                 "--set", "decode.gpus=1", "--result-file", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "smollm2: the served cluster cannot start" in err and "decode.gpus is set (1)" in err, err
+    assert not out.exists()
