@@ -53,12 +53,6 @@ def iter_block_hashes(parent: int, tokens: Sequence[int], block_size: int,
         yield parent, data
 
 
-def chain_block_hashes(parent: int, tokens: Sequence[int], block_size: int, keys: HashKeys) -> list[int]:
-    """Hashes of every full block of ``tokens`` (a trailing partial block has none), the first one's parent
-    ``parent``."""
-    return [h for h, _ in iter_block_hashes(parent, tokens, block_size, keys)]
-
-
 def prefix_block_hashes(tokens: Sequence[int], block_size: int, keys: HashKeys) -> list[int]:
     """Hashes of every full block of ``tokens`` (a trailing partial block has none)."""
-    return chain_block_hashes(ROOT_HASH, tokens, block_size, keys)
+    return [h for h, _ in iter_block_hashes(ROOT_HASH, tokens, block_size, keys)]
