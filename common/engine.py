@@ -41,7 +41,7 @@ from common.loader import ModelSource, load_model_source
 from common.model import LlamaModel
 from common.model_runner import ModelRunner, TokenFeed
 from common.output_processor import OutputProcessor
-from common.sampler import PendingSample, PinnedUploads, Sampler, SampleRow
+from common.sampler import PendingSample, PinnedUploads, Sampler, SampleRow, record
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import DEFAULT_TENANCY, FinishReason, PriorityClass, Sequence, SequenceStatus, Tenancy
@@ -565,7 +565,7 @@ class LLMEngine:
             if constrained:
                 if self.runner.device.type == "cuda" and self._grammars is not None and self._grammars.masks is not None:
                     step.forward_done = torch.cuda.Event()
-                    step.forward_done.record()
+                    record(step.forward_done)
                 return step
         self._queue_pick(step)
         return step

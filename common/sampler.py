@@ -63,6 +63,7 @@ _U_MAX = 1.0 - 2.0**-23  # u × total stays below total in float32: the pick nev
 # a padding row of a CUDA graph's parameter table: greedy, no penalties, slot 0
 _PAD_ROW = [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
 _GRAPH_MAX_ROWS = 1024
+_PAD_TABLE = np.tile(np.asarray(_PAD_ROW, dtype=np.float32), (_GRAPH_MAX_ROWS, 1))
 
 
 @dataclass(slots=True)
@@ -131,8 +132,15 @@ class _Readback:
             bufs[self._turn] = (buf, event)
         host = buf[:n]
         host.copy_(flat, non_blocking=True)
-        event.record()
+        record(event)
         return host, event
+
+
+def record(event: torch.cuda.Event) -> None:
+    """``event.record()`` on the current stream of the current device, asked for directly: without a stream, torch
+    finds it through a dozen Python calls (a CUDA availability check and an environment read among them), every
+    time; a step records several events."""
+    event.record(torch.cuda.current_stream(torch.cuda.current_device()))
 
 
 def _mix64(z: int) -> int:
@@ -149,6 +157,16 @@ def row_uniform(seed: int, position: int) -> float:
 
 def _uniform(seed_hash: int, position: int) -> float:
     return (_mix64(seed_hash ^ (position & _M64)) >> 40) * 2.0**-24
+
+
+def _uniforms(seed_hashes: list[int], positions: list[int]) -> np.ndarray:
+    """``_uniform`` of each (seed hash, position), as float64: the same splitmix64, in numpy's wrapping uint64."""
+    z = np.array(seed_hashes, dtype=np.uint64) ^ np.array(positions, dtype=np.uint64)
+    z += np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(40)).astype(np.float64) * 2.0**-24
 
 
 def _argmax(x: torch.Tensor) -> list[int]:
@@ -216,7 +234,7 @@ class PinnedUploads:
             return t.to(self.device)
         stage, done = self._stage(name, t)
         out = stage.to(self.device, non_blocking=True)
-        done.record()
+        record(done)
         return out
 
     def copy_into(self, name: str, data: Any, dst: torch.Tensor) -> None:
@@ -227,7 +245,7 @@ class PinnedUploads:
             return
         stage, done = self._stage(name, t)
         dst.view(-1).copy_(stage.view(-1), non_blocking=True)
-        done.record()
+        record(done)
 
     def _stage(self, name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """``t`` copied into the pinned buffer ``name`` (grown when too small, else first waited for: the last copy
@@ -509,8 +527,8 @@ class _PickGraphs:
             self.prm = torch.zeros(rows, len(_PAD_ROW), dtype=torch.float32, device=logits.device)
         assert self.prm is not None
         self._load(logits, key.rows)
-        self.sampler._uploads.copy_into("graph_params", spec.table + [_PAD_ROW] * (key.rows - n),
-                                        self.prm[: key.rows])
+        table = spec.table if key.rows == n else np.concatenate((spec.table, _PAD_TABLE[: key.rows - n]))
+        self.sampler._uploads.copy_into("graph_params", table, self.prm[: key.rows])
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key)
@@ -585,7 +603,7 @@ class Sampler:
         self._uploads = PinnedUploads(torch.device(device))
         self._slots = _Slots(vocab_size, torch.device(device), max_rows, self._uploads)
         self._ws = _Workspace(torch.device(device))
-        self._static: dict[str, _RowStatic] = {}  # by request id
+        self._static = _Statics()
         self.vocab_size = vocab_size
         self._byte_bias: torch.Tensor | None = None  # [256, 8] float32: a bitmask byte's 8 tokens as 0 / -inf
         # CUDA: the grammar masks' table as the device reads it in place (None: not mapped yet; False: it could not
@@ -781,7 +799,7 @@ class Sampler:
         """Mark the end of the kernels queued to read the mask table and index: the next fill waits for it."""
         if self._read is None:
             self._read = torch.cuda.Event()
-        self._read.record()
+        record(self._read)
 
     def _masked_argmax(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int]:
         """The argmax of ``logits[rows]`` over their masks' allowed tokens: one pass of the C++ kernel on the CPU
@@ -852,7 +870,7 @@ class _CudaArray:
 class _RowStatic:
     """What a request's parameters say about every one of its rows, worked out once."""
 
-    head: tuple[float, ...]  # the table's columns _TEMP.._FREQ
+    head_id: int  # its table row's row of _Statics.heads (_U and _SLOT are the step's)
     greedy: bool
     counts: bool  # needs the kept penalty state
     rep: bool
@@ -862,25 +880,59 @@ class _RowStatic:
     min_p: bool
     bias: tuple[tuple[int, float], ...]
     seed_hash: int
+    kind: tuple[bool, int, bool, bool]  # greedy, top_k, top_p, min_p: what its row asks of the pick
+    rare: bool  # min_tokens, logit_bias or logprobs: looked at row by row
 
-    @classmethod
-    def of(cls, p: SamplingParams, seed: int, vocab: int) -> _RowStatic:
+
+
+class _Statics:
+    """The :class:`_RowStatic` of each request (by request id), and the distinct table rows they use as one array,
+    so that a step's table is one ``take`` from it, not a conversion of every row's floats. Bounded: a step that
+    starts with more than ``MAX_HEADS`` distinct rows drops both (:meth:`trim`), and they are made anew from the
+    rows' parameters; within a step the ids only grow."""
+
+    MAX_HEADS = 4096
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, _RowStatic] = {}
+        self._ids: dict[tuple[float, ...], int] = {}
+        self.heads = np.empty((16, len(_PAD_ROW)), dtype=np.float32)
+
+    def pop(self, key: str, default: Any = None) -> Any:
+        return self.by_key.pop(key, default)
+
+    def of(self, p: SamplingParams, seed: int, vocab: int) -> _RowStatic:
         k = p.top_k if p.top_k is not None and 0 < p.top_k < vocab else 0
         greedy = p.greedy
         # a greedy row is picked by argmax; in the sampling pass it keeps one candidate at temperature 1 (finite)
         head = (1.0 if greedy else p.temperature, 1.0 if greedy else float(k), p.top_p, p.min_p,
-                p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-        return cls(head, greedy, _needs_counts(p), p.repetition_penalty != 1.0,
-                   bool(p.presence_penalty or p.frequency_penalty), k, p.top_p < 1.0, p.min_p > 0.0,
-                   tuple((t, b) for t, b in p.logit_bias if t < vocab), _mix64(seed & _M64))
+                p.repetition_penalty, p.presence_penalty, p.frequency_penalty, 0.0, 0.0, float(greedy))
+        bias = tuple((t, b) for t, b in p.logit_bias if t < vocab)
+        return _RowStatic(self._head_id(head), greedy, _needs_counts(p), p.repetition_penalty != 1.0,
+                          bool(p.presence_penalty or p.frequency_penalty), k, p.top_p < 1.0, p.min_p > 0.0,
+                          bias, _mix64(seed & _M64), (greedy, k, p.top_p < 1.0, p.min_p > 0.0),
+                          p.min_tokens > 0 or bool(bias) or p.logprobs is not None)
+
+    def trim(self) -> None:
+        if len(self._ids) > self.MAX_HEADS:
+            self._ids.clear()
+            self.by_key.clear()
+
+    def _head_id(self, head: tuple[float, ...]) -> int:
+        i = self._ids.get(head)
+        if i is not None:
+            return i
+        i = self._ids[head] = len(self._ids)
+        if i >= len(self.heads):
+            self.heads = np.concatenate((self.heads, np.empty_like(self.heads)))
+        self.heads[i] = head
+        return i
 
 
 class _StepSpec:
     """The host side of one step: per-row parameters as one table, and which stages any row needs."""
 
-    def __init__(self, rows: list[SampleRow], slots: _Slots, vocab: int, cache: dict[str, _RowStatic]) -> None:
-        self.table: list[list[float]] = []
-        self.slot_of_row: list[int] = []
+    def __init__(self, rows: list[SampleRow], slots: _Slots, vocab: int, statics: _Statics) -> None:
         self.bans: list[tuple[int, int]] = []
         self.bias: list[tuple[int, int, float]] = []
         self.lp_rows: list[int] = []
@@ -893,45 +945,71 @@ class _StepSpec:
         self.max_seen = 0  # most distinct tokens of a penalized row
         self.raw_lp: torch.Tensor | None = None  # log_softmax of the raw logits of lp_rows
         self.lp_index: torch.Tensor | None = None  # lp_rows on the device
+        n = len(rows)
+        heads: list[int] = []
+        statics.trim()
+        cache = statics.by_key
+        row_slots: list[int] = []
+        no_rep: list[int] = []  # penalized rows whose slot has seen nothing: nothing to penalize
+        hashes: list[int] = []
+        positions: list[int] = []
+        kinds: set[tuple[bool, int, bool, bool]] = set()
         in_use: set[int] = set()
+        by_key, counted, bound = slots.by_key, slots.counted, slots.bound
         for i, r in enumerate(rows):
-            p = r.params
-            st = cache.get(r.key) if r.key is not None else None  # a request's params and seed never change
+            key = r.key
+            st = cache.get(key) if key is not None else None  # a request's params and seed never change
             if st is None:
-                st = _RowStatic.of(p, r.seed, vocab)
-                if r.key is not None:
-                    cache[r.key] = st
-            row = [*st.head, min(_uniform(st.seed_hash, r.position), _U_MAX), 0.0, float(st.greedy)]
+                st = statics.of(r.params, r.seed, vocab)
+                if key is not None:
+                    cache[key] = st
+            heads.append(st.head_id)
+            hashes.append(st.seed_hash)
+            positions.append(r.position)
+            kinds.add(st.kind)
             slot = 0
             if st.counts:
-                slot = slots.acquire(r.key, in_use)
+                slot = by_key.get(key, 0) if key is not None else 0
+                if slot and counted[slot] == len(r.output_ids):  # its kept counts are current: most rows, most steps
+                    by_key.move_to_end(key)  # type: ignore[arg-type]  # slot != 0: key is not None
+                else:
+                    slot = slots.acquire(key, in_use)
+                    slots.sync(slot, r)
                 in_use.add(slot)
-                slots.sync(slot, r)
-                (self.fold_slots if r.key is not None else self.temp_slots).append(slot)
-                seen = slots.seen(slot)
+                (self.fold_slots if key is not None else self.temp_slots).append(slot)
+                seen = bound[slot]
                 if seen:
-                    self.max_seen = max(self.max_seen, seen)
+                    if seen > self.max_seen:
+                        self.max_seen = seen
                     self.any_rep |= st.rep
                     self.any_freq_pres |= st.freq_pres
                 else:  # nothing seen: nothing to penalize (its ids row may be stale)
-                    row[_REP] = 1.0
-                row[_SLOT] = float(slot)
-            self.slot_of_row.append(slot)
-            if len(r.output_ids) < p.min_tokens and r.grammar is None:  # a grammar decides when EOS may come
-                self.bans += [(i, t) for t in {*r.eos_ids, *p.stop_token_ids} if 0 <= t < vocab]
-            if st.bias:
-                self.bias += [(i, t, b) for t, b in st.bias]
-            if p.logprobs is not None:
-                self.lp_rows.append(i)
-                self.lp_k.append(p.logprobs)
-            if st.greedy:
+                    no_rep.append(i)
+            row_slots.append(slot)
+            if st.rare:
+                p = r.params
+                if len(r.output_ids) < p.min_tokens and r.grammar is None:  # a grammar decides when EOS may come
+                    self.bans += [(i, t) for t in {*r.eos_ids, *p.stop_token_ids} if 0 <= t < vocab]
+                if st.bias:
+                    self.bias += [(i, t, b) for t, b in st.bias]
+                if p.logprobs is not None:
+                    self.lp_rows.append(i)
+                    self.lp_k.append(p.logprobs)
+        for greedy, top_k, top_p, min_p in kinds:  # the stages the step's rows need, from their distinct kinds
+            if greedy:
                 self.any_greedy = True
             else:
                 self.any_sampled = True
-                self.top_ks.append(st.top_k)
-                self.any_top_p |= st.top_p
-                self.any_min_p |= st.min_p
-            self.table.append(row)
+                self.top_ks.append(top_k)
+                self.any_top_p |= top_p
+                self.any_min_p |= min_p
+        table = np.empty((n, len(_PAD_ROW)), dtype=np.float32)
+        if n:
+            statics.heads.take(heads, axis=0, out=table)
+            table[:, _U] = np.minimum(_uniforms(hashes, positions), _U_MAX)
+            table[:, _SLOT] = row_slots
+            table[no_rep, _REP] = 1.0
+        self.table = table
         slots.flush(self.max_seen + 1)  # a fold may add a column
         self.count_rows = self.max_seen > 0
         # every sampled row has a small top-k: sample among the top candidates only

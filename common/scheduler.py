@@ -317,11 +317,16 @@ class Scheduler:
         """Advance ``num_computed_tokens`` for everything that ran, and register newly full blocks. A sequence
         that finished meanwhile (async scheduling: its last token was known only after this step was scheduled) is
         left as it is: its blocks are freed."""
+        bm = self.bm
+        bs = bm.block_size if bm.enable_prefix_caching else 0
+        finished = SequenceStatus.FINISHED
         for item in (*out.prefills, *out.decodes):
-            if item.seq.status is SequenceStatus.FINISHED:
+            seq = item.seq
+            if seq.status is finished:
                 continue
-            item.seq.num_computed_tokens += item.num_tokens
-            self.bm.commit_full_blocks(item.seq)
+            seq.num_computed_tokens += item.num_tokens
+            if bs and seq.num_computed_tokens // bs > len(seq.block_hashes):  # a block filled up: most steps none
+                bm.commit_full_blocks(seq)
 
 
 def _prompt_chunk(seq: Sequence) -> bool:

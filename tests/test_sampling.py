@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from common import sampler as sampler_mod
 from common.sampler import Sampler, SampleRow, row_uniform, sample
 from common.sampling import SamplingParams
 
@@ -194,6 +195,43 @@ def test_row_uniform_is_a_pure_function_in_0_1():
     assert row_uniform(7, 3) == row_uniform(7, 3) != row_uniform(7, 4) != row_uniform(8, 3)
     assert abs(sum(us) / len(us) - 0.5) < 0.01
     assert len(set(us)) > 0.99 * len(us)
+
+
+def test_a_steps_uniforms_in_one_pass_equal_each_rows_own():
+    rng = random.Random(5)
+    seeds = [0, 1, (1 << 64) - 1, *(rng.getrandbits(64) for _ in range(200))]
+    positions = [0, 1, 4095, *(rng.randrange(1 << 20) for _ in range(200))]
+    hashes = [sampler_mod._mix64(s) for s in seeds]
+    got = sampler_mod._uniforms(hashes, positions).tolist()
+    assert got == [row_uniform(s, p) for s, p in zip(seeds, positions)]
+
+
+def test_the_step_table_follows_each_rows_parameters_when_they_outgrow_the_kept_ones(monkeypatch):
+    """A sampler keeps each distinct row of parameters once; past its bound it starts over. Rows that join as
+    it does (and rows kept from before) still get their own temperature, top-k/p, penalties and noise."""
+    monkeypatch.setattr(sampler_mod._Statics, "MAX_HEADS", 3)
+    rng = random.Random(6)
+    vocab = 100
+    sampler = Sampler(vocab, "cpu", max_rows=8)
+    live: list[SampleRow] = []
+    for step in range(12):
+        for _ in range(2):
+            p = SamplingParams(temperature=rng.choice([0.0, 0.5, 0.7, 1.0, 1.3]), top_k=rng.choice([None, 5, 20]),
+                               top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
+                               frequency_penalty=rng.choice([0.0, 0.4]), presence_penalty=rng.choice([0.0, 0.2]))
+            live.append(SampleRow(p, rng.randrange(1 << 30), 0, [3, 4], [], eos_ids=(0,), key=f"r{step}-{len(live)}"))
+        table = sampler._spec(torch.zeros(len(live), vocab), live).table
+        for r, t in zip(live, table.tolist()):
+            p = r.params
+            want = [1.0, 1.0] if p.greedy else [p.temperature, float(p.top_k or 0)]
+            want += [p.top_p, p.min_p, 1.0, p.presence_penalty, p.frequency_penalty]
+            assert t[:7] == pytest.approx(want), (step, r.key)
+            assert t[7] == pytest.approx(row_uniform(r.seed, r.position), abs=1e-7)
+            assert t[9] == float(p.greedy)
+        for r in live:
+            r.output_ids.append(1)
+            r.position += 1
+        sampler._slots.folded([], False)
 
 
 # -- penalties, bias and masks against a per-row reference ----------------------------------------------------
