@@ -5,7 +5,8 @@ portable references, CUDA-graph decode against eager, SmolLM2 greedy against tra
 
 1. The card's ceilings: copy bandwidth (device-to-device copy, bytes read + written) and bf16 matmul rate
    (8192³ on random data).
-2. The paged decode-attention kernel alone (section ``kernels``): its time and KV bandwidth, Llama-3.1-8B heads.
+2. The paged decode-attention kernel alone (section ``kernels``): its time and KV bandwidth, Llama-3.1-8B heads at
+   batch 1; the 8B's, the 1B's and SmolLM2's heads at batch 32 and 64 with context splits 1–8 and the default.
 3. A dummy Llama-3.1-8B (random bfloat16 weights): engine decode steps at batch 1 (128-token context) and 64
    (1,024-token contexts) against the physical limit: (every weight matrix a step multiplies by, not the embedding
    table, + the KV it reads) ÷ the measured copy bandwidth; each with CUDA graphs, eager fast path, and the
@@ -80,28 +81,42 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))
 
 
+# (name, query heads, KV heads, head dim) of the decode kernel's timings
+DECODE_HEADS = (("llama-3.1-8b", 32, 8, 128), ("llama-3.2-1b", 32, 8, 64), ("smollm2-135m", 9, 3, 64))
+
+
 def time_decode_kernel(bandwidth: float) -> list[dict]:
-    """The decode-attention kernel alone, Llama-3.1-8B heads (32 / 8 KV, d 128, bf16), KV bytes over its time."""
+    """The decode-attention kernel alone, bf16: Llama-3.1-8B heads (32 / 8 KV, d 128) at batch 1, and each shape of
+    ``DECODE_HEADS`` at batch 32 and 64 × 1,100 tokens with 1, 2, 3, 4 and 8 context splits and the default
+    (``splits`` 0: ``decode_num_splits``, reported as ``default_splits``); KV bytes over its time."""
     import triton
 
     from common import triton_ops as tk
+    from common.cuda_graphs import decode_num_splits
 
     rows = []
-    h, kvh, d, bs = 32, 8, 128, 16
-    for b, ctx, splits in ((1, 128, 0), (1, 4096, 0), (64, 1024, 1), (64, 1024, 2), (64, 1024, 4)):
-        nb = b * ctx // bs + 8
+    bs = 16
+    cases = [("llama-3.1-8b", 32, 8, 128, 1, 128, 0), ("llama-3.1-8b", 32, 8, 128, 1, 4096, 0)]
+    cases += [(name, h, kvh, d, b, 1100, sp) for name, h, kvh, d in DECODE_HEADS for b in (32, 64)
+              for sp in (0, 1, 2, 3, 4, 8)]
+    for name, h, kvh, d, b, ctx, splits in cases:
+        width = -(-ctx // bs)
+        nb = b * width + 8
         cache = torch.randn(nb, 1, 2, bs, kvh, d, device="cuda").to(torch.bfloat16)
-        tables = torch.randperm(nb, device="cuda")[: b * ctx // bs].view(b, ctx // bs).int()
+        tables = torch.randperm(nb, device="cuda")[: b * width].view(b, width).int()
         lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
         q = torch.randn(b, h, d, device="cuda").to(torch.bfloat16)
         out = torch.empty_like(q)
-        ms = triton.testing.do_bench(
-            lambda q=q, c=cache, t=tables, n=lens, o=out, sp=splits: tk.paged_decode_attention(
-                q, c, 0, t, n, d**-0.5, o, num_splits=sp),
-            warmup=25, rep=100, return_mode="median")
+        # in a CUDA graph, as the engine runs it: launched one by one, a split kernel and its merge would time the
+        # host's two launches
+        ms = triton.testing.do_bench_cudagraph(
+            lambda q=q, c=cache, t=tables, n=lens, o=out, sp=splits, sc=d**-0.5: tk.paged_decode_attention(
+                q, c, 0, t, n, sc, o, num_splits=sp),
+            rep=30, return_mode="median")
         kv = b * ctx * 2 * kvh * d * 2
-        rows.append({"batch": b, "context": ctx, "splits": splits, "us": ms * 1e3, "kv_bytes": kv,
-                     "GBps": kv / (ms / 1e3) / 1e9, "vs_copy_bw": kv / (ms / 1e3) / bandwidth})
+        rows.append({"heads": name, "batch": b, "context": ctx, "splits": splits,
+                     "default_splits": decode_num_splits(b, kvh, tk.num_sms(q.device)), "us": ms * 1e3,
+                     "kv_bytes": kv, "GBps": kv / (ms / 1e3) / 1e9, "vs_copy_bw": kv / (ms / 1e3) / bandwidth})
         del cache
     return rows
 
@@ -570,8 +585,9 @@ def main() -> int:
     if "kernels" in sections:
         res["decode_kernel"] = time_decode_kernel(bw)
         for r in res["decode_kernel"]:
-            print(f"  decode kernel b{r['batch']} ctx {r['context']} splits {r['splits']}: {r['us']:.1f} us, "
-                  f"{r['GBps']:.0f} GB/s ({r['vs_copy_bw']:.2f} of copy)", flush=True)
+            splits = f"{r['splits']}" if r["splits"] else f"default ({r['default_splits']})"
+            print(f"  decode kernel {r['heads']} heads, b{r['batch']} ctx {r['context']} splits {splits}: "
+                  f"{r['us']:.1f} us, {r['GBps']:.0f} GB/s ({r['vs_copy_bw']:.2f} of copy)", flush=True)
         save()
     if "tune" in sections:
         res["tune"] = tune(bw)

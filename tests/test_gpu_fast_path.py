@@ -61,12 +61,15 @@ def test_graph_batch_sizes_and_padding():
     assert graph_batch_sizes(64, 0, max_rows=2048)[-1] == 64 and graph_batch_sizes(64, 100, max_rows=32)[-1] == 64
 
 
-def test_decode_num_splits_fills_the_chip():
-    assert decode_num_splits(64, 8, 132) == 1  # 512 programs already
+def test_decode_num_splits_keeps_four_programs_per_multiprocessor():
+    assert decode_num_splits(128, 8, 132) == 1  # 1,024 programs already
+    assert decode_num_splits(64, 8, 132) == 2  # ceil(528 / 512)
+    assert decode_num_splits(64, 3, 132) == 3  # SmolLM2's 3 KV heads: ceil(528 / 192)
+    assert decode_num_splits(32, 3, 132) == 6
     assert decode_num_splits(1, 8, 132) == 16  # capped
-    assert decode_num_splits(4, 8, 132) == 9  # ceil(264 / 32)
-    assert decode_num_splits(16, 8, 132) == 3
-    assert decode_num_splits(1, 3, 132, max_splits=200) == 88
+    assert decode_num_splits(16, 8, 132) == 5  # ceil(528 / 128)
+    assert decode_num_splits(1, 3, 132, max_splits=1000) == 176
+    assert decode_num_splits(64, 3, 132, per_sm=2) == 2
 
 
 def _decode(seq_id: int, tokens: list[int], computed: int, blocks: list[int]) -> ScheduledSeq:
