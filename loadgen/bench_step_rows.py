@@ -15,7 +15,9 @@ the step and of the host's part against the rows (where the device bounds the st
 host's cost).
 
 Run: ``python -m loadgen.bench_step_rows`` (the embedded SmolLM2 on CUDA where there is one, else the no-op model on
-the CPU: the host's work alone); ``--model dummy:llama-3.2-1b --tokenizer smollm2`` for a 1B's shape.
+the CPU: the host's work alone); ``--model dummy:llama-3.2-1b --tokenizer smollm2`` for a 1B's shape. ``--kernels N``
+then runs ``--steps`` steps at the most rows under torch.profiler and prints the wall time a step and the N kernels
+with the most device time a step: where the device's part of a step goes.
 """
 
 from __future__ import annotations
@@ -47,12 +49,7 @@ def _window(eng: Any, ids: list[str], params: Any, input_len: int, steps: int) -
     timed; the median step and each phase's mean per step (µs). The requests are aborted at the end (their blocks
     freed). Every window starts its requests afresh, so their contexts are as long in every window (a step's
     attention grows with them)."""
-    for i, rid in enumerate(ids):
-        eng.add_request(rid, [(7 * i + j) % 1000 + 10 for j in range(input_len)], params)
-    while any(len(eng._seqs[r].output_ids) < 2 for r in ids):  # every prompt computed and decoding
-        eng.step()
-    for _ in range(10):
-        eng.step()
+    _start(eng, ids, params, input_len)
     eng.reset_step_counters()
     times = []
     for _ in range(steps):
@@ -61,11 +58,50 @@ def _window(eng: Any, ids: list[str], params: Any, input_len: int, steps: int) -
         times.append(time.perf_counter() - t)
     n = max(1, eng.num_steps)
     phases = {k: v / n * 1e6 for k, v in eng.step_phases().items()}
+    _end(eng, ids)
+    return statistics.median(times) * 1e6, phases
+
+
+def _start(eng: Any, ids: list[str], params: Any, input_len: int) -> None:
+    """``ids`` added as new requests, every prompt computed and 10 steps decoded."""
+    for i, rid in enumerate(ids):
+        eng.add_request(rid, [(7 * i + j) % 1000 + 10 for j in range(input_len)], params)
+    while any(len(eng._seqs[r].output_ids) < 2 for r in ids):  # every prompt computed and decoding
+        eng.step()
+    for _ in range(10):
+        eng.step()
+
+
+def _end(eng: Any, ids: list[str]) -> None:
     for rid in ids:
         eng.abort(rid)
     while eng.has_unfinished():
         eng.step()
-    return statistics.median(times) * 1e6, phases
+
+
+def kernel_profile(eng: Any, ids: list[str], params: Any, input_len: int, steps: int,
+                   top: int) -> dict[str, Any]:
+    """``steps`` decode-only steps of ``ids`` under torch.profiler: the wall time a step, and the ``top`` kernels by
+    device time a step (on the CPU, the operators by their own CPU time), with their calls a step."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = eng.runner.device.type == "cuda"
+    _start(eng, ids, params, input_len)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        wall = time.perf_counter() - t
+    _end(eng, ids)
+    events = [e for e in prof.key_averages() if (e.device_time_total if cuda else e.self_cpu_time_total) > 0]
+    us = (lambda e: e.device_time_total / steps) if cuda else (lambda e: e.self_cpu_time_total / steps)
+    events.sort(key=us, reverse=True)
+    return {"wall_us": wall / steps * 1e6, "total_us": sum(us(e) for e in events), "what": "device" if cuda else "cpu",
+            "top": [{"name": e.key, "us": us(e), "calls": e.count / steps} for e in events[:top]]}
 
 
 def measure(eng: Any, n_rows: int, params: Any, input_len: int, steps: int, rounds: int,
@@ -113,6 +149,14 @@ def run(a: argparse.Namespace) -> int:
         for n in a.rows:
             _say(f"{s.name}, {n} rows: {a.rounds} rounds × {len(PATHS)} paths × {a.steps} steps")
             results[s.name][n] = measure(eng, n, s.params(max_tokens), a.input_len, a.steps, a.rounds, PATHS)
+    kernels: dict[str, Any] = {}
+    if a.kernels:
+        n = max(a.rows)
+        for s in SAMPLINGS:
+            if s.name in a.samplings:
+                _say(f"{s.name}, {n} rows: {a.steps} steps under torch.profiler")
+                kernels[s.name] = kernel_profile(eng, [f"prof{n}-{s.name}-{i}" for i in range(n)],
+                                                 s.params(max_tokens), a.input_len, a.steps, a.kernels)
     eng.close()
     device_name = torch.cuda.get_device_name() if device == "cuda" else _machine().get("cpu", "cpu")
     print(f"\n{a.model}{' (no-op model)' if noop else ''} on {device_name}, {cfg.dtype}, decode-only steps, "
@@ -136,12 +180,19 @@ def run(a: argparse.Namespace) -> int:
     for name, sl in summary.items():
         print(f"| {name} | {sl['step_us']['inline']:.2f} / {sl['step_us']['general']:.2f} | "
               f"{sl['host_us']['inline']:.2f} / {sl['host_us']['general']:.2f} |")
+    for name, k in kernels.items():
+        print(f"\n{name}, {max(a.rows)} rows under torch.profiler: {k['wall_us']:.0f} µs a step (wall), "
+              f"{k['total_us']:.0f} µs of {k['what']} time a step; the top {len(k['top'])}:\n")
+        print("| µs a step | calls a step | kernel |" if k["what"] == "device" else "| µs a step | calls a step | operator |")
+        print("|---:|---:|---|")
+        for e in k["top"]:
+            print(f"| {e['us']:.1f} | {e['calls']:.0f} | {e['name'][:100]} |")
     if a.result_file:
         doc = {"tool": "python -m loadgen.bench_step_rows", "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "machine": _machine(), "source": _source_state(), "device": device_name, "model": a.model,
                "noop_model": noop, "dtype": cfg.dtype, "config": vars(a),
                "results": {k: {str(n): v for n, v in by.items()} for k, by in results.items()},
-               "us_per_row": summary}
+               "us_per_row": summary, "kernels": kernels}
         Path(a.result_file).write_text(json.dumps(doc, indent=1))
         _say(f"wrote {a.result_file}")
     return 0
@@ -159,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="then profile --steps steps at the most rows: the N kernels with the most device time a step "
+                        "(on the CPU, operators by CPU time)")
     p.add_argument("--result-file", default=None)
     return run(p.parse_args(argv))
 

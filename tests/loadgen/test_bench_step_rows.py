@@ -46,3 +46,29 @@ def test_runs_both_paths_and_frees_every_block(tmp_path: Path, capsys: pytest.Ca
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     table = capsys.readouterr().out
     assert "| greedy | 4 | inline |" in table and "| sampled | 4 | general |" in table
+
+
+def test_kernel_profile_lists_the_top_operators_a_step_and_frees_every_block(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    engines = []
+    real = bench_step_rows.kernel_profile
+
+    def spy(eng, *args, **kw):  # type: ignore[no-untyped-def]
+        engines.append(eng)
+        return real(eng, *args, **kw)
+
+    monkeypatch.setattr(bench_step_rows, "kernel_profile", spy)
+    out = tmp_path / "rows.json"
+    assert bench_step_rows.main(["--device", "cpu", "--rows", "1", "3", "--steps", "4", "--rounds", "1",
+                                 "--samplings", "sampled", "--kernels", "4", "--result-file", str(out)]) == 0
+    k = json.loads(out.read_text())["kernels"]
+    assert list(k) == ["sampled"] and k["sampled"]["what"] == "cpu"
+    top = k["sampled"]["top"]
+    assert len(top) == 4 and all(e["us"] > 0 and e["calls"] > 0 for e in top)
+    assert [e["us"] for e in top] == sorted((e["us"] for e in top), reverse=True)
+    assert sum(e["us"] for e in top) <= k["sampled"]["total_us"] + 1e-6 and k["sampled"]["wall_us"] > 0
+    eng = engines[0]
+    assert not eng.has_unfinished()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    printed = capsys.readouterr().out
+    assert "sampled, 3 rows under torch.profiler" in printed and "| µs a step | calls a step | operator |" in printed
