@@ -56,15 +56,17 @@ def prompt_tile_bound(rows: int, tile_rows: int, max_chunks: int) -> int:
     return min(rows, -(-rows // tile_rows) + max_chunks)
 
 
-def decode_num_splits(batch: int, kv_heads: int, sms: int, max_splits: int = 16, per_sm: int = 4) -> int:
+def decode_num_splits(batch: int, kv_heads: int, sms: int, head_dim: int = 128, max_splits: int = 16) -> int:
     """Splits of each sequence's context (flash-decoding): one program per (sequence, KV head, split), at least
-    ``per_sm`` programs per multiprocessor, at most ``max_splits``. A program's walk over its context waits on the
-    memory at every block (the block table first, then K and V), so the chip reads at its bandwidth only with enough
-    programs in flight: on an H200 at 64 rows × 1,100 tokens SmolLM2's 192 (sequence, KV head) pairs took 34 µs a
-    layer unsplit and 22 µs in 3 splits; the 1B shape's 512, 44 and 43 µs in 2 (``python -m loadgen.bench_gpu
-    --sections kernels``). The splits are fixed per captured batch size, whatever the contexts."""
-    programs = batch * kv_heads
-    return max(1, min(max_splits, -(-per_sm * sms // programs)))
+    ``256 // head_dim`` programs per multiprocessor (2 at head dim 128, 4 at 64), at most ``max_splits``. A
+    program's walk over its context waits on the memory at every block (its block-table entries, then K and V), so
+    the chip reads at its bandwidth only with enough bytes in flight, and a program reads ``head_dim`` elements a
+    token. On an H200, 64 rows × 1,100 tokens, one launch in a CUDA graph: SmolLM2's heads (3 KV, d 64) 33.7 µs
+    unsplit, 21.4 µs in 3 splits; the 1B shape's (8 KV, d 64) 43.8 and 42.9 µs in 2; Llama-3.1-8B's (8 KV, d 128)
+    72.5 µs unsplit and 81.1 µs in 2 (``python -m loadgen.bench_gpu --sections kernels``, docs/benchmarks.md). The
+    splits are fixed per captured batch size, whatever the contexts."""
+    per_sm = max(1, 256 // head_dim)
+    return max(1, min(max_splits, -(-per_sm * sms // (batch * kv_heads))))
 
 
 def graph_batch_sizes(max_num_seqs: int, prompt_rows: int = 0, max_rows: int | None = None) -> list[int]:

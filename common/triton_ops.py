@@ -145,7 +145,7 @@ def paged_decode_attention(
     g = heads // kvh
     assert q.stride(2) == 1 and q.stride(1) == d and out.stride(2) == 1 and out.stride(1) == d
     if num_splits <= 0:
-        num_splits = decode_num_splits(bsz, kvh, num_sms(q.device))
+        num_splits = decode_num_splits(bsz, kvh, num_sms(q.device), d)
     cache_l = kv_cache.select(1, layer)
     block_h = max(16, triton.next_power_of_2(g))
     ieee = q.dtype == torch.float32

@@ -115,7 +115,7 @@ def time_decode_kernel(bandwidth: float) -> list[dict]:
             rep=30, return_mode="median")
         kv = b * ctx * 2 * kvh * d * 2
         rows.append({"heads": name, "batch": b, "context": ctx, "splits": splits,
-                     "default_splits": decode_num_splits(b, kvh, tk.num_sms(q.device)), "us": ms * 1e3,
+                     "default_splits": decode_num_splits(b, kvh, tk.num_sms(q.device), d), "us": ms * 1e3,
                      "kv_bytes": kv, "GBps": kv / (ms / 1e3) / 1e9, "vs_copy_bw": kv / (ms / 1e3) / bandwidth})
         del cache
     return rows

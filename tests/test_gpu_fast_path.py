@@ -61,15 +61,19 @@ def test_graph_batch_sizes_and_padding():
     assert graph_batch_sizes(64, 0, max_rows=2048)[-1] == 64 and graph_batch_sizes(64, 100, max_rows=32)[-1] == 64
 
 
-def test_decode_num_splits_keeps_four_programs_per_multiprocessor():
-    assert decode_num_splits(128, 8, 132) == 1  # 1,024 programs already
-    assert decode_num_splits(64, 8, 132) == 2  # ceil(528 / 512)
-    assert decode_num_splits(64, 3, 132) == 3  # SmolLM2's 3 KV heads: ceil(528 / 192)
-    assert decode_num_splits(32, 3, 132) == 6
-    assert decode_num_splits(1, 8, 132) == 16  # capped
-    assert decode_num_splits(16, 8, 132) == 5  # ceil(528 / 128)
-    assert decode_num_splits(1, 3, 132, max_splits=1000) == 176
-    assert decode_num_splits(64, 3, 132, per_sm=2) == 2
+def test_decode_num_splits_keeps_enough_bytes_in_flight():
+    # head dim 128 (Llama-3.1-8B): 2 programs per SM
+    assert decode_num_splits(64, 8, 132, 128) == 1  # 512 programs already
+    assert decode_num_splits(32, 8, 132, 128) == 2
+    assert decode_num_splits(4, 8, 132, 128) == 9  # ceil(264 / 32)
+    assert decode_num_splits(1, 8, 132, 128) == 16  # capped
+    # head dim 64 (SmolLM2, Llama-3.2-1B): 4 per SM
+    assert decode_num_splits(128, 8, 132, 64) == 1
+    assert decode_num_splits(64, 8, 132, 64) == 2  # ceil(528 / 512)
+    assert decode_num_splits(64, 3, 132, 64) == 3  # SmolLM2's 3 KV heads: ceil(528 / 192)
+    assert decode_num_splits(32, 3, 132, 64) == 6
+    assert decode_num_splits(1, 3, 132, 64, max_splits=1000) == 176
+    assert decode_num_splits(1, 3, 132, 512, max_splits=1000) == 44  # at least one program per SM
 
 
 def _decode(seq_id: int, tokens: list[int], computed: int, blocks: list[int]) -> ScheduledSeq:
