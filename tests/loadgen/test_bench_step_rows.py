@@ -10,6 +10,19 @@ import pytest
 from loadgen import bench_step_rows
 
 
+def _engines_of(monkeypatch: pytest.MonkeyPatch, name: str) -> list[object]:
+    """The engines that the benchmark's function ``name`` is called with, as it runs."""
+    engines = []
+    real = getattr(bench_step_rows, name)
+
+    def spy(eng, *args, **kw):  # type: ignore[no-untyped-def]
+        engines.append(eng)
+        return real(eng, *args, **kw)
+
+    monkeypatch.setattr(bench_step_rows, name, spy)
+    return engines
+
+
 def test_slope_is_least_squares() -> None:
     assert bench_step_rows.slope([1, 2, 3], [5, 7, 9]) == pytest.approx(2.0)
     assert bench_step_rows.slope([1, 8, 32], [10.0, 10.0, 10.0]) == 0.0
@@ -18,14 +31,7 @@ def test_slope_is_least_squares() -> None:
 
 def test_runs_both_paths_and_frees_every_block(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    engines = []
-    real = bench_step_rows.measure
-
-    def spy(eng, *args, **kw):  # type: ignore[no-untyped-def]
-        engines.append(eng)
-        return real(eng, *args, **kw)
-
-    monkeypatch.setattr(bench_step_rows, "measure", spy)
+    engines = _engines_of(monkeypatch, "measure")
     out = tmp_path / "rows.json"
     assert bench_step_rows.main(["--device", "cpu", "--rows", "1", "4", "--steps", "5", "--rounds", "2",
                                  "--result-file", str(out)]) == 0
@@ -50,14 +56,7 @@ def test_runs_both_paths_and_frees_every_block(tmp_path: Path, capsys: pytest.Ca
 
 def test_kernel_profile_lists_the_top_operators_a_step_and_frees_every_block(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    engines = []
-    real = bench_step_rows.kernel_profile
-
-    def spy(eng, *args, **kw):  # type: ignore[no-untyped-def]
-        engines.append(eng)
-        return real(eng, *args, **kw)
-
-    monkeypatch.setattr(bench_step_rows, "kernel_profile", spy)
+    engines = _engines_of(monkeypatch, "kernel_profile")
     out = tmp_path / "rows.json"
     assert bench_step_rows.main(["--device", "cpu", "--rows", "1", "3", "--steps", "4", "--rounds", "1",
                                  "--samplings", "sampled", "--kernels", "4", "--result-file", str(out)]) == 0
