@@ -63,7 +63,7 @@ def decode_num_splits(batch: int, kv_heads: int, sms: int, head_dim: int = 128, 
     the chip reads at its bandwidth only with enough bytes in flight, and a program reads ``head_dim`` elements a
     token. On an H200, 64 rows × 1,100 tokens, one launch in a CUDA graph: SmolLM2's heads (3 KV, d 64) 33.7 µs
     unsplit, 21.4 µs in 3 splits; the 1B shape's (8 KV, d 64) 43.8 and 42.9 µs in 2; Llama-3.1-8B's (8 KV, d 128)
-    72.5 µs unsplit and 81.1 µs in 2 (``python -m loadgen.bench_gpu --sections kernels``, docs/benchmarks.md). The
+    72.5 µs unsplit and 81.0 µs in 2 (``python -m loadgen.bench_gpu --sections kernels``, docs/benchmarks.md). The
     splits are fixed per captured batch size, whatever the contexts."""
     per_sm = max(1, 256 // head_dim)
     return max(1, min(max_splits, -(-per_sm * sms // (batch * kv_heads))))

@@ -871,18 +871,14 @@ class _RowStatic:
     """What a request's parameters say about every one of its rows, worked out once."""
 
     head_id: int  # its table row's row of _Statics.heads (_U and _SLOT are the step's)
-    greedy: bool
     counts: bool  # needs the kept penalty state
     rep: bool
     freq_pres: bool
-    top_k: int  # 0: none (sampled rows)
-    top_p: bool
-    min_p: bool
     bias: tuple[tuple[int, float], ...]
     seed_hash: int
-    kind: tuple[bool, int, bool, bool]  # greedy, top_k, top_p, min_p: what its row asks of the pick
+    # what its row asks of the pick: greedy, top-k (0: none), top-p, min-p
+    kind: tuple[bool, int, bool, bool]
     rare: bool  # min_tokens, logit_bias or logprobs: looked at row by row
-
 
 
 class _Statics:
@@ -908,9 +904,9 @@ class _Statics:
         head = (1.0 if greedy else p.temperature, 1.0 if greedy else float(k), p.top_p, p.min_p,
                 p.repetition_penalty, p.presence_penalty, p.frequency_penalty, 0.0, 0.0, float(greedy))
         bias = tuple((t, b) for t, b in p.logit_bias if t < vocab)
-        return _RowStatic(self._head_id(head), greedy, _needs_counts(p), p.repetition_penalty != 1.0,
-                          bool(p.presence_penalty or p.frequency_penalty), k, p.top_p < 1.0, p.min_p > 0.0,
-                          bias, _mix64(seed & _M64), (greedy, k, p.top_p < 1.0, p.min_p > 0.0),
+        return _RowStatic(self._head_id(head), _needs_counts(p), p.repetition_penalty != 1.0,
+                          bool(p.presence_penalty or p.frequency_penalty), bias, _mix64(seed & _M64),
+                          (greedy, k, p.top_p < 1.0, p.min_p > 0.0),
                           p.min_tokens > 0 or bool(bias) or p.logprobs is not None)
 
     def trim(self) -> None:
