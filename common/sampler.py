@@ -619,7 +619,7 @@ class Sampler:
 
     def release(self, key: str) -> None:
         self._slots.release(key)
-        self._static.pop(key, None)
+        self._static.release(key)
 
     @property
     def num_tracked(self) -> int:
@@ -894,8 +894,8 @@ class _Statics:
         self._ids: dict[tuple[float, ...], int] = {}
         self.heads = np.empty((16, len(_PAD_ROW)), dtype=np.float32)
 
-    def pop(self, key: str, default: Any = None) -> Any:
-        return self.by_key.pop(key, default)
+    def release(self, key: str) -> None:
+        self.by_key.pop(key, None)
 
     def of(self, p: SamplingParams, seed: int, vocab: int) -> _RowStatic:
         k = p.top_k if p.top_k is not None and 0 < p.top_k < vocab else 0
@@ -1004,7 +1004,8 @@ class _StepSpec:
             statics.heads.take(heads, axis=0, out=table)
             table[:, _U] = np.minimum(_uniforms(hashes, positions), _U_MAX)
             table[:, _SLOT] = row_slots
-            table[no_rep, _REP] = 1.0
+            if no_rep:
+                table[no_rep, _REP] = 1.0
         self.table = table
         slots.flush(self.max_seen + 1)  # a fold may add a column
         self.count_rows = self.max_seen > 0
