@@ -1037,9 +1037,9 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
     rows' picks here are discarded (they take temperature 1 to stay finite)."""
     temp = prm[:, _TEMP : _TEMP + 1]
     k_row = prm[:, _TOPK : _TOPK + 1]
+    ops = _cuda_ops(x.device)
     if spec.candidates:
         vals, ids = torch.topk(x, spec.candidates, dim=-1)  # sorted, largest first
-        ops = _cuda_ops(x.device)
         if ops is not None:  # the rest in one kernel
             return ops.pick_candidates(vals, ids, prm, (_TEMP, _TOPK, _TOPP, _MINP, _U), spec.any_top_p, spec.any_min_p)
         vals = vals.div_(temp).masked_fill_(ws.rank(spec.candidates) >= k_row, _MASK)
@@ -1052,6 +1052,8 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
         order = ids.argsort(dim=-1)  # back to vocabulary order, so the pick matches the full-vocabulary path
         ids, probs = ids.gather(1, order), probs.gather(1, order)
         return ids.gather(1, _inverse_cdf(probs, prm, probs.cumsum(-1))).squeeze(1)
+    if ops is not None and not any(spec.top_ks):  # one kernel, no sort
+        return ops.pick_full(x, prm, (_TEMP, _TOPP, _MINP, _U), spec.any_top_p, spec.any_min_p)
     n, v = x.shape
     z = x.div_(temp)
     mask = ws.get("mask", n, v, torch.bool)

@@ -634,6 +634,239 @@ def _pick_candidates_kernel(vals_ptr, cand_ptr, k, prm_ptr, stride_p, out_ptr, T
     tl.store(out_ptr + row, tl.sum(tl.where(offs == j, key // KP, 0), 0))
 
 
+@triton.jit
+def _order_key(z):
+    """float32 → uint32 in the same order (larger z, larger key)."""
+    b = z.to(tl.uint32, bitcast=True)
+    return tl.where((b >> 31) != 0, ~b, b | 0x80000000)
+
+
+@triton.jit
+def _row_totals(m_ptr, s_ptr, row, nseg, SP: tl.constexpr):
+    """A row's max z and its total mass sum(exp(z - max)), from its segments' own maxima and masses."""
+    offs = tl.arange(0, SP)
+    ms = tl.load(m_ptr + row * nseg + offs, mask=offs < nseg, other=-float("inf"))
+    ss = tl.load(s_ptr + row * nseg + offs, mask=offs < nseg, other=0.0)
+    m = tl.max(ms, 0)
+    return m, tl.sum(ss * tl.exp(ms - tl.where(m == -float("inf"), 0.0, m)), 0)
+
+
+@triton.jit
+def _topp_prefix(h_ptr, n, row, nseg, cut, total, DIGITS: tl.constexpr, SP: tl.constexpr):
+    """The order-key prefix that the first ``DIGITS`` 4-bit digits of the top-p threshold give (their digit
+    histograms summed over the row's segments); 0 (every token) for a row whose top_p keeps the whole mass."""
+    tau = tl.zeros([], tl.uint32)
+    if cut < total:
+        bins = tl.arange(0, 16)
+        segs = tl.arange(0, SP)
+        above = 0.0
+        for k in tl.static_range(DIGITS):
+            h = tl.load(h_ptr + ((k * n + row) * nseg + segs[:, None]) * 16 + bins[None, :],
+                        mask=(segs < nseg)[:, None], other=0.0)
+            hist = tl.sum(h, 0)
+            # mass with this digit or a larger one, on top of the larger prefixes' mass: the largest digit that
+            # still reaches the cut
+            at_least = above + tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+            pick = tl.maximum(tl.max(tl.where(at_least >= cut, bins, -1), 0), 0)
+            above = tl.sum(tl.where(bins == pick, at_least - hist, 0.0), 0)
+            tau = tau | (pick.to(tl.uint32) << (28 - 4 * k))
+    return tau
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg"])
+def _pick_stats_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, vocab, seg, TEMP_COL: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """A segment's max z (z = x / temperature) and its mass sum(exp(z - that max)), in one pass."""
+    row = tl.program_id(0)
+    sg = tl.program_id(1)
+    nseg = tl.num_programs(1)
+    temp = tl.load(prm_ptr + row.to(tl.int64) * stride_p + TEMP_COL)
+    xr = x_ptr + row.to(tl.int64) * stride_x
+    offs = tl.arange(0, BLOCK)
+    lo = sg * seg
+    hi = tl.minimum(lo + seg, vocab)
+    m = -float("inf")
+    s = 0.0
+    for start in range(lo, hi, BLOCK):
+        z = tl.math.div_rn(tl.load(xr + start + offs, mask=start + offs < hi, other=-float("inf")), temp)
+        m_new = tl.maximum(m, tl.max(z, 0))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # every token so far masked (a grammar's)
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe), 0)
+        m = m_new
+    tl.store(m_ptr + row * nseg + sg, m)
+    tl.store(s_ptr + row * nseg + sg, s)
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n"])
+def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, vocab, seg, n,
+                            TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, DIGIT: tl.constexpr, SP: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """A segment's mass by the top-p threshold's DIGIT-th 4-bit digit of the order key, over its tokens whose
+    key matches the digits chosen before (a radix select weighted by mass, from the top)."""
+    row = tl.program_id(0)
+    sg = tl.program_id(1)
+    nseg = tl.num_programs(1)
+    p = prm_ptr + row.to(tl.int64) * stride_p
+    temp = tl.load(p + TEMP_COL)
+    m, total = _row_totals(m_ptr, s_ptr, row, nseg, SP)
+    cut = tl.load(p + TOPP_COL) * total
+    if cut < total:
+        tau = _topp_prefix(h_ptr, n, row, nseg, cut, total, DIGIT, SP)
+        xr = x_ptr + row.to(tl.int64) * stride_x
+        offs = tl.arange(0, BLOCK)
+        bins = tl.arange(0, 16)
+        lo = sg * seg
+        hi = tl.minimum(lo + seg, vocab)
+        hist = tl.zeros([16], tl.float32)
+        for start in range(lo, hi, BLOCK):
+            inb = start + offs < hi
+            z = tl.math.div_rn(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp)
+            key = _order_key(z)
+            if DIGIT == 0:
+                match = inb
+            else:
+                match = (key >> (32 - 4 * DIGIT)) == (tau >> (32 - 4 * DIGIT))
+            d = ((key >> (28 - 4 * DIGIT)) & 15).to(tl.int32)
+            w = tl.where(match, tl.exp(z - m), 0.0)
+            hist += tl.sum(tl.where(d[:, None] == bins[None, :], w[:, None], 0.0), 0)
+        tl.store(h_ptr + ((DIGIT * n + row) * nseg + sg) * 16 + bins, hist)
+
+
+@triton.jit
+def _kept(z, m, tau, min_p, inb):
+    """A token's mass exp(z - max) where top-p (order key >= tau) and min-p keep it, else 0."""
+    w = tl.exp(z - m)
+    return tl.where((_order_key(z) >= tau) & (w >= min_p) & inb, w, 0.0)
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n"])
+def _pick_kept_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k_ptr, vocab, seg, n,
+                      TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, MINP_COL: tl.constexpr, TOP_P: tl.constexpr,
+                      MIN_P: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
+    """A segment's mass that top-p and min-p keep."""
+    row = tl.program_id(0)
+    sg = tl.program_id(1)
+    nseg = tl.num_programs(1)
+    p = prm_ptr + row.to(tl.int64) * stride_p
+    temp = tl.load(p + TEMP_COL)
+    m, total = _row_totals(m_ptr, s_ptr, row, nseg, SP)
+    tau = tl.zeros([], tl.uint32)
+    if TOP_P:
+        tau = _topp_prefix(h_ptr, n, row, nseg, tl.load(p + TOPP_COL) * total, total, 8, SP)
+    min_p = 0.0
+    if MIN_P:
+        min_p = tl.load(p + MINP_COL)
+    xr = x_ptr + row.to(tl.int64) * stride_x
+    offs = tl.arange(0, BLOCK)
+    lo = sg * seg
+    hi = tl.minimum(lo + seg, vocab)
+    kept = 0.0
+    for start in range(lo, hi, BLOCK):
+        inb = start + offs < hi
+        z = tl.math.div_rn(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp)
+        kept += tl.sum(_kept(z, m, tau, min_p, inb), 0)
+    tl.store(k_ptr + row * nseg + sg, kept)
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n"])
+def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k_ptr, out_ptr, vocab, seg, n,
+                      TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, MINP_COL: tl.constexpr, U_COL: tl.constexpr,
+                      TOP_P: tl.constexpr, MIN_P: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
+    """The inverse CDF in vocabulary order: the segment where the row's running kept mass passes u × its kept
+    mass finds the token in its own tokens; the others return."""
+    row = tl.program_id(0)
+    sg = tl.program_id(1)
+    nseg = tl.num_programs(1)
+    p = prm_ptr + row.to(tl.int64) * stride_p
+    temp = tl.load(p + TEMP_COL)
+    m, total = _row_totals(m_ptr, s_ptr, row, nseg, SP)
+    segs = tl.arange(0, SP)
+    if TOP_P or MIN_P:
+        segm = tl.load(k_ptr + row * nseg + segs, mask=segs < nseg, other=0.0)
+    else:  # every token kept: the segments' own masses, at the row's max
+        ms = tl.load(m_ptr + row * nseg + segs, mask=segs < nseg, other=-float("inf"))
+        segm = tl.load(s_ptr + row * nseg + segs, mask=segs < nseg, other=0.0) * tl.exp(
+            ms - tl.where(m == -float("inf"), 0.0, m))
+    cum = tl.cumsum(segm, 0)
+    target = tl.load(p + U_COL) * tl.sum(segm, 0)  # u < 1: below the kept mass
+    # the first segment whose running mass passes the target; rounding may leave none: the last one with mass
+    first = tl.min(tl.where(cum > target, segs, SP), 0)
+    chosen = tl.where(first < SP, first, tl.max(tl.where(segm > 0, segs, 0), 0))
+    if sg == chosen:
+        tau = tl.zeros([], tl.uint32)
+        if TOP_P:
+            tau = _topp_prefix(h_ptr, n, row, nseg, tl.load(p + TOPP_COL) * total, total, 8, SP)
+        min_p = 0.0
+        if MIN_P:
+            min_p = tl.load(p + MINP_COL)
+        xr = x_ptr + row.to(tl.int64) * stride_x
+        offs = tl.arange(0, BLOCK)
+        lo = sg * seg
+        hi = tl.minimum(lo + seg, vocab)
+        carry = tl.sum(tl.where(segs < sg, segm, 0.0), 0)
+        found = hi
+        last = lo
+        for start in range(lo, hi, BLOCK):
+            idx = start + offs
+            inb = idx < hi
+            z = tl.math.div_rn(tl.load(xr + idx, mask=inb, other=-float("inf")), temp)
+            w = _kept(z, m, tau, min_p, inb)
+            cdf = carry + tl.cumsum(w, 0)
+            found = tl.minimum(found, tl.min(tl.where(cdf > target, idx, hi), 0))
+            last = tl.maximum(last, tl.max(tl.where(w > 0, idx, lo), 0))
+            carry += tl.sum(w, 0)
+        # rounding (this running sum is in another order than the segments' masses) can leave the target past the
+        # segment's end: its last kept token then
+        tl.store(out_ptr + row, tl.where(found < hi, found, last).to(tl.int64))
+
+
+PICK_BLOCK = 1024
+PICK_PROGRAMS_PER_SM = 16  # the whole-vocabulary pick's segments: about this many programs per SM in all
+
+
+def pick_segments(rows: int, vocab: int, sms: int) -> tuple[int, int]:
+    """(segments a row, tokens a segment) for the whole-vocabulary pick: about ``PICK_PROGRAMS_PER_SM`` programs per
+    SM over all rows, at most 64 segments a row, each a whole number of blocks."""
+    want = max(1, min(64, -(-PICK_PROGRAMS_PER_SM * sms // max(rows, 1))))
+    per = -(-vocab // want)
+    seg = -(-per // PICK_BLOCK) * PICK_BLOCK
+    return -(-vocab // seg), seg
+
+
+def pick_full(x: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int], top_p: bool,
+              min_p: bool) -> torch.Tensor:
+    """The pick over each row's whole vocabulary (``x`` [N, V] float32 logits): temperature, top-p, min-p, then the
+    inverse CDF in vocabulary order at the row's uniform number (``cols``: the table's temperature, top-p, min-p and
+    uniform columns), with no sort. Each row is cut into segments (:func:`pick_segments`), a program each: their
+    max and mass; with top-p, the threshold as a radix select weighted by mass (eight launches, one 4-bit digit of
+    the order key each: each segment's mass by digit, summed over the row by the next launch); the mass each
+    segment keeps; then the segment where the running mass passes u × the kept mass finds the token. Tokens tied
+    with the top-p threshold are all kept. int64 [N]."""
+    n, v = x.shape
+    assert x.stride(1) == 1 and prm.stride(1) == 1
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    if not n:
+        return out
+    nseg, seg = pick_segments(n, v, num_sms(x.device))
+    sp = max(2, triton.next_power_of_2(nseg))
+    ms, ss, kept = torch.empty((3, n, nseg), dtype=torch.float32, device=x.device)
+    hist = torch.empty((8 if top_p else 1, n, nseg, 16), dtype=torch.float32, device=x.device)
+    temp_col, topp_col, minp_col, u_col = cols
+    grid = (n, nseg)
+    common = dict(BLOCK=PICK_BLOCK, num_warps=4)
+    _pick_stats_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, v, seg, temp_col, **common)
+    if top_p:
+        for digit in range(8):
+            _pick_topp_digit_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, hist, v, seg, n, temp_col,
+                                          topp_col, DIGIT=digit, SP=sp, **common)
+    if top_p or min_p:
+        _pick_kept_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, hist, kept, v, seg, n, temp_col,
+                                topp_col, minp_col, TOP_P=top_p, MIN_P=min_p, SP=sp, **common)
+    _pick_scan_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, hist, kept, out, v, seg, n, temp_col,
+                            topp_col, minp_col, u_col, TOP_P=top_p, MIN_P=min_p, SP=sp, **common)
+    return out
+
+
 def pick_candidates(vals: torch.Tensor, cand: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int, int],
                     top_p: bool, min_p: bool) -> torch.Tensor:
     """The pick among each row's top-k candidates (``vals`` [N, k] float32, largest first, ``cand`` their int64 token

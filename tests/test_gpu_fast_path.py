@@ -260,3 +260,17 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_whole_vocabulary_pick_in_triton_interpreter():
+    """The pick over the whole vocabulary (temperature, top-p by a mass-weighted radix select, min-p, the inverse
+    CDF) takes each token in its exact share, on the CPU through Triton's interpreter: temperature alone, top-p with
+    min-p, a row whose first blocks are masked (the GPU suite runs every case on 2,048 rows)."""
+    code = """
+from tests.gpu.test_kernels import check_pick_full
+check_pick_full("cpu", n=64, cases=(0, 4, 5))
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

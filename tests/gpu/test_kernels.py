@@ -369,6 +369,53 @@ def check_sampler_kernels(device: str) -> None:
             assert int(a[i]) in cand[i, : int(prm[i, sm._TOPK])].tolist(), i
 
 
+def exact_pick_shares(logits: torch.Tensor, temp: float, top_p: float, min_p: float) -> torch.Tensor:
+    """Each token's share of the pick in float64: temperature, top-p (the smallest set of the largest whose mass
+    reaches top_p), min-p (probability at least min_p × the largest), renormalized."""
+    p = torch.exp((logits.double() - logits.double().max()) / temp)
+    order = p.argsort(descending=True)
+    ps = p[order]
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    keep[order] = ps.cumsum(0) - ps < top_p * p.sum()
+    keep &= p >= min_p * p.max()
+    q = torch.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def check_pick_full(device: str, vocab: int = 3000, n: int = 2048, cases: tuple[int, ...] | None = None) -> None:
+    """The whole-vocabulary pick (``pick_full``): with every row's uniform number on a grid of ``n`` points, each
+    token is picked in its exact share of the rows (an inverse CDF maps the grid's points in an interval of width q
+    to its token: q·n of them, ±1), and never a token that temperature, top-p or min-p drop. The vocabulary spans
+    several of the kernel's blocks (the running sum carried across them); one case masks the first blocks to -inf
+    (a grammar's mask), one has a token far above the others (top-p keeps it alone)."""
+    from common import sampler as sm
+    from common import triton_ops as tk
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(vocab, generator=g) * 2.5
+    masked = base.clone()
+    masked[:2100] = float("-inf")
+    peaked = base.clone()
+    peaked[1234] = 40.0
+    every = [(base, 1.0, 1.0, 0.0), (base, 0.7, 0.9, 0.0), (base, 1.3, 0.5, 0.0), (base, 1.0, 1.0, 0.05),
+             (base, 1.0, 0.8, 0.02), (masked, 1.0, 0.95, 0.0), (peaked, 1.0, 0.9, 0.0)]
+    for i, (logits, temp, top_p, min_p) in enumerate(every):
+        if cases is not None and i not in cases:
+            continue
+        prm = torch.tensor([sm._PAD_ROW] * n, dtype=torch.float32)
+        prm[:, sm._TEMP], prm[:, sm._TOPP], prm[:, sm._MINP] = temp, top_p, min_p
+        prm[:, sm._U] = (torch.arange(n, dtype=torch.float64) + 0.5).div(n).float()
+        x = logits.expand(n, vocab).contiguous()
+        got = tk.pick_full(x.to(device), prm.to(device), (sm._TEMP, sm._TOPP, sm._MINP, sm._U), top_p < 1,
+                           min_p > 0).cpu()
+        want = exact_pick_shares(logits, temp, top_p, min_p)
+        share = torch.bincount(got, minlength=vocab).double() / n
+        what = f"temperature {temp}, top_p {top_p}, min_p {min_p}"
+        assert share[want == 0].sum() == 0, f"{what}: dropped tokens picked {torch.nonzero(share * (want == 0))}"
+        worst = float((share - want).abs().max())
+        assert worst <= 2.0 / n, f"{what}: a token's share off by {worst:.2e} (at most 2/{n})"
+
+
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}-ctx{c[1]}-splits{c[2]}")
 @pytest.mark.parametrize("config", CONFIGS)
 def test_paged_decode_attention(config, case):
@@ -412,3 +459,7 @@ def test_grammar_mask_kernels():
 
 def test_sampler_kernels():
     check_sampler_kernels("cuda")
+
+
+def test_pick_full():
+    check_pick_full("cuda")
