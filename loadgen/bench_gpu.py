@@ -17,8 +17,10 @@ portable references, CUDA-graph decode against eager, SmolLM2 greedy against tra
    output tokens/s against transformers' ``generate_batch`` on the same card (section ``w1``; ``w1-ours`` skips
    the peer, which takes ~4 minutes).
 
-Extra sections: ``tune`` (GEMV / split-K / decode-kernel launch-parameter sweeps against cuBLAS), ``profile``
-(torch.profiler over mixed prefill + decode steps of W1).
+Extra sections: ``tune`` (GEMV / split-K / decode-kernel launch-parameter sweeps against cuBLAS),
+``decode-params`` (the decode kernel's tile, warps and stages for each shape of ``DECODE_HEADS``), ``projections``
+(a decode step's projections at 32 and 64 rows for SmolLM2, the 1B and the 8B, cuBLAS against split-K),
+``profile`` (torch.profiler over mixed prefill + decode steps of W1).
 
 Run: ``python -m loadgen.bench_gpu [--json OUT] [--sections kernels,decode,prefill,w1]``.
 """
@@ -118,6 +120,54 @@ def time_decode_kernel(bandwidth: float) -> list[dict]:
                      "default_splits": decode_num_splits(b, kvh, tk.num_sms(q.device), d), "us": ms * 1e3,
                      "kv_bytes": kv, "GBps": kv / (ms / 1e3) / 1e9, "vs_copy_bw": kv / (ms / 1e3) / bandwidth})
         del cache
+    return rows
+
+
+def decode_params(bandwidth: float) -> list[dict]:
+    """The decode kernel's launch parameters (tile of tokens, warps, pipeline stages) for each shape of
+    ``DECODE_HEADS`` at batch 32 and 64 × 1,100 tokens, with the default context splits and twice as many (at most
+    16), each timed in a CUDA graph; prints the best per case against the engine's defaults (64 / 4 / 2)."""
+    import triton
+
+    from common import triton_ops as tk
+    from common.cuda_graphs import decode_num_splits
+
+    rows: list[dict] = []
+    bs, ctx = 16, 1100
+    for name, h, kvh, d in DECODE_HEADS:
+        for b in (32, 64):
+            width = -(-ctx // bs)
+            nb = b * width + 8
+            cache = torch.randn(nb, 1, 2, bs, kvh, d, device="cuda").to(torch.bfloat16)
+            tables = torch.randperm(nb, device="cuda")[: b * width].view(b, width).int()
+            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(b, h, d, device="cuda").to(torch.bfloat16)
+            out = torch.empty_like(q)
+            kv = b * ctx * 2 * kvh * d * 2
+            dflt = decode_num_splits(b, kvh, tk.num_sms(q.device), d)
+            case: list[dict] = []
+            for splits in sorted({dflt, min(16, 2 * dflt)}):
+                for bn in (32, 64, 128):
+                    for warps in (4, 8):
+                        for stages in (2, 3, 4):
+                            try:
+                                ms = triton.testing.do_bench_cudagraph(
+                                    lambda q=q, c=cache, t=tables, n=lens, o=out, sp=splits, bn=bn, w=warps, st=stages,
+                                    sc=d**-0.5: tk.paged_decode_attention(q, c, 0, t, n, sc, o, sp, bn, w, st),
+                                    rep=20, return_mode="median")
+                                r: dict = {"us": ms * 1e3, "vs_copy": kv / (ms / 1e3) / bandwidth}
+                            except Exception as e:  # an out-of-resources config is a result too
+                                r = {"error": repr(e)[:200]}
+                            case.append({"heads": name, "batch": b, "context": ctx, "splits": splits, "block_n": bn,
+                                         "warps": warps, "stages": stages, "default_splits": dflt, **r})
+            rows += case
+            timed = [r for r in case if "us" in r]
+            best = min(timed, key=lambda r: r["us"])
+            base = next(r for r in timed if (r["splits"], r["block_n"], r["warps"], r["stages"]) == (dflt, 64, 4, 2))
+            print(f"  decode {name} heads b{b} ctx {ctx}: defaults ({dflt} splits, 64/4/2) {base['us']:.1f} us "
+                  f"({base['vs_copy']:.2f} of copy); best {best['splits']} splits, {best['block_n']}/{best['warps']}/"
+                  f"{best['stages']} {best['us']:.1f} us ({best['vs_copy']:.2f})", flush=True)
+            del cache
     return rows
 
 
@@ -225,6 +275,77 @@ def tune(bandwidth: float) -> dict:
         best = min((r for r in out["decode"] if r["batch"] == b and "us" in r), key=lambda r: r["us"])
         print(f"  decode kernel b{b} ctx {ctx}: best {best}", flush=True)
         del cache
+    return out
+
+
+# the models whose decode-step projections ``projections`` times (dims from common/model_configs)
+PROJECTION_MODELS = ("smollm2-135m", "llama-3.2-1b", "llama-3.1-8b")
+
+
+def _splitk_configs(k: int) -> list[tuple[int, int, int, int, int]]:
+    """Split-K launch configs (BLOCK_N, BLOCK_K, splits, warps, stages) whose splits divide ``k``."""
+    out = []
+    for bn in (32, 64, 128):
+        for bk in (64, 128):
+            for splits in (1, 2, 3, 4, 6, 8, 12, 16):
+                if k % (splits * bk) == 0 and k // splits >= bk:
+                    out.append((bn, bk, splits, 4, 4))
+    return out
+
+
+def projections(bandwidth: float, rows: tuple[int, ...] = (32, 64)) -> list[dict]:
+    """A decode step's projections at ``rows`` rows for each of ``PROJECTION_MODELS``, cuBLAS against the split-K
+    Triton GEMM (best of ``_splitk_configs``), in CUDA graphs with the weights rotated past the L2. o_proj and down
+    are timed as the path they sit on (the GEMM then the residual add + RMSNorm that sums split-K partials; down
+    after its SiLU·mul); qkv, gate_up and lm_head as the GEMM alone (a split-K output there has no consumer that
+    sums it, so their split-K times are what a fused consumer could at best reach)."""
+    from common import triton_ops as tk
+    from common.loader import load_model_source
+
+    out = []
+    for model in PROJECTION_MODELS:
+        cfg = load_model_source(f"dummy:{model}").config
+        hid, inter = cfg.hidden_size, cfg.intermediate_size
+        shapes = {"qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, hid),
+                  "o_proj": (hid, cfg.num_heads * cfg.head_dim), "gate_up": (2 * inter, hid), "down": (hid, inter),
+                  "lm_head": (cfg.vocab_size, hid)}
+        for name, (n, k) in shapes.items():
+            nbytes = n * k * 2
+            ws = [torch.randn(n, k, device="cuda").to(torch.bfloat16) for _ in range(max(1, -(-(768 << 20) // nbytes)))]
+            norm_w = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+            for m in rows:
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                gu = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16) if name == "down" else None
+                res = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+                ref = torch.nn.functional.linear(x, ws[0])
+
+                def path(gemm, name=name, x=x, gu=gu, res=res, norm_w=norm_w):
+                    if name not in ("o_proj", "down"):
+                        return lambda wt: gemm(x, wt)
+
+                    def run(wt):
+                        a = tk.silu_mul(gu) if gu is not None else x
+                        return tk.add_rms_norm(res, gemm(a, wt), norm_w, 1e-5)
+                    return run
+                cub = path(lambda a, w: torch.nn.functional.linear(a, w))
+                t_cub = _graph_time([lambda w=w, f=cub: f(w) for w in ws])
+                best: tuple[str, float] | None = None
+                for scfg in _splitk_configs(k):
+                    if _rel(tk.splitk_mm(x, ws[0], scfg).sum(0), ref) > 1e-2:
+                        continue
+                    f = path(lambda a, w, c=scfg: tk.splitk_mm(a, w, c))
+                    t = _graph_time([lambda w=w, f=f: f(w) for w in ws])
+                    if best is None or t < best[1]:
+                        best = (str(scfg), t)
+                row = {"model": model, "matrix": name, "n": n, "k": k, "m": m, "layers": cfg.num_layers,
+                       "timed": "path" if name in ("o_proj", "down") else "gemm",
+                       "weight_read_us": nbytes / bandwidth * 1e6, "cublas_us": t_cub * 1e6,
+                       "splitk": best[0] if best else None, "splitk_us": best[1] * 1e6 if best else None}
+                out.append(row)
+                print(f"  {model} {name} {n}x{k} m={m} ({row['timed']}): cuBLAS {row['cublas_us']:.1f} us, "
+                      f"split-K {row['splitk_us'] or float('nan'):.1f} us {row['splitk']}, "
+                      f"weights at copy {row['weight_read_us']:.1f} us", flush=True)
+            del ws
     return out
 
 
@@ -551,7 +672,7 @@ def profile_mixed_steps(n_prompts: int = 96) -> None:
     print(ka.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
 
 
-SECTIONS = ("kernels", "tune", "decode", "mixed", "prefill", "profile", "w1", "w1-ours")
+SECTIONS = ("kernels", "decode-params", "tune", "projections", "decode", "mixed", "prefill", "profile", "w1", "w1-ours")
 _MOVED = {"small": "tests/gpu/test_engine_fast_path.py"}  # correctness sections now in the GPU test suite
 
 
@@ -589,8 +710,14 @@ def main() -> int:
             print(f"  decode kernel {r['heads']} heads, b{r['batch']} ctx {r['context']} splits {splits}: "
                   f"{r['us']:.1f} us, {r['GBps']:.0f} GB/s ({r['vs_copy_bw']:.2f} of copy)", flush=True)
         save()
+    if "decode-params" in sections:
+        res["decode_params"] = decode_params(bw)
+        save()
     if "tune" in sections:
         res["tune"] = tune(bw)
+        save()
+    if "projections" in sections:
+        res["projections"] = projections(bw)
         save()
     if "decode" in sections:
         res["decode"] = []

@@ -15,7 +15,9 @@ the step and of the host's part against the rows (where the device bounds the st
 host's cost).
 
 Run: ``python -m loadgen.bench_step_rows`` (the embedded SmolLM2 on CUDA where there is one, else the no-op model on
-the CPU: the host's work alone); ``--model dummy:llama-3.2-1b --tokenizer smollm2`` for a 1B's shape. ``--kernels N``
+the CPU: the host's work alone); ``--model dummy:llama-3.2-1b --tokenizer smollm2`` for a 1B's shape. ``--samplings``
+also takes ``default`` (temperature 1: an OpenAI client's defaults) and ``nucleus`` (top_p 0.9, no top_k): what an
+OpenAI client sends, which takes the sampler's whole-vocabulary path rather than its top-k candidates. ``--kernels N``
 then runs ``--steps`` steps at the most rows under torch.profiler and prints the wall time a step and the N kernels
 with the most device time a step: where the device's part of a step goes.
 """
@@ -31,10 +33,13 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from loadgen.bench_gpu_serving import SAMPLINGS
+from loadgen.bench_gpu_serving import SAMPLINGS, Sampling
 from loadgen.bench_offline import _machine, _say, _source_state
 
 PATHS = ("inline", "general")
+# beside the served benchmark's two: what an OpenAI client sends (it has no top_k): its defaults (temperature 1),
+# and nucleus sampling (top_p 0.9)
+STEP_SAMPLINGS = (*SAMPLINGS, Sampling("default", 1.0), Sampling("nucleus", 1.0, top_p=0.9))
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -142,7 +147,7 @@ def run(a: argparse.Namespace) -> int:
     max_tokens = min(eng.max_model_len - a.input_len - 1, a.steps + 64)  # a window's steps, and its prompts'
 
     results: dict[str, dict[int, dict[str, dict[str, Any]]]] = {}
-    for s in SAMPLINGS:
+    for s in STEP_SAMPLINGS:
         if s.name not in a.samplings:
             continue
         results[s.name] = {}
@@ -152,7 +157,7 @@ def run(a: argparse.Namespace) -> int:
     kernels: dict[str, Any] = {}
     if a.kernels:
         n = max(a.rows)
-        for s in SAMPLINGS:
+        for s in STEP_SAMPLINGS:
             if s.name in a.samplings:
                 _say(f"{s.name}, {n} rows: {a.steps} steps under torch.profiler")
                 kernels[s.name] = kernel_profile(eng, [f"prof{n}-{s.name}-{i}" for i in range(n)],
@@ -206,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noop", action=argparse.BooleanOptionalAction, default=None,
                    help="the no-op model (engine.noop_model): default on the CPU, where a real forward dwarfs the host")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
-    p.add_argument("--samplings", nargs="+", default=[s.name for s in SAMPLINGS], choices=[s.name for s in SAMPLINGS])
+    p.add_argument("--samplings", nargs="+", default=[s.name for s in SAMPLINGS],
+                   choices=[s.name for s in STEP_SAMPLINGS])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--input-len", type=int, default=64)

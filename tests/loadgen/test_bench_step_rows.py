@@ -59,15 +59,24 @@ def test_kernel_profile_lists_the_top_operators_a_step_and_frees_every_block(
     engines = _engines_of(monkeypatch, "kernel_profile")
     out = tmp_path / "rows.json"
     assert bench_step_rows.main(["--device", "cpu", "--rows", "1", "3", "--steps", "4", "--rounds", "1",
-                                 "--samplings", "sampled", "--kernels", "4", "--result-file", str(out)]) == 0
+                                 "--samplings", "nucleus", "--kernels", "4", "--result-file", str(out)]) == 0
     k = json.loads(out.read_text())["kernels"]
-    assert list(k) == ["sampled"] and k["sampled"]["what"] == "cpu"
-    top = k["sampled"]["top"]
+    assert list(k) == ["nucleus"] and k["nucleus"]["what"] == "cpu"
+    top = k["nucleus"]["top"]
     assert len(top) == 4 and all(e["us"] > 0 and e["calls"] > 0 for e in top)
     assert [e["us"] for e in top] == sorted((e["us"] for e in top), reverse=True)
-    assert sum(e["us"] for e in top) <= k["sampled"]["total_us"] + 1e-6 and k["sampled"]["wall_us"] > 0
+    assert sum(e["us"] for e in top) <= k["nucleus"]["total_us"] + 1e-6 and k["nucleus"]["wall_us"] > 0
     eng = engines[0]
     assert not eng.has_unfinished()
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
     printed = capsys.readouterr().out
-    assert "sampled, 3 rows under torch.profiler" in printed and "| µs a step | calls a step | operator |" in printed
+    assert "nucleus, 3 rows under torch.profiler" in printed and "| µs a step | calls a step | operator |" in printed
+
+
+def test_openai_samplings_send_what_an_openai_client_can() -> None:
+    """``default`` and ``nucleus``: an OpenAI client's sampling (it has no top_k): its defaults, and top_p 0.9."""
+    by_name = {s.name: s for s in bench_step_rows.STEP_SAMPLINGS}
+    assert by_name["default"].fields() == {"temperature": 1.0}
+    assert by_name["nucleus"].fields() == {"temperature": 1.0, "top_p": 0.9}
+    p = by_name["nucleus"].params(8)
+    assert not p.top_k and p.top_p == 0.9 and p.temperature == 1.0
