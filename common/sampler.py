@@ -3,16 +3,21 @@
 Every row's randomness is ONE uniform number, a pure function of (request seed, output position) through a
 counter-based hash (splitmix64), and the pick is the inverse CDF of the row's final distribution taken in
 vocabulary order. So a row's token depends only on its own logits, seed and position: the same alone, in any
-batch, after preemption, and whether the batch took the top-k candidate path or the full-vocabulary one (both sum
-the same probabilities in the same vocabulary order). Requests without a seed get one drawn at arrival by the
-engine, so every row draws the same way and no device generator is needed.
+batch, after preemption. On the CPU the top-k candidate path and the full-vocabulary one sum the same
+probabilities in the same vocabulary order. On a GPU a batch takes the candidate kernel when every row has a
+top_k, the whole-vocabulary kernels (their sums by segments of the vocabulary alone) when no row has one, and
+PyTorch's full-vocabulary ops (a sort for top-p) when it mixes both: the same probabilities summed in other
+orders, so a row's token can differ between such batches only where its uniform number lies within rounding of a
+boundary between two tokens. Requests without a seed get one drawn at arrival by the engine, so every row
+draws the same way and no device generator is needed.
 
 Penalties read per-request state kept on the device (:class:`Sampler` slots): the distinct tokens a request has
 seen and how often each came out; penalizing touches those tokens only. The pick folds its own tokens into that
 state on the device, so a decoding row costs the host nothing there; a slot is built from the row's token ids
 when it is new, and rebuilt whenever the host's count of its outputs disagrees with the row's, so a slot lost or
-evicted is only a rebuild, never a wrong answer. On CUDA the penalties, the fold and the pick among top-k candidates
-are Triton kernels (``common/triton_ops.py``); the CPU runs the same steps as PyTorch ops.
+evicted is only a rebuild, never a wrong answer. On CUDA the penalties, the fold and the pick (among top-k candidates,
+or over the whole vocabulary with no sort: ``pick_full``) are Triton kernels (``common/triton_ops.py``); the CPU
+runs the same steps as PyTorch ops.
 
 A constrained row (structured outputs) carries its grammar matcher, and its allowed tokens are a row of int32 words
 in the grammar mask table, in host memory (``common/structured.py``: filled by the grammar mask process or inline).
@@ -1052,7 +1057,7 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
         order = ids.argsort(dim=-1)  # back to vocabulary order, so the pick matches the full-vocabulary path
         ids, probs = ids.gather(1, order), probs.gather(1, order)
         return ids.gather(1, _inverse_cdf(probs, prm, probs.cumsum(-1))).squeeze(1)
-    if ops is not None and not any(spec.top_ks):  # one kernel, no sort
+    if ops is not None and not any(spec.top_ks):  # on a GPU, Triton kernels with no sort (triton_ops.pick_full)
         return ops.pick_full(x, prm, (_TEMP, _TOPP, _MINP, _U), spec.any_top_p, spec.any_min_p)
     n, v = x.shape
     z = x.div_(temp)

@@ -821,15 +821,13 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k
 
 
 PICK_BLOCK = 1024
-PICK_PROGRAMS_PER_SM = 16  # the whole-vocabulary pick's segments: about this many programs per SM in all
+PICK_SEGMENTS = 32  # about this many segments a row in the whole-vocabulary pick
 
 
-def pick_segments(rows: int, vocab: int, sms: int) -> tuple[int, int]:
-    """(segments a row, tokens a segment) for the whole-vocabulary pick: about ``PICK_PROGRAMS_PER_SM`` programs per
-    SM over all rows, at most 64 segments a row, each a whole number of blocks."""
-    want = max(1, min(64, -(-PICK_PROGRAMS_PER_SM * sms // max(rows, 1))))
-    per = -(-vocab // want)
-    seg = -(-per // PICK_BLOCK) * PICK_BLOCK
+def pick_segments(vocab: int) -> tuple[int, int]:
+    """(segments a row, tokens a segment) of the whole-vocabulary pick: about ``PICK_SEGMENTS``, each a whole
+    number of blocks. By the vocabulary alone, so a row's sums run in the same order in any batch."""
+    seg = -(-vocab // (PICK_SEGMENTS * PICK_BLOCK)) * PICK_BLOCK
     return -(-vocab // seg), seg
 
 
@@ -847,7 +845,7 @@ def pick_full(x: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if not n:
         return out
-    nseg, seg = pick_segments(n, v, num_sms(x.device))
+    nseg, seg = pick_segments(v)
     sp = max(2, triton.next_power_of_2(nseg))
     ms, ss, kept = torch.empty((3, n, nseg), dtype=torch.float32, device=x.device)
     hist = torch.empty((8 if top_p else 1, n, nseg, 16), dtype=torch.float32, device=x.device)

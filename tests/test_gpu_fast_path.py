@@ -274,3 +274,14 @@ print("ok")
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_pick_segments_cover_the_vocabulary_in_whole_blocks():
+    """The whole-vocabulary pick's segments: about 32 a row, whole blocks, covering every token once; by the
+    vocabulary alone (a row's sums in the same order in any batch)."""
+    from common.triton_ops import PICK_BLOCK, pick_segments
+
+    assert pick_segments(128256) == (32, 4096) and pick_segments(49152) == (24, 2048)
+    for vocab in (1, 1000, 3000, 32000, 49152, 128256, 151936, 262144):
+        nseg, seg = pick_segments(vocab)
+        assert seg % PICK_BLOCK == 0 and (nseg - 1) * seg < vocab <= nseg * seg and nseg <= 32
