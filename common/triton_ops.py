@@ -652,6 +652,18 @@ def _row_totals(m_ptr, s_ptr, row, nseg, SP: tl.constexpr):
 
 
 @triton.jit
+def _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL: tl.constexpr, SP: tl.constexpr):
+    """A whole-vocabulary pick program's row, segment, the row's segments, parameter row, temperature, max z and
+    total mass (its segments' from the first launch)."""
+    row = tl.program_id(0)
+    sg = tl.program_id(1)
+    nseg = tl.num_programs(1)
+    p = prm_ptr + row.to(tl.int64) * stride_p
+    m, total = _row_totals(m_ptr, s_ptr, row, nseg, SP)
+    return row, sg, nseg, p, tl.load(p + TEMP_COL), m, total
+
+
+@triton.jit
 def _topp_prefix(h_ptr, n, row, nseg, cut, total, DIGITS: tl.constexpr, SP: tl.constexpr):
     """The order-key prefix that the first ``DIGITS`` 4-bit digits of the top-p threshold give (their digit
     histograms summed over the row's segments); 0 (every token) for a row whose top_p keeps the whole mass."""
@@ -703,12 +715,7 @@ def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_
                             BLOCK: tl.constexpr):
     """A segment's mass by the top-p threshold's DIGIT-th 4-bit digit of the order key, over its tokens whose
     key matches the digits chosen before (a radix select weighted by mass, from the top)."""
-    row = tl.program_id(0)
-    sg = tl.program_id(1)
-    nseg = tl.num_programs(1)
-    p = prm_ptr + row.to(tl.int64) * stride_p
-    temp = tl.load(p + TEMP_COL)
-    m, total = _row_totals(m_ptr, s_ptr, row, nseg, SP)
+    row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
     cut = tl.load(p + TOPP_COL) * total
     if cut < total:
         tau = _topp_prefix(h_ptr, n, row, nseg, cut, total, DIGIT, SP)
@@ -733,6 +740,19 @@ def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_
 
 
 @triton.jit
+def _row_filter(p, h_ptr, n, row, nseg, total, TOPP_COL: tl.constexpr, MINP_COL: tl.constexpr,
+                TOP_P: tl.constexpr, MIN_P: tl.constexpr, SP: tl.constexpr):
+    """A row's top-p threshold (its order-key prefix, 0 without top-p) and its min-p (0.0 without)."""
+    tau = tl.zeros([], tl.uint32)
+    if TOP_P:
+        tau = _topp_prefix(h_ptr, n, row, nseg, tl.load(p + TOPP_COL) * total, total, 8, SP)
+    min_p = 0.0
+    if MIN_P:
+        min_p = tl.load(p + MINP_COL)
+    return tau, min_p
+
+
+@triton.jit
 def _kept(z, m, tau, min_p, inb):
     """A token's mass exp(z - max) where top-p (order key >= tau) and min-p keep it, else 0."""
     w = tl.exp(z - m)
@@ -744,18 +764,8 @@ def _pick_kept_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k
                       TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, MINP_COL: tl.constexpr, TOP_P: tl.constexpr,
                       MIN_P: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
     """A segment's mass that top-p and min-p keep."""
-    row = tl.program_id(0)
-    sg = tl.program_id(1)
-    nseg = tl.num_programs(1)
-    p = prm_ptr + row.to(tl.int64) * stride_p
-    temp = tl.load(p + TEMP_COL)
-    m, total = _row_totals(m_ptr, s_ptr, row, nseg, SP)
-    tau = tl.zeros([], tl.uint32)
-    if TOP_P:
-        tau = _topp_prefix(h_ptr, n, row, nseg, tl.load(p + TOPP_COL) * total, total, 8, SP)
-    min_p = 0.0
-    if MIN_P:
-        min_p = tl.load(p + MINP_COL)
+    row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
+    tau, min_p = _row_filter(p, h_ptr, n, row, nseg, total, TOPP_COL, MINP_COL, TOP_P, MIN_P, SP)
     xr = x_ptr + row.to(tl.int64) * stride_x
     offs = tl.arange(0, BLOCK)
     lo = sg * seg
@@ -774,12 +784,7 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k
                       TOP_P: tl.constexpr, MIN_P: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
     """The inverse CDF in vocabulary order: the segment where the row's running kept mass passes u × its kept
     mass finds the token in its own tokens; the others return."""
-    row = tl.program_id(0)
-    sg = tl.program_id(1)
-    nseg = tl.num_programs(1)
-    p = prm_ptr + row.to(tl.int64) * stride_p
-    temp = tl.load(p + TEMP_COL)
-    m, total = _row_totals(m_ptr, s_ptr, row, nseg, SP)
+    row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
     segs = tl.arange(0, SP)
     if TOP_P or MIN_P:
         segm = tl.load(k_ptr + row * nseg + segs, mask=segs < nseg, other=0.0)
@@ -793,12 +798,7 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k
     first = tl.min(tl.where(cum > target, segs, SP), 0)
     chosen = tl.where(first < SP, first, tl.max(tl.where(segm > 0, segs, 0), 0))
     if sg == chosen:
-        tau = tl.zeros([], tl.uint32)
-        if TOP_P:
-            tau = _topp_prefix(h_ptr, n, row, nseg, tl.load(p + TOPP_COL) * total, total, 8, SP)
-        min_p = 0.0
-        if MIN_P:
-            min_p = tl.load(p + MINP_COL)
+        tau, min_p = _row_filter(p, h_ptr, n, row, nseg, total, TOPP_COL, MINP_COL, TOP_P, MIN_P, SP)
         xr = x_ptr + row.to(tl.int64) * stride_x
         offs = tl.arange(0, BLOCK)
         lo = sg * seg

@@ -87,6 +87,18 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 DECODE_HEADS = (("llama-3.1-8b", 32, 8, 128), ("llama-3.2-1b", 32, 8, 64), ("smollm2-135m", 9, 3, 64))
 
 
+def _decode_inputs(b: int, h: int, kvh: int, d: int, ctx: int, bs: int) -> tuple[torch.Tensor, ...]:
+    """A decode kernel's inputs, bf16 on CUDA: a one-layer KV pool, each of ``b`` rows ``ctx`` tokens in shuffled
+    blocks of ``bs``, queries of ``h`` heads (``kvh`` KV heads, head dim ``d``), and the output buffer."""
+    width = -(-ctx // bs)
+    nb = b * width + 8
+    cache = torch.randn(nb, 1, 2, bs, kvh, d, device="cuda").to(torch.bfloat16)
+    tables = torch.randperm(nb, device="cuda")[: b * width].view(b, width).int()
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(b, h, d, device="cuda").to(torch.bfloat16)
+    return cache, tables, lens, q, torch.empty_like(q)
+
+
 def time_decode_kernel(bandwidth: float) -> list[dict]:
     """The decode-attention kernel alone, bf16: Llama-3.1-8B heads (32 / 8 KV, d 128) at batch 1, and each shape of
     ``DECODE_HEADS`` at batch 32 and 64 × 1,100 tokens with 1, 2, 3, 4 and 8 context splits and the default
@@ -102,13 +114,7 @@ def time_decode_kernel(bandwidth: float) -> list[dict]:
     cases += [(name, h, kvh, d, b, 1100, sp) for name, h, kvh, d in DECODE_HEADS for b in (32, 64)
               for sp in (0, 1, 2, 3, 4, 8)]
     for name, h, kvh, d, b, ctx, splits in cases:
-        width = -(-ctx // bs)
-        nb = b * width + 8
-        cache = torch.randn(nb, 1, 2, bs, kvh, d, device="cuda").to(torch.bfloat16)
-        tables = torch.randperm(nb, device="cuda")[: b * width].view(b, width).int()
-        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(b, h, d, device="cuda").to(torch.bfloat16)
-        out = torch.empty_like(q)
+        cache, tables, lens, q, out = _decode_inputs(b, h, kvh, d, ctx, bs)
         # in a CUDA graph, as the engine runs it: launched one by one, a split kernel and its merge would time the
         # host's two launches
         ms = triton.testing.do_bench_cudagraph(
@@ -136,13 +142,7 @@ def decode_params(bandwidth: float) -> list[dict]:
     bs, ctx = 16, 1100
     for name, h, kvh, d in DECODE_HEADS:
         for b in (32, 64):
-            width = -(-ctx // bs)
-            nb = b * width + 8
-            cache = torch.randn(nb, 1, 2, bs, kvh, d, device="cuda").to(torch.bfloat16)
-            tables = torch.randperm(nb, device="cuda")[: b * width].view(b, width).int()
-            lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-            q = torch.randn(b, h, d, device="cuda").to(torch.bfloat16)
-            out = torch.empty_like(q)
+            cache, tables, lens, q, out = _decode_inputs(b, h, kvh, d, ctx, bs)
             kv = b * ctx * 2 * kvh * d * 2
             dflt = decode_num_splits(b, kvh, tk.num_sms(q.device), d)
             case: list[dict] = []
