@@ -1068,13 +1068,32 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
     # unnormalized probabilities in place (the largest is 1): top-p and the pick compare against the row's total
     probs = z.sub_(z.amax(-1, keepdim=True)).exp_()
     if spec.any_top_p:
-        sp, si = probs.sort(dim=-1, descending=True)
-        cut = prm[:, _TOPP : _TOPP + 1] * sp.sum(-1, keepdim=True)
-        drop = sp.cumsum(-1) - sp >= cut
-        probs.scatter_(1, si, sp.masked_fill_(drop, 0.0))
+        cut = prm[:, _TOPP : _TOPP + 1] * probs.sum(-1, keepdim=True)
+        if probs.device.type == "cpu" and v > 2 * _CANDIDATE_CAP:
+            _top_p_by_candidates(probs, cut)
+        else:
+            sp, si = probs.sort(dim=-1, descending=True)
+            drop = sp.cumsum(-1) - sp >= cut
+            probs.scatter_(1, si, sp.masked_fill_(drop, 0.0))
     if spec.any_min_p:
         probs.masked_fill_(torch.lt(probs, prm[:, _MINP : _MINP + 1], out=mask), 0.0)
     return _inverse_cdf(probs, prm, torch.cumsum(probs, -1, out=ws.get("cdf", n, v))).squeeze(1)
+
+
+def _top_p_by_candidates(probs: torch.Tensor, cut: torch.Tensor) -> None:
+    """Top-p in place on the CPU without sorting whole rows where it need not: a row whose largest
+    ``_CANDIDATE_CAP`` probabilities reach its cut has its nucleus among them, and every other token is dropped;
+    only the rows whose do not are sorted whole (a model's nucleus is usually a few tokens; sorting 64 rows of
+    49,152 took 140 ms on a 2-core VM). The same tokens kept as sorting every row."""
+    sp, si = probs.topk(_CANDIDATE_CAP, dim=-1)  # sorted, largest first
+    wide = torch.nonzero(sp.sum(-1, keepdim=True) < cut)[:, 0]
+    kept = sp.masked_fill_(sp.cumsum(-1) - sp >= cut, 0.0)
+    whole = probs.index_select(0, wide) if len(wide) else None
+    probs.zero_().scatter_(1, si, kept)
+    if whole is not None:
+        wp, wi = whole.sort(dim=-1, descending=True)
+        wp.masked_fill_(wp.cumsum(-1) - wp >= cut.index_select(0, wide), 0.0)
+        probs.index_copy_(0, wide, whole.scatter_(1, wi, wp))
 
 
 def _inverse_cdf(probs: torch.Tensor, prm: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:

@@ -432,3 +432,22 @@ def test_cuda_graph_picks_equal_eager_picks():
             del live[key]
     assert graphs._graphs is not None and graphs._graphs.captures > 0 and graphs._graphs.replays > 5
     assert eager._graphs is None
+
+
+def test_top_p_from_candidates_keeps_what_sorting_every_row_keeps():
+    """On the CPU top-p looks at each row's largest probabilities first and sorts only the rows whose nucleus is
+    wider: the kept probabilities equal those of sorting every row (peaked rows, flat rows, and top_p 1)."""
+    g = torch.Generator().manual_seed(3)
+    v = 5000
+    z = torch.randn(12, v, generator=g) * 2
+    z[:8, :30] += 10.0  # peaked: the nucleus within the candidates
+    probs = (z - z.amax(-1, keepdim=True)).exp()
+    top_p = torch.tensor([0.9, 0.5, 0.99, 1.0] * 3).unsqueeze(1)
+    cut = top_p * probs.sum(-1, keepdim=True)
+    sp, si = probs.sort(dim=-1, descending=True)
+    want = probs.clone().scatter_(1, si, sp.masked_fill(sp.cumsum(-1) - sp >= cut, 0.0))
+    got = probs.clone()
+    sampler_mod._top_p_by_candidates(got, cut)
+    assert torch.equal(got, want)
+    wide = (probs.topk(sampler_mod._CANDIDATE_CAP, dim=-1).values.sum(-1, keepdim=True) < cut).squeeze(1)
+    assert wide[8:].any() and not wide[:8].all()  # both kinds of row were there
