@@ -1083,8 +1083,8 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
 def _top_p_by_candidates(probs: torch.Tensor, cut: torch.Tensor) -> None:
     """Top-p in place on the CPU without sorting whole rows where it need not: a row whose largest
     ``_CANDIDATE_CAP`` probabilities reach its cut has its nucleus among them, and every other token is dropped;
-    only the rows whose do not are sorted whole (a model's nucleus is usually a few tokens; sorting 64 rows of
-    49,152 took 140 ms on a 2-core VM). The same tokens kept as sorting every row."""
+    only the rows whose do not are sorted whole (a model's nucleus is usually a few tokens, and sorting every row
+    of the vocabulary was the CPU sampler's largest cost). The same tokens kept as sorting every row."""
     sp, si = probs.topk(_CANDIDATE_CAP, dim=-1)  # sorted, largest first
     wide = torch.nonzero(sp.sum(-1, keepdim=True) < cut)[:, 0]
     kept = sp.masked_fill_(sp.cumsum(-1) - sp >= cut, 0.0)
