@@ -1072,9 +1072,7 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
         if probs.device.type == "cpu" and v > 2 * _CANDIDATE_CAP:
             _top_p_by_candidates(probs, cut)
         else:
-            sp, si = probs.sort(dim=-1, descending=True)
-            drop = sp.cumsum(-1) - sp >= cut
-            probs.scatter_(1, si, sp.masked_fill_(drop, 0.0))
+            _nucleus(probs, *probs.sort(dim=-1, descending=True), cut)
     if spec.any_min_p:
         probs.masked_fill_(torch.lt(probs, prm[:, _MINP : _MINP + 1], out=mask), 0.0)
     return _inverse_cdf(probs, prm, torch.cumsum(probs, -1, out=ws.get("cdf", n, v))).squeeze(1)
@@ -1087,13 +1085,16 @@ def _top_p_by_candidates(probs: torch.Tensor, cut: torch.Tensor) -> None:
     of the vocabulary was the CPU sampler's largest cost). The same tokens kept as sorting every row."""
     sp, si = probs.topk(_CANDIDATE_CAP, dim=-1)  # sorted, largest first
     wide = torch.nonzero(sp.sum(-1, keepdim=True) < cut)[:, 0]
-    kept = sp.masked_fill_(sp.cumsum(-1) - sp >= cut, 0.0)
     whole = probs.index_select(0, wide) if len(wide) else None
-    probs.zero_().scatter_(1, si, kept)
+    _nucleus(probs.zero_(), sp, si, cut)
     if whole is not None:
-        wp, wi = whole.sort(dim=-1, descending=True)
-        wp.masked_fill_(wp.cumsum(-1) - wp >= cut.index_select(0, wide), 0.0)
-        probs.index_copy_(0, wide, whole.scatter_(1, wi, wp))
+        probs.index_copy_(0, wide, _nucleus(whole, *whole.sort(dim=-1, descending=True), cut.index_select(0, wide)))
+
+
+def _nucleus(out: torch.Tensor, sp: torch.Tensor, si: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """Write into ``out`` (at ids ``si``) the probabilities ``sp`` (largest first) whose mass before them is below
+    ``cut``: the smallest set whose mass reaches it; returns ``out``."""
+    return out.scatter_(1, si, sp.masked_fill_(sp.cumsum(-1) - sp >= cut, 0.0))
 
 
 def _inverse_cdf(probs: torch.Tensor, prm: torch.Tensor, cdf: torch.Tensor) -> torch.Tensor:

@@ -199,8 +199,7 @@ def _graph_time(fns, reps: int = 5) -> float:
 def tune(bandwidth: float) -> dict:
     """Sweeps for the fast path's launch parameters against cuBLAS on the Llama-3.1-8B matrices (CUDA graphs,
     weights rotated past the L2): the batch-1 GEMV, split-K o_proj/down at 16 and 64 rows; and the
-    decode-attention kernel's tile / warps / stages."""
-    import triton
+    decode-attention kernel's tile / warps / stages (:func:`decode_params`)."""
 
     from common import triton_ops as tk
 
@@ -249,32 +248,7 @@ def tune(bandwidth: float) -> dict:
                                     "cublas_us": sum(r["cublas_us"] for r in rows)}
         print(f"  split-K m={m}: best config {best_cfg}: {tot[best_cfg]:.1f} us for o_proj + down vs cuBLAS "
               f"{out[f'splitk_best_m{m}']['cublas_us']:.1f} us", flush=True)
-    h, kvh, d, bs = 32, 8, 128, 16
-    for b, ctx in ((64, 1024),):
-        nb = b * ctx // bs + 8
-        cache = torch.randn(nb, 1, 2, bs, kvh, d, device="cuda").to(torch.bfloat16)
-        tables = torch.randperm(nb, device="cuda")[: b * ctx // bs].view(b, ctx // bs).int()
-        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(b, h, d, device="cuda").to(torch.bfloat16)
-        o = torch.empty_like(q)
-        kv = b * ctx * 2 * kvh * d * 2
-        for bn in (64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    try:
-                        ms = triton.testing.do_bench(
-                            lambda bn=bn, w=warps, st=stages, q=q, c=cache, t=tables, n=lens, o=o:
-                                tk.paged_decode_attention(q, c, 0, t, n, d**-0.5, o, 0, bn, w, st),
-                            warmup=10, rep=40, return_mode="median")
-                    except Exception as e:  # an out-of-resources config is a result too
-                        out["decode"].append({"batch": b, "context": ctx, "block_n": bn, "warps": warps,
-                                              "stages": stages, "error": repr(e)[:200]})
-                        continue
-                    out["decode"].append({"batch": b, "context": ctx, "block_n": bn, "warps": warps, "stages": stages,
-                                          "us": ms * 1e3, "vs_copy": kv / (ms / 1e3) / bandwidth})
-        best = min((r for r in out["decode"] if r["batch"] == b and "us" in r), key=lambda r: r["us"])
-        print(f"  decode kernel b{b} ctx {ctx}: best {best}", flush=True)
-        del cache
+    out["decode"] = decode_params(bandwidth)  # the decode kernel's tile / warps / stages
     return out
 
 
