@@ -664,31 +664,46 @@ def _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL: tl.constexpr, SP
 
 
 @triton.jit
-def _topp_prefix(h_ptr, n, row, nseg, cut, total, DIGITS: tl.constexpr, SP: tl.constexpr):
-    """The order-key prefix that the first ``DIGITS`` 4-bit digits of the top-p threshold give (their digit
-    histograms summed over the row's segments); 0 (every token) for a row whose top_p keeps the whole mass."""
-    tau = tl.zeros([], tl.uint32)
-    if cut < total:
-        bins = tl.arange(0, 16)
-        segs = tl.arange(0, SP)
+def _topp_digit(hist, tau, above, cut, K: tl.constexpr):
+    """Digit K of the top-p threshold from the row's mass by digit ``hist`` [16] over the tokens matching the
+    prefix ``tau``: the largest digit whose mass, with the mass ``above`` the prefix, still reaches the cut. The
+    prefix and the mass above it after that digit."""
+    bins = tl.arange(0, 16)
+    at_least = above + tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
+    pick = tl.maximum(tl.max(tl.where(at_least >= cut, bins, -1), 0), 0)
+    above = tl.sum(tl.where(bins == pick, at_least - hist, 0.0), 0)
+    return tau | (pick.to(tl.uint32) << (28 - 4 * K)), above
+
+
+@triton.jit
+def _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, K: tl.constexpr, SP: tl.constexpr):
+    """The top-p threshold's order-key prefix of digits 0..K and the row's mass above that prefix: digits 0..K-1's
+    (stored by the launch before) advanced by digit K, from digit K's histograms summed over the row's segments."""
+    if K == 0:
+        tau = tl.zeros([], tl.uint32)
         above = 0.0
-        for k in tl.static_range(DIGITS):
-            h = tl.load(h_ptr + ((k * n + row) * nseg + segs[:, None]) * 16 + bins[None, :],
-                        mask=(segs < nseg)[:, None], other=0.0)
-            hist = tl.sum(h, 0)
-            # mass with this digit or a larger one, on top of the larger prefixes' mass: the largest digit that
-            # still reaches the cut
-            at_least = above + tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist
-            pick = tl.maximum(tl.max(tl.where(at_least >= cut, bins, -1), 0), 0)
-            above = tl.sum(tl.where(bins == pick, at_least - hist, 0.0), 0)
-            tau = tau | (pick.to(tl.uint32) << (28 - 4 * k))
-    return tau
+    else:
+        tau = tl.load(t_ptr + (K - 1) * n + row).to(tl.uint32, bitcast=True)
+        above = tl.load(a_ptr + (K - 1) * n + row)
+    bins = tl.arange(0, 16)
+    segs = tl.arange(0, SP)
+    h = tl.load(h_ptr + ((K * n + row) * nseg + segs[:, None]) * 16 + bins[None, :], mask=(segs < nseg)[:, None],
+                other=0.0)
+    return _topp_digit(tl.sum(h, 0), tau, above, cut, K)
+
+
+@triton.jit
+def _digit_mass(key, w, K: tl.constexpr):
+    """Masses ``w`` summed by their order keys' K-th 4-bit digit: [16]."""
+    d = ((key >> (28 - 4 * K)) & 15).to(tl.int32)
+    return tl.sum(tl.where(d[:, None] == tl.arange(0, 16)[None, :], w[:, None], 0.0), 0)
 
 
 @triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg"])
-def _pick_stats_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, vocab, seg, TEMP_COL: tl.constexpr,
-                       BLOCK: tl.constexpr):
-    """A segment's max z (z = x / temperature) and its mass sum(exp(z - that max)), in one pass."""
+def _pick_stats_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, vocab, seg, nblk,
+                       TEMP_COL: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
+    """A segment's max z (z = x / temperature) and its mass sum(exp(z - that max)), in one pass; with ``BLOCKS``,
+    each block's max z too (the later launches skip blocks that can hold no token they count)."""
     row = tl.program_id(0)
     sg = tl.program_id(1)
     nseg = tl.num_programs(1)
@@ -701,7 +716,10 @@ def _pick_stats_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, vocab, 
     s = 0.0
     for start in range(lo, hi, BLOCK):
         z = tl.math.div_rn(tl.load(xr + start + offs, mask=start + offs < hi, other=-float("inf")), temp)
-        m_new = tl.maximum(m, tl.max(z, 0))
+        bm = tl.max(z, 0)
+        if BLOCKS:
+            tl.store(bm_ptr + row * nblk + start // BLOCK, bm)
+        m_new = tl.maximum(m, bm)
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # every token so far masked (a grammar's)
         s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe), 0)
         m = m_new
@@ -709,47 +727,143 @@ def _pick_stats_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, vocab, 
     tl.store(s_ptr + row * nseg + sg, s)
 
 
-@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n"])
-def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, vocab, seg, n,
-                            TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, DIGIT: tl.constexpr, SP: tl.constexpr,
-                            BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n", "nblk"])
+def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, h_ptr, t_ptr, a_ptr, rf_ptr,
+                            vocab, seg, n, nblk, TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, DIGIT: tl.constexpr,
+                            RESOLVE: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
     """A segment's mass by the top-p threshold's DIGIT-th 4-bit digit of the order key, over its tokens whose
-    key matches the digits chosen before (a radix select weighted by mass, from the top)."""
+    key matches the digits chosen before (a radix select weighted by mass, from the top). Blocks whose largest key
+    is under that prefix are not read, and sub-blocks with no matching token add nothing. The segment 0 program
+    keeps the prefix for the next launch. From digit RESOLVE on, only rows whose candidates did not fit their
+    slots (:func:`_pick_topp_resolve_kernel`) are left."""
     row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
     cut = tl.load(p + TOPP_COL) * total
-    if cut < total:
-        tau = _topp_prefix(h_ptr, n, row, nseg, cut, total, DIGIT, SP)
+    go = cut < total
+    if DIGIT >= RESOLVE:
+        go = go & (tl.load(rf_ptr + row) == 0)
+    if go:
         xr = x_ptr + row.to(tl.int64) * stride_x
-        offs = tl.arange(0, BLOCK)
-        bins = tl.arange(0, 16)
+        offs = tl.arange(0, SUB)
         lo = sg * seg
         hi = tl.minimum(lo + seg, vocab)
         hist = tl.zeros([16], tl.float32)
+        if DIGIT == 0:
+            for start in range(lo, hi, SUB):
+                inb = start + offs < hi
+                z = tl.math.div_rn(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp)
+                hist += _digit_mass(_order_key(z), tl.where(inb, tl.exp(z - m), 0.0), 0)
+        else:
+            tau, above = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, DIGIT - 1, SP)
+            if sg == 0:
+                tl.store(t_ptr + (DIGIT - 1) * n + row, tau.to(tl.int32, bitcast=True))
+                tl.store(a_ptr + (DIGIT - 1) * n + row, above)
+            prefix = tau >> (32 - 4 * DIGIT)
+            for start in range(lo, hi, BLOCK):
+                if (_order_key(tl.load(bm_ptr + row * nblk + start // BLOCK)) >> (32 - 4 * DIGIT)) >= prefix:
+                    for sub in range(start, start + BLOCK, SUB):
+                        inb = sub + offs < hi
+                        z = tl.math.div_rn(tl.load(xr + sub + offs, mask=inb, other=-float("inf")), temp)
+                        key = _order_key(z)
+                        match = ((key >> (32 - 4 * DIGIT)) == prefix) & inb
+                        if tl.max(match.to(tl.int32), 0) > 0:
+                            hist += _digit_mass(key, tl.where(match, tl.exp(z - m), 0.0), DIGIT)
+        tl.store(h_ptr + ((DIGIT * n + row) * nseg + sg) * 16 + tl.arange(0, 16), hist)
+
+
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n", "nblk"])
+def _pick_topp_compact_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, h_ptr, t_ptr, a_ptr, ck_ptr,
+                              cw_ptr, cn_ptr, ca_ptr, vocab, seg, n, nblk, TEMP_COL: tl.constexpr,
+                              TOPP_COL: tl.constexpr, RESOLVE: tl.constexpr, CAP: tl.constexpr, SP: tl.constexpr,
+                              BLOCK: tl.constexpr, SUB: tl.constexpr):
+    """A segment's candidates for the top-p threshold's last digits: its tokens whose order key matches the first
+    RESOLVE digits, key and mass, in vocabulary order into the segment's CAP slots; their count (past CAP, only the
+    first CAP are written); and the segment's mass above them (keys past that prefix: kept whatever the rest)."""
+    row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
+    cut = tl.load(p + TOPP_COL) * total
+    cnt = tl.zeros([], tl.int32)
+    over = 0.0
+    if cut < total:
+        prefix = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, RESOLVE - 1, SP)[0] >> (32 - 4 * RESOLVE)
+        xr = x_ptr + row.to(tl.int64) * stride_x
+        offs = tl.arange(0, SUB)
+        lo = sg * seg
+        hi = tl.minimum(lo + seg, vocab)
+        base = (row * nseg + sg) * CAP
         for start in range(lo, hi, BLOCK):
-            inb = start + offs < hi
-            z = tl.math.div_rn(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp)
-            key = _order_key(z)
-            if DIGIT == 0:
-                match = inb
-            else:
-                match = (key >> (32 - 4 * DIGIT)) == (tau >> (32 - 4 * DIGIT))
-            d = ((key >> (28 - 4 * DIGIT)) & 15).to(tl.int32)
-            w = tl.where(match, tl.exp(z - m), 0.0)
-            hist += tl.sum(tl.where(d[:, None] == bins[None, :], w[:, None], 0.0), 0)
-        tl.store(h_ptr + ((DIGIT * n + row) * nseg + sg) * 16 + bins, hist)
+            if (_order_key(tl.load(bm_ptr + row * nblk + start // BLOCK)) >> (32 - 4 * RESOLVE)) >= prefix:
+                for sub in range(start, start + BLOCK, SUB):
+                    inb = sub + offs < hi
+                    z = tl.math.div_rn(tl.load(xr + sub + offs, mask=inb, other=-float("inf")), temp)
+                    key = _order_key(z)
+                    w = tl.exp(z - m)
+                    match = ((key >> (32 - 4 * RESOLVE)) == prefix) & inb
+                    pos = cnt + tl.cumsum(match.to(tl.int32), 0) - 1
+                    keep = match & (pos < CAP)
+                    tl.store(ck_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=keep)
+                    tl.store(cw_ptr + base + pos, w, mask=keep)
+                    cnt += tl.sum(match.to(tl.int32), 0)
+                    over += tl.sum(tl.where(((key >> (32 - 4 * RESOLVE)) > prefix) & inb, w, 0.0), 0)
+    tl.store(cn_ptr + row * nseg + sg, cnt)
+    tl.store(ca_ptr + row * nseg + sg, over)
+
+
+@triton.jit(do_not_specialize=["stride_p", "n", "nseg"])
+def _pick_topp_resolve_kernel(prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, t_ptr, a_ptr, ck_ptr, cw_ptr, cn_ptr, ca_ptr,
+                              rf_ptr, rt_ptr, k_ptr, n, nseg, TOPP_COL: tl.constexpr, RESOLVE: tl.constexpr,
+                              CAP: tl.constexpr, KEPT: tl.constexpr, SP: tl.constexpr):
+    """A row's top-p threshold past its first RESOLVE digits, where every segment's candidates fit their slots: all
+    of them held at once by one program, the threshold's other bits set one at a time from the top (each kept
+    where the mass of the keys at or above it still reaches the cut). The threshold and 1 (resolved), else 0 (the
+    digit launches go on over the row). With ``KEPT`` (no min-p to apply), each segment's kept mass too: its mass
+    above the candidates and its candidates' at or above the threshold."""
+    row = tl.program_id(0)
+    total = _row_totals(m_ptr, s_ptr, row, nseg, SP)[1]
+    cut = tl.load(prm_ptr + row.to(tl.int64) * stride_p + TOPP_COL) * total
+    segs = tl.arange(0, SP)
+    counts = tl.load(cn_ptr + row * nseg + segs, mask=segs < nseg, other=0)
+    done = (cut < total) & (tl.max(counts, 0) <= CAP)
+    if done:
+        tau, above = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, RESOLVE - 1, SP)
+        slots = tl.arange(0, CAP)[None, :]
+        ok = slots < counts[:, None]
+        at = (row * nseg + segs[:, None]) * CAP + slots
+        keys = tl.load(ck_ptr + at, mask=ok, other=0).to(tl.uint32, bitcast=True)
+        w = tl.load(cw_ptr + at, mask=ok, other=0.0)
+        for b in tl.static_range(31 - 4 * RESOLVE, -1, -1):
+            t = tau | (1 << b)
+            if above + tl.sum(tl.sum(tl.where(keys >= t, w, 0.0), 1), 0) >= cut:
+                tau = t
+        tl.store(rt_ptr + row, tau.to(tl.int32, bitcast=True))
+        if KEPT:
+            over = tl.load(ca_ptr + row * nseg + segs, mask=segs < nseg, other=0.0)
+            tl.store(k_ptr + row * nseg + segs, over + tl.sum(tl.where(keys >= tau, w, 0.0), 1), mask=segs < nseg)
+    tl.store(rf_ptr + row, done.to(tl.int32))
 
 
 @triton.jit
-def _row_filter(p, h_ptr, n, row, nseg, total, TOPP_COL: tl.constexpr, MINP_COL: tl.constexpr,
-                TOP_P: tl.constexpr, MIN_P: tl.constexpr, SP: tl.constexpr):
-    """A row's top-p threshold (its order-key prefix, 0 without top-p) and its min-p (0.0 without)."""
+def _row_filter(p, h_ptr, t_ptr, a_ptr, rf_ptr, rt_ptr, n, row, nseg, total, TOPP_COL: tl.constexpr,
+                MINP_COL: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, SP: tl.constexpr):
+    """A row's top-p threshold (its order key; 0 without top-p, or where its top_p keeps the whole mass) and its
+    min-p (0.0 without)."""
     tau = tl.zeros([], tl.uint32)
     if TOP_P:
-        tau = _topp_prefix(h_ptr, n, row, nseg, tl.load(p + TOPP_COL) * total, total, 8, SP)
+        cut = tl.load(p + TOPP_COL) * total
+        if cut < total:
+            if tl.load(rf_ptr + row) != 0:  # found over the row's candidates
+                tau = tl.load(rt_ptr + row).to(tl.uint32, bitcast=True)
+            else:
+                tau = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, 7, SP)[0]
     min_p = 0.0
     if MIN_P:
         min_p = tl.load(p + MINP_COL)
     return tau, min_p
+
+
+@triton.jit
+def _may_keep(bm_ptr, row, nblk, start, m, tau, min_p, BLOCK: tl.constexpr):
+    """Whether the block at ``start`` can hold a token that top-p and min-p keep: its largest z's."""
+    bm = tl.load(bm_ptr + row * nblk + start // BLOCK)
+    return (_order_key(bm) >= tau) & (tl.exp(bm - m) >= min_p)
 
 
 @triton.jit
@@ -759,29 +873,38 @@ def _kept(z, m, tau, min_p, inb):
     return tl.where((_order_key(z) >= tau) & (w >= min_p) & inb, w, 0.0)
 
 
-@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n"])
-def _pick_kept_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k_ptr, vocab, seg, n,
-                      TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, MINP_COL: tl.constexpr, TOP_P: tl.constexpr,
-                      MIN_P: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
-    """A segment's mass that top-p and min-p keep."""
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n", "nblk"])
+def _pick_kept_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, h_ptr, t_ptr, a_ptr, rf_ptr, rt_ptr,
+                      k_ptr, vocab, seg, n, nblk, TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr,
+                      MINP_COL: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, SP: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """A segment's mass that top-p and min-p keep (blocks that can keep none are not read). Rows whose top-p the
+    resolve launch found with no min-p have theirs already."""
     row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
-    tau, min_p = _row_filter(p, h_ptr, n, row, nseg, total, TOPP_COL, MINP_COL, TOP_P, MIN_P, SP)
-    xr = x_ptr + row.to(tl.int64) * stride_x
-    offs = tl.arange(0, BLOCK)
-    lo = sg * seg
-    hi = tl.minimum(lo + seg, vocab)
-    kept = 0.0
-    for start in range(lo, hi, BLOCK):
-        inb = start + offs < hi
-        z = tl.math.div_rn(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp)
-        kept += tl.sum(_kept(z, m, tau, min_p, inb), 0)
-    tl.store(k_ptr + row * nseg + sg, kept)
+    go = True
+    if TOP_P and not MIN_P:
+        go = tl.load(rf_ptr + row) == 0
+    if go:
+        tau, min_p = _row_filter(p, h_ptr, t_ptr, a_ptr, rf_ptr, rt_ptr, n, row, nseg, total, TOPP_COL, MINP_COL,
+                                 TOP_P, MIN_P, SP)
+        xr = x_ptr + row.to(tl.int64) * stride_x
+        offs = tl.arange(0, BLOCK)
+        lo = sg * seg
+        hi = tl.minimum(lo + seg, vocab)
+        kept = 0.0
+        for start in range(lo, hi, BLOCK):
+            if _may_keep(bm_ptr, row, nblk, start, m, tau, min_p, BLOCK):
+                inb = start + offs < hi
+                z = tl.math.div_rn(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp)
+                kept += tl.sum(_kept(z, m, tau, min_p, inb), 0)
+        tl.store(k_ptr + row * nseg + sg, kept)
 
 
-@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n"])
-def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k_ptr, out_ptr, vocab, seg, n,
-                      TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, MINP_COL: tl.constexpr, U_COL: tl.constexpr,
-                      TOP_P: tl.constexpr, MIN_P: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n", "nblk"])
+def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, h_ptr, t_ptr, a_ptr, rf_ptr, rt_ptr,
+                      k_ptr, out_ptr, vocab, seg, n, nblk, TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr,
+                      MINP_COL: tl.constexpr, U_COL: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+                      SP: tl.constexpr, BLOCK: tl.constexpr):
     """The inverse CDF in vocabulary order: the segment where the row's running kept mass passes u × its kept
     mass finds the token in its own tokens; the others return."""
     row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
@@ -798,7 +921,8 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k
     first = tl.min(tl.where(cum > target, segs, SP), 0)
     chosen = tl.where(first < SP, first, tl.max(tl.where(segm > 0, segs, 0), 0))
     if sg == chosen:
-        tau, min_p = _row_filter(p, h_ptr, n, row, nseg, total, TOPP_COL, MINP_COL, TOP_P, MIN_P, SP)
+        tau, min_p = _row_filter(p, h_ptr, t_ptr, a_ptr, rf_ptr, rt_ptr, n, row, nseg, total, TOPP_COL, MINP_COL, TOP_P,
+                             MIN_P, SP)
         xr = x_ptr + row.to(tl.int64) * stride_x
         offs = tl.arange(0, BLOCK)
         lo = sg * seg
@@ -807,21 +931,30 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, k
         found = hi
         last = lo
         for start in range(lo, hi, BLOCK):
-            idx = start + offs
-            inb = idx < hi
-            z = tl.math.div_rn(tl.load(xr + idx, mask=inb, other=-float("inf")), temp)
-            w = _kept(z, m, tau, min_p, inb)
-            cdf = carry + tl.cumsum(w, 0)
-            found = tl.minimum(found, tl.min(tl.where(cdf > target, idx, hi), 0))
-            last = tl.maximum(last, tl.max(tl.where(w > 0, idx, lo), 0))
-            carry += tl.sum(w, 0)
+            go = True
+            if TOP_P or MIN_P:
+                go = _may_keep(bm_ptr, row, nblk, start, m, tau, min_p, BLOCK)
+            if go:
+                idx = start + offs
+                inb = idx < hi
+                z = tl.math.div_rn(tl.load(xr + idx, mask=inb, other=-float("inf")), temp)
+                w = _kept(z, m, tau, min_p, inb)
+                cdf = carry + tl.cumsum(w, 0)
+                found = tl.minimum(found, tl.min(tl.where(cdf > target, idx, hi), 0))
+                last = tl.maximum(last, tl.max(tl.where(w > 0, idx, lo), 0))
+                carry += tl.sum(w, 0)
         # rounding (this running sum is in another order than the segments' masses) can leave the target past the
         # segment's end: its last kept token then
         tl.store(out_ptr + row, tl.where(found < hi, found, last).to(tl.int64))
 
 
-PICK_BLOCK = 1024
+PICK_BLOCK = 1024  # tokens a block: the unit of the whole-vocabulary pick's segments and of its skipped blocks
+PICK_SUB = 128  # tokens the radix select's launches sum by digit at once
+PICK_WARPS = 4
+PICK_DIGIT_WARPS = 2  # the radix select's and the candidates' launches
 PICK_SEGMENTS = 32  # about this many segments a row in the whole-vocabulary pick
+PICK_RESOLVE = 3  # top-p digits found over whole rows; the rest over the rows' candidates, where they fit
+PICK_CAP = 256  # candidates a segment keeps for them
 
 
 def pick_segments(vocab: int) -> tuple[int, int]:
@@ -835,11 +968,19 @@ def pick_full(x: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int
               min_p: bool) -> torch.Tensor:
     """The pick over each row's whole vocabulary (``x`` [N, V] float32 logits): temperature, top-p, min-p, then the
     inverse CDF in vocabulary order at the row's uniform number (``cols``: the table's temperature, top-p, min-p and
-    uniform columns), with no sort. Each row is cut into segments (:func:`pick_segments`), a program each: their
-    max and mass; with top-p, the threshold as a radix select weighted by mass (eight launches, one 4-bit digit of
-    the order key each: each segment's mass by digit, summed over the row by the next launch); the mass each
-    segment keeps; then the segment where the running mass passes u × the kept mass finds the token. Tokens tied
-    with the top-p threshold are all kept. int64 [N]."""
+    uniform columns), with no sort. Each row is cut into segments (:func:`pick_segments`), a program each:
+
+    1. their max and mass (and each block's max z);
+    2. with top-p, the threshold as a radix select weighted by mass, one 4-bit digit of the order key at a time:
+       each segment's mass by digit over the tokens that match the digits before, summed over the row by the next
+       launch. After ``PICK_RESOLVE`` digits, each segment writes the tokens that still match (at most
+       ``PICK_CAP``), and one program a row sets the threshold's other bits over them; rows with more go on digit
+       by digit over the whole row. Tokens tied with the threshold are all kept;
+    3. the mass each segment keeps (without min-p, the resolve launch's for the rows it resolved);
+    4. the segment where the running mass passes u × the kept mass finds the token.
+
+    Past the first digit, a block whose largest z is under what a launch counts is not read: where a model's
+    distribution is peaked, most of a row. int64 [N]."""
     n, v = x.shape
     assert x.stride(1) == 1 and prm.stride(1) == 1
     out = torch.empty(n, dtype=torch.int64, device=x.device)
@@ -847,20 +988,43 @@ def pick_full(x: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int
         return out
     nseg, seg = pick_segments(v)
     sp = max(2, triton.next_power_of_2(nseg))
-    ms, ss, kept = torch.empty((3, n, nseg), dtype=torch.float32, device=x.device)
-    hist = torch.empty((8 if top_p else 1, n, nseg, 16), dtype=torch.float32, device=x.device)
+    nblk = nseg * seg // PICK_BLOCK
+    dev = x.device
+    ms, ss, kept = torch.empty((3, n, nseg), dtype=torch.float32, device=dev)
+    blocks = top_p or min_p
+    bmax = torch.empty((n, nblk) if blocks else (1,), dtype=torch.float32, device=dev)
+    hist = torch.empty((8 if top_p else 1, n, nseg, 16), dtype=torch.float32, device=dev)
+    taus = torch.empty((7 if top_p else 1, n), dtype=torch.int32, device=dev)  # prefixes of digits 0..k
+    aboves = torch.empty((7 if top_p else 1, n), dtype=torch.float32, device=dev)  # the mass above each
+    cap = PICK_CAP if top_p else 1
+    cand_keys = torch.empty((n, nseg, cap), dtype=torch.int32, device=dev)
+    cand_mass = torch.empty((n, nseg, cap), dtype=torch.float32, device=dev)
+    counts = torch.empty((n, nseg), dtype=torch.int32, device=dev)
+    over = torch.empty((n, nseg), dtype=torch.float32, device=dev)  # each segment's mass above its candidates
+    resolved = torch.empty(n, dtype=torch.int32, device=dev)  # written by the resolve launch, read with top-p
+    found = torch.empty(n, dtype=torch.int32, device=dev)
     temp_col, topp_col, minp_col, u_col = cols
     grid = (n, nseg)
-    common = dict(BLOCK=PICK_BLOCK, num_warps=4)
-    _pick_stats_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, v, seg, temp_col, **common)
+    common = dict(BLOCK=PICK_BLOCK, num_warps=PICK_WARPS)
+    _pick_stats_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, bmax, v, seg, nblk, temp_col, BLOCKS=blocks,
+                             **common)
     if top_p:
-        for digit in range(8):
-            _pick_topp_digit_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, hist, v, seg, n, temp_col,
-                                          topp_col, DIGIT=digit, SP=sp, **common)
-    if top_p or min_p:
-        _pick_kept_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, hist, kept, v, seg, n, temp_col,
+        state = (x, x.stride(0), prm, prm.stride(0), ms, ss, bmax, hist, taus, aboves)
+        digit = dict(RESOLVE=PICK_RESOLVE, SP=sp, SUB=PICK_SUB, BLOCK=PICK_BLOCK, num_warps=PICK_DIGIT_WARPS)
+        for d in range(PICK_RESOLVE):
+            _pick_topp_digit_kernel[grid](*state, resolved, v, seg, n, nblk, temp_col, topp_col, DIGIT=d, **digit)
+        _pick_topp_compact_kernel[grid](*state, cand_keys, cand_mass, counts, over, v, seg, n, nblk, temp_col,
+                                        topp_col, CAP=cap, **digit)
+        _pick_topp_resolve_kernel[(n,)](prm, prm.stride(0), ms, ss, hist, taus, aboves, cand_keys, cand_mass, counts,
+                                        over, resolved, found, kept, n, nseg, topp_col, PICK_RESOLVE, cap,
+                                        not min_p, sp, num_warps=8)
+        for d in range(PICK_RESOLVE, 8):
+            _pick_topp_digit_kernel[grid](*state, resolved, v, seg, n, nblk, temp_col, topp_col, DIGIT=d, **digit)
+    filters = (bmax, hist, taus, aboves, resolved, found)
+    if blocks:
+        _pick_kept_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, *filters, kept, v, seg, n, nblk, temp_col,
                                 topp_col, minp_col, TOP_P=top_p, MIN_P=min_p, SP=sp, **common)
-    _pick_scan_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, hist, kept, out, v, seg, n, temp_col,
+    _pick_scan_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, *filters, kept, out, v, seg, n, nblk, temp_col,
                             topp_col, minp_col, u_col, TOP_P=top_p, MIN_P=min_p, SP=sp, **common)
     return out
 

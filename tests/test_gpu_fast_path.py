@@ -265,10 +265,14 @@ print("ok")
 def test_whole_vocabulary_pick_in_triton_interpreter():
     """The pick over the whole vocabulary (temperature, top-p by a mass-weighted radix select, min-p, the inverse
     CDF) takes each token in its exact share, on the CPU through Triton's interpreter: temperature alone, top-p with
-    min-p, a row whose first blocks are masked (the GPU suite runs every case on 2,048 rows)."""
+    min-p, a row whose first blocks are masked; with several blocks a segment, top-p alone and a row whose top-p
+    keeps one token (the other blocks skipped); top-p with its candidates past their slots (its last digits over
+    the whole rows). The GPU suite runs every case on 2,048 rows."""
     code = """
 from tests.gpu.test_kernels import check_pick_full
 check_pick_full("cpu", n=64, cases=(0, 4, 5))
+check_pick_full("cpu", n=64, cases=(1, 6), PICK_BLOCK=256, PICK_SEGMENTS=4)
+check_pick_full("cpu", n=64, cases=(2,), PICK_CAP=2)
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")

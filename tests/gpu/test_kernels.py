@@ -382,15 +382,29 @@ def exact_pick_shares(logits: torch.Tensor, temp: float, top_p: float, min_p: fl
     return q / q.sum()
 
 
-def check_pick_full(device: str, vocab: int = 3000, n: int = 2048, cases: tuple[int, ...] | None = None) -> None:
+def check_pick_full(device: str, vocab: int = 3000, n: int = 2048, cases: tuple[int, ...] | None = None,
+                    **settings: int) -> None:
     """The whole-vocabulary pick (``pick_full``): with every row's uniform number on a grid of ``n`` points, each
     token is picked in its exact share of the rows (an inverse CDF maps the grid's points in an interval of width q
     to its token: q·n of them, ±1), and never a token that temperature, top-p or min-p drop. The vocabulary spans
     several of the kernel's blocks (the running sum carried across them); one case masks the first blocks to -inf
-    (a grammar's mask), one has a token far above the others (top-p keeps it alone)."""
+    (a grammar's mask), one has a token far above the others (top-p keeps it alone: the blocks without it are
+    skipped). With top-p or min-p, the kept set's edge is checked exactly too. ``settings`` override the kernel's module settings by name (``PICK_BLOCK=256, PICK_SEGMENTS=4``:
+    several blocks a segment, skipped blocks beside read ones; ``PICK_CAP=2``: top-p's candidates overflow their
+    slots, so its last digits run over the whole rows)."""
     from common import sampler as sm
     from common import triton_ops as tk
 
+    if settings:
+        saved = {k: getattr(tk, k) for k in settings}
+        for k, val in settings.items():
+            setattr(tk, k, val)
+        try:
+            check_pick_full(device, vocab, n, cases)
+        finally:
+            for k, val in saved.items():
+                setattr(tk, k, val)
+        return
     g = torch.Generator().manual_seed(7)
     base = torch.randn(vocab, generator=g) * 2.5
     masked = base.clone()
@@ -414,6 +428,16 @@ def check_pick_full(device: str, vocab: int = 3000, n: int = 2048, cases: tuple[
         assert share[want == 0].sum() == 0, f"{what}: dropped tokens picked {torch.nonzero(share * (want == 0))}"
         worst = float((share - want).abs().max())
         assert worst <= 2.0 / n, f"{what}: a token's share off by {worst:.2e} (at most 2/{n})"
+        if top_p < 1 or min_p > 0:
+            # the kept set's lower edge, exactly: with the vocabulary in falling order, the largest u picks the
+            # last token that top-p and min-p keep (one more kept or one fewer moves the pick)
+            desc = logits.sort(descending=True).values
+            last = int((exact_pick_shares(desc, temp, top_p, min_p) > 0).sum()) - 1
+            edge = prm[:2].clone()
+            edge[:, sm._U] = sm._U_MAX
+            got = tk.pick_full(desc.expand(2, vocab).contiguous().to(device), edge.to(device),
+                               (sm._TEMP, sm._TOPP, sm._MINP, sm._U), top_p < 1, min_p > 0).cpu()
+            assert got.tolist() == [last, last], f"{what}: u at its largest picks {got.tolist()}, not token {last}"
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}-ctx{c[1]}-splits{c[2]}")
@@ -463,3 +487,11 @@ def test_sampler_kernels():
 
 def test_pick_full():
     check_pick_full("cuda")
+
+
+def test_pick_full_several_blocks_a_segment():
+    check_pick_full("cuda", PICK_BLOCK=256, PICK_SEGMENTS=4)
+
+
+def test_pick_full_with_top_p_candidates_past_their_slots():
+    check_pick_full("cuda", PICK_CAP=2)
