@@ -3,8 +3,9 @@
 ``paged_decode_attention`` reads K/V straight from the paged pool instead of gathering them into a padded copy;
 ``add_rms_norm`` fuses the residual add with the next RMSNorm, ``rope_write_kv`` RoPE with the KV-cache write and
 ``silu_mul`` the MLP's activation with its product (bfloat16 or float32, rounding as the ops they replace);
-``argmax_rows`` is the greedy pick; ``linear_small_batch`` is the bfloat16 matmul of decode batches (up to
-32 rows) and ``prefill_attention`` a prompt's causal attention, both on torch's AMX brgemm micro-kernel. All in
+``argmax_rows`` is the greedy pick and ``pick_rows`` the sampled one over whole rows (temperature, top-p, min-p,
+no sort); ``linear_small_batch`` is the bfloat16 matmul of decode batches (up to 32 rows) and
+``prefill_attention`` a prompt's causal attention, both on torch's AMX brgemm micro-kernel. All in
 csrc/paged_attention_cpu.cpp.
 The engine uses them on CPU, in bfloat16 and float32, when they compiled with AVX-512 (``engine.cpu_kernels``
 false turns them off, true on even without AVX-512; see common/model_runner.py and common/model_cpu.py). If the
@@ -116,6 +117,18 @@ def masked_argmax_rows(x: Any, rows: Any, bitmask: Any) -> Any:
     whose bit is set in ``bitmask`` (int32 ``[M, ceil(V / 32)]``, bit ``t % 32`` of word ``t / 32``): the first
     largest allowed entry; the first allowed one where all of them are -inf; 0 where none is allowed."""
     return _load().masked_argmax_rows(x, rows, bitmask)
+
+
+def pick_rows(x: Any, prm: Any, temp_col: int, topp_col: int, minp_col: int, u_col: int, top_p: bool,
+              min_p: bool) -> Any:
+    """The sampler's pick over each row's whole vocabulary, as ``triton_ops.pick_full``: ``x`` ``[N, V]`` float32
+    logits (not modified; rows may be strided), ``prm`` ``[N, C]`` float32 with each row's temperature, top-p, min-p
+    and uniform number ``u`` in ``[0, 1)`` at the given columns; ``top_p``/``min_p``: whether any row uses them.
+    Per row: z = x / temperature, w = exp(z - max z); top-p keeps the tokens whose order key (z's bits, ordered as z)
+    is at least the largest threshold whose tokens' mass reaches top_p × the total (all tokens tied with it); min-p
+    those with w ≥ min_p; the pick is the first token, in vocabulary order, whose running kept mass exceeds u × the
+    kept mass. A row with no finite logit gets 0. int64 ``[N]``."""
+    return _load().pick_rows(x, prm, temp_col, topp_col, minp_col, u_col, top_p, min_p)
 
 
 def amx_bf16() -> bool:

@@ -3,13 +3,15 @@
 Every row's randomness is ONE uniform number, a pure function of (request seed, output position) through a
 counter-based hash (splitmix64), and the pick is the inverse CDF of the row's final distribution taken in
 vocabulary order. So a row's token depends only on its own logits, seed and position: the same alone, in any
-batch, after preemption. On the CPU the top-k candidate path and the full-vocabulary one sum the same
-probabilities in the same vocabulary order. On a GPU a batch takes the candidate kernel when every row has a
-top_k, the whole-vocabulary kernels (their sums by segments of the vocabulary alone) when no row has one, and
-PyTorch's full-vocabulary ops (a sort for top-p) when it mixes both: the same probabilities summed in other
-orders, so a row's token can differ between such batches only where its uniform number lies within rounding of a
-boundary between two tokens. Requests without a seed get one drawn at arrival by the engine, so every row
-draws the same way and no device generator is needed.
+batch, after preemption. A batch takes the top-k candidate path when every sampled row has a top_k (up to
+``_CANDIDATE_CAP``), the whole-vocabulary kernel when no row has one, with no sort (on a GPU Triton kernels summing
+by segments of the vocabulary, ``triton_ops.pick_full``; on the CPU one C++ function summing by blocks in double,
+``cpu_kernels.pick_rows``), and PyTorch's full-vocabulary ops when it mixes both (a sort for top-p; on the CPU only
+of the rows whose nucleus is wider than their top candidates). On the CPU the candidate path and PyTorch's
+full-vocabulary ops sum the same probabilities in the same vocabulary order; the whole-vocabulary kernels sum them
+in other orders, so a row's token can differ between batches that take different paths only where its uniform
+number lies within rounding of a boundary between two tokens. Requests without a seed get one drawn at arrival by
+the engine, so every row draws the same way and no device generator is needed.
 
 Penalties read per-request state kept on the device (:class:`Sampler` slots): the distinct tokens a request has
 seen and how often each came out; penalizing touches those tokens only. The pick folds its own tokens into that
@@ -17,7 +19,8 @@ state on the device, so a decoding row costs the host nothing there; a slot is b
 when it is new, and rebuilt whenever the host's count of its outputs disagrees with the row's, so a slot lost or
 evicted is only a rebuild, never a wrong answer. On CUDA the penalties, the fold and the pick (among top-k candidates,
 or over the whole vocabulary with no sort: ``pick_full``) are Triton kernels (``common/triton_ops.py``); the CPU
-runs the same steps as PyTorch ops.
+runs the same steps as PyTorch ops, but for the pick over the whole vocabulary, a C++ kernel
+(``cpu_kernels.pick_rows``) where the CPU kernels compiled.
 
 A constrained row (structured outputs) carries its grammar matcher, and its allowed tokens are a row of int32 words
 in the grammar mask table, in host memory (``common/structured.py``: filled by the grammar mask process or inline).
@@ -1038,8 +1041,11 @@ def _penalize(x: torch.Tensor, prm: torch.Tensor, slots: _Slots, width: int, rep
 
 
 def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _Workspace) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then the inverse-CDF pick in vocabulary order; overwrites ``x``. Greedy
-    rows' picks here are discarded (they take temperature 1 to stay finite)."""
+    """Temperature, top-k, top-p, min-p, then the inverse-CDF pick in vocabulary order; may overwrite ``x``. Greedy
+    rows' picks here are discarded (they take temperature 1 to stay finite). A batch whose sampled rows all have a
+    top_k up to ``_CANDIDATE_CAP`` picks among the top-k candidates; one with no top_k takes one kernel over the
+    whole vocabulary, with no sort (``triton_ops.pick_full`` on a GPU, ``cpu_kernels.pick_rows`` on the CPU where
+    the C++ kernels compiled); the others, PyTorch's ops over the whole vocabulary."""
     temp = prm[:, _TEMP : _TEMP + 1]
     k_row = prm[:, _TOPK : _TOPK + 1]
     ops = _cuda_ops(x.device)
@@ -1059,6 +1065,9 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
         return ids.gather(1, _inverse_cdf(probs, prm, probs.cumsum(-1))).squeeze(1)
     if ops is not None and not any(spec.top_ks):  # on a GPU, Triton kernels with no sort (triton_ops.pick_full)
         return ops.pick_full(x, prm, (_TEMP, _TOPP, _MINP, _U), spec.any_top_p, spec.any_min_p)
+    if x.device.type == "cpu" and not any(spec.top_ks) and x.dtype == torch.float32 and cpu_kernels.available():
+        # on the CPU, the same pick in one C++ function (cpu_kernels.pick_rows), no sort either
+        return cpu_kernels.pick_rows(x, prm, _TEMP, _TOPP, _MINP, _U, spec.any_top_p, spec.any_min_p)
     n, v = x.shape
     z = x.div_(temp)
     mask = ws.get("mask", n, v, torch.bool)

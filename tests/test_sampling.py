@@ -354,8 +354,9 @@ def test_the_pick_folds_its_tokens_into_the_kept_state(device):
     p = SamplingParams(temperature=1.0, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.3)
     r = SampleRow(p, 5, 0, [rng.randrange(vocab) for _ in range(10)], [], eos_ids=(2,), key="r")
     sampler = Sampler(vocab, device)
+    g = torch.Generator().manual_seed(4)  # the logits of every step fixed: repeats and new tokens both, every run
     for step in range(30):
-        logits = torch.randn(1, vocab) * 2
+        logits = torch.randn(1, vocab, generator=g) * 2
         got = sampler.processed_logits(logits.to(device), [r]).cpu()
         torch.testing.assert_close(got[0], _reference(logits[0], r), rtol=1e-6, atol=1e-5, msg=f"step {step}")
         r.output_ids.append(sampler.sample(logits.to(device), [r]).token_ids[0])
@@ -367,7 +368,7 @@ def test_the_pick_folds_its_tokens_into_the_kept_state(device):
     if device == "cpu":  # the portable penalties read exactly the columns the slot owns
         assert sampler._slots.seen(1) == distinct
     r.output_ids.append(7)
-    logits = torch.randn(1, vocab)
+    logits = torch.randn(1, vocab, generator=g)
     torch.testing.assert_close(sampler.processed_logits(logits.to(device), [r]).cpu()[0], _reference(logits[0], r),
                                rtol=1e-6, atol=1e-5)
     assert sampler._slots.rebuilt == 2

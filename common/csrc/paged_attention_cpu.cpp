@@ -11,12 +11,15 @@
 // (Cephes expf's, ~1 ulp), and the weighted V sum kept in registers. When the batch keeps every thread busy, a job
 // is a whole sequence (all its kv heads), so each K/V row of a token is read whole and in address order. Head dims
 // that are not a multiple of 16 take the scalar path. The file also holds the fused stages of the CPU forward
-// (residual add + RMSNorm, RoPE + KV write, SiLU * up), the greedy argmax and the small-batch bfloat16 matmul.
+// (residual add + RMSNorm, RoPE + KV write, SiLU * up), the greedy argmax, the sampler's pick over the whole
+// vocabulary and the small-batch bfloat16 matmul.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <cmath>
+#include <algorithm>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 #if defined(__AVX512F__)
@@ -632,6 +635,338 @@ static at::Tensor masked_argmax_rows(at::Tensor x, at::Tensor rows, at::Tensor b
   return out;
 }
 
+// ---- the sampler's pick over the whole vocabulary ---------------------------------------------------------------
+// Temperature, top-p, min-p and the inverse-CDF pick of each row of [N, V] float32 logits at the row's uniform
+// number, with triton_ops.pick_full's semantics (common/sampler.py sends the CPU steps with no top_k here). One row
+// per job, on buffers kept by its thread: z = x / t, then w = exp(z - max z) (the largest is 1; NaN entries and those
+// below e^-87.3 weigh 0) with the running mass at the end of each block of kPickBlock tokens, in double. Top-p needs
+// no sort of the row: the mass by the top 12 bits of each token's order key finds the bin where the mass from the
+// top reaches p × total, and only that bin's tokens are sorted (bucketed once more, by the next 12 bits, where there
+// are many). The kept tokens' running mass by blocks, a binary search for the block where it passes u × the kept
+// mass, and a walk through that block's tokens find the token.
+constexpr int64_t kPickBlock = 64;   // tokens a block of the running mass (a multiple of 16)
+constexpr int kPickBins = 4096;      // 12 bits of the order key a level of the top-p search
+constexpr size_t kPickSortMax = 64;  // more tokens than this in the threshold's bin: bucketed by the next 12 bits
+
+struct PickScratch {
+  std::vector<float> z, w, ws;
+  std::vector<uint32_t> keys;  // the tokens that top-p's search counts: their keys and masses
+  std::vector<double> run, hist;
+  std::vector<uint64_t> cand;
+};
+
+static PickScratch& pick_scratch() {
+  thread_local PickScratch s;
+  return s;
+}
+
+// z's bits as uint32, ordered as z (larger z, larger key; -0 just below +0; NaN above +inf or below -inf by sign)
+static inline uint32_t order_key(float z) {
+  uint32_t b;
+  std::memcpy(&b, &z, sizeof b);
+  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);
+}
+
+// whether a token is kept: its key at least the top-p threshold tau, its mass at least min_p, and some mass at all
+static inline bool pick_kept(float z, float w, uint32_t tau, float min_p) {
+  return w > 0.f && w >= min_p && order_key(z) >= tau;
+}
+
+#if defined(__AVX512F__)
+static inline __m512i order_key16(__m512 z) {
+  const __m512i b = _mm512_castps_si512(z);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  return _mm512_xor_si512(b, _mm512_or_si512(_mm512_srai_epi32(b, 31), sign));
+}
+// the 16 lanes' sum into two double accumulators (lanes 0-7, 8-15)
+static inline void add_pd16(__m512 e, __m512d& s0, __m512d& s1) {
+  s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+  s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+}
+#endif
+
+// z[0, Vp) = x / t (IEEE division; -inf past V); returns the largest z, NaN skipped (-inf where there is none)
+static float pick_scale(const float* x, int64_t V, int64_t Vp, float t, float* z) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__)
+  const __m512 tv = _mm512_set1_ps(t), nv = _mm512_set1_ps(ninf);
+  __m512 mv = nv;
+  for (int64_t i = 0; i < Vp; i += 16) {
+    const __mmask16 in = i + 16 <= V ? static_cast<__mmask16>(0xFFFF)
+                                     : static_cast<__mmask16>(i < V ? (1u << (V - i)) - 1 : 0);
+    const __m512 v = _mm512_mask_mov_ps(nv, in, _mm512_div_ps(_mm512_maskz_loadu_ps(in, x + i), tv));
+    _mm512_storeu_ps(z + i, v);
+    mv = _mm512_max_ps(v, mv);  // a NaN lane keeps mv
+  }
+  return _mm512_reduce_max_ps(mv);
+#else
+  float m = ninf;
+  for (int64_t i = 0; i < V; ++i) {
+    z[i] = x[i] / t;
+    if (z[i] > m) m = z[i];
+  }
+  for (int64_t i = V; i < Vp; ++i) z[i] = ninf;
+  return m;
+#endif
+}
+
+// w = exp(z - m) (0 for NaN and below e^-87.3) and run[b] the mass of blocks 0..b, for a finite m
+static void pick_weights(const float* z, int64_t nb, float m, float* w, double* run) {
+  double acc = 0.0;
+#if defined(__AVX512F__)
+  const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.3f);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+    for (int64_t i = b * kPickBlock; i < (b + 1) * kPickBlock; i += 16) {
+      const __m512 d = _mm512_sub_ps(_mm512_loadu_ps(z + i), mv);
+      const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, lo, _CMP_GE_OQ), exp16(d));
+      _mm512_storeu_ps(w + i, e);
+      add_pd16(e, s0, s1);
+    }
+    acc += _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+    run[b] = acc;
+  }
+#else
+  for (int64_t b = 0; b < nb; ++b) {
+    double s = 0.0;
+    for (int64_t i = b * kPickBlock; i < (b + 1) * kPickBlock; ++i) {
+      const float d = z[i] - m;
+      w[i] = d >= -87.3f ? std::exp(d) : 0.f;
+      s += w[i];
+    }
+    acc += s;
+    run[b] = acc;
+  }
+#endif
+}
+
+// the limit of pick_weights where the largest z is +inf: each +inf token weighs 1, the others 0
+static void pick_weights_inf(const float* z, int64_t nb, float* w, double* run) {
+  double acc = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t i = b * kPickBlock; i < (b + 1) * kPickBlock; ++i) {
+      w[i] = z[i] == std::numeric_limits<float>::infinity() ? 1.f : 0.f;
+      acc += w[i];
+    }
+    run[b] = acc;
+  }
+}
+
+// The tokens whose order key is at least `lowest`, gathered: their keys into `keys`, their masses into `ws` (z and
+// w padded to Vp, the padding -inf and 0); returns how many
+static int64_t pick_gather(const float* z, const float* w, int64_t Vp, uint32_t lowest, uint32_t* keys, float* ws) {
+  int64_t n = 0;
+#if defined(__AVX512F__)
+  const __m512i fv = _mm512_set1_epi32(static_cast<int>(lowest));
+  for (int64_t i = 0; i < Vp; i += 16) {
+    const __m512i k = order_key16(_mm512_loadu_ps(z + i));
+    const __mmask16 hit = _mm512_cmpge_epu32_mask(k, fv);
+    _mm512_storeu_si512(keys + n, _mm512_maskz_compress_epi32(hit, k));
+    _mm512_storeu_ps(ws + n, _mm512_maskz_compress_ps(hit, _mm512_loadu_ps(w + i)));
+    n += __builtin_popcount(hit);
+  }
+#else
+  for (int64_t i = 0; i < Vp; ++i) {
+    const uint32_t k = order_key(z[i]);
+    if (k >= lowest) keys[n] = k, ws[n++] = w[i];
+  }
+#endif
+  return n;
+}
+
+// From the top (mass `above` already there), the bin of `shift`'s 12 bits of the key (the tokens' keys, masses)
+// where the mass reaches `cut`, adding the bins above it to `above`; -1 where the bins' mass falls short of it
+static int pick_bin(const uint32_t* keys, const float* ws, int64_t n, int shift, double cut, double& above,
+                    double* hist) {
+  std::fill(hist, hist + kPickBins, 0.0);
+  for (int64_t j = 0; j < n; ++j) hist[(keys[j] >> shift) & (kPickBins - 1)] += ws[j];
+  for (int b = kPickBins - 1; b >= 0; --b) {
+    if (above + hist[b] >= cut) return b;
+    above += hist[b];
+  }
+  return -1;
+}
+
+// Keeps (in place, in order) the tokens whose key's 12 bits at `shift` are `bin`; returns how many
+static int64_t pick_keep_bin(uint32_t* keys, float* ws, int64_t n, int shift, int bin) {
+  int64_t m = 0, j = 0;
+#if defined(__AVX512F__)
+  const __m512i bv = _mm512_set1_epi32(bin), mask = _mm512_set1_epi32(kPickBins - 1);
+  const __m128i sh = _mm_cvtsi32_si128(shift);
+  for (; j + 16 <= n; j += 16) {  // m <= j: the stores land on entries already read
+    const __m512i k = _mm512_loadu_si512(keys + j);
+    const __m512 wv = _mm512_loadu_ps(ws + j);
+    const __mmask16 hit = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_srl_epi32(k, sh), mask), bv);
+    _mm512_mask_storeu_epi32(keys + m, (1u << __builtin_popcount(hit)) - 1, _mm512_maskz_compress_epi32(hit, k));
+    _mm512_mask_storeu_ps(ws + m, (1u << __builtin_popcount(hit)) - 1, _mm512_maskz_compress_ps(hit, wv));
+    m += __builtin_popcount(hit);
+  }
+#endif
+  for (; j < n; ++j)
+    if (static_cast<int>((keys[j] >> shift) & (kPickBins - 1)) == bin) keys[m] = keys[j], ws[m++] = ws[j];
+  return m;
+}
+
+// top-p's threshold: the largest order key tau whose tokens (key >= tau) have mass >= cut, for 0 < cut <= total,
+// with no sort of the row: the mass by the top 12 bits of the key finds the bin where the mass from the top reaches
+// the cut, the next 12 bits the same within it, and the tokens left (those of the same top 24 bits) are sorted.
+// The first step counts only the tokens within ln(V / (total - cut)) + 1 of the max, which carry all but less than
+// total - cut of the mass, so the threshold is among them: a model's long tail of unlikely tokens is skipped (all the
+// tokens again where rounding leaves it short).
+static uint32_t pick_top_p_threshold(const float* z, const float* w, int64_t V, int64_t Vp, float m, double total,
+                                     double cut, PickScratch& s) {
+  uint32_t* keys = s.keys.data();
+  float* ws = s.ws.data();
+  double* hist = s.hist.data();
+  double above = 0.0;
+  int bin = -1;
+  int64_t n = 0;
+  const double slack = total - cut;
+  if (slack > 0.0) {
+    const float low = m - static_cast<float>(std::log(static_cast<double>(V) / slack) + 1.0);
+    if (low > m - 87.3f) {
+      n = pick_gather(z, w, Vp, order_key(low) & 0xFFF00000u, keys, ws);
+      bin = pick_bin(keys, ws, n, 20, cut, above, hist);
+    }
+  }
+  if (bin < 0) {
+    above = 0.0;
+    n = pick_gather(z, w, Vp, 0, keys, ws);
+    bin = pick_bin(keys, ws, n, 20, cut, above, hist);
+    if (bin < 0) return 0;  // the bins' mass short of the cut by rounding: every token kept
+  }
+  n = pick_keep_bin(keys, ws, n, 20, bin);
+  uint32_t lowest = static_cast<uint32_t>(bin) << 20;  // the lowest key left to choose from
+  if (n > static_cast<int64_t>(kPickSortMax)) {  // many tokens in the bin: the next 12 bits of the key the same way
+    const int sub = pick_bin(keys, ws, n, 8, cut, above, hist);
+    if (sub < 0) return lowest;  // short of the cut by rounding: the whole bin kept
+    lowest |= static_cast<uint32_t>(sub) << 8;
+    n = pick_keep_bin(keys, ws, n, 8, sub);
+  }
+  auto& cand = s.cand;  // key << 32 | the mass's bits, sorted by key, largest first
+  cand.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    uint32_t wb;
+    std::memcpy(&wb, ws + j, sizeof wb);
+    cand[j] = static_cast<uint64_t>(keys[j]) << 32 | wb;
+  }
+  std::sort(cand.begin(), cand.end(), std::greater<uint64_t>());
+  for (size_t j = 0; j < cand.size();) {  // a key's tokens all at once: ties with the threshold are all kept
+    const uint64_t key = cand[j] >> 32;
+    for (; j < cand.size() && cand[j] >> 32 == key; ++j) {
+      float wj;
+      const uint32_t wb = static_cast<uint32_t>(cand[j]);
+      std::memcpy(&wj, &wb, sizeof wj);
+      above += wj;
+    }
+    if (above >= cut) return static_cast<uint32_t>(key);
+  }
+  return cand.empty() ? lowest : static_cast<uint32_t>(cand.back() >> 32);  // short by rounding: all of them kept
+}
+
+// run[b] = the kept mass of blocks 0..b (pick_kept)
+static void pick_kept_run(const float* z, const float* w, int64_t nb, uint32_t tau, float min_p, double* run) {
+  double acc = 0.0;
+#if defined(__AVX512F__)
+  const __m512i tv = _mm512_set1_epi32(static_cast<int>(tau));
+  const __m512 mp = _mm512_set1_ps(min_p);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+    for (int64_t i = b * kPickBlock; i < (b + 1) * kPickBlock; i += 16) {
+      const __m512 e = _mm512_loadu_ps(w + i);
+      const __mmask16 keep = _mm512_mask_cmpge_epu32_mask(_mm512_cmp_ps_mask(e, mp, _CMP_GE_OQ),
+                                                          order_key16(_mm512_loadu_ps(z + i)), tv);
+      add_pd16(_mm512_maskz_mov_ps(keep, e), s0, s1);
+    }
+    acc += _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+    run[b] = acc;
+  }
+#else
+  for (int64_t b = 0; b < nb; ++b) {
+    double s = 0.0;
+    for (int64_t i = b * kPickBlock; i < (b + 1) * kPickBlock; ++i)
+      if (pick_kept(z[i], w[i], tau, min_p)) s += w[i];
+    acc += s;
+    run[b] = acc;
+  }
+#endif
+}
+
+// The first token whose running kept mass passes u × the kept mass: the block by a binary search of the running
+// masses, the token by a walk through it; where rounding leaves none there, the block's last kept token.
+static int64_t pick_walk(const float* z, const float* w, int64_t V, int64_t nb, const double* run, uint32_t tau,
+                         float min_p, double u) {
+  const double target = std::max(0.0, u * run[nb - 1]);  // at least 0: a block with kept mass
+  const int64_t b = std::upper_bound(run, run + nb, target) - run;
+  int64_t last = -1;
+  if (b == nb) {  // no mass kept, or u not below 1: the last kept token
+    for (int64_t i = V - 1; i >= 0 && last < 0; --i)
+      if (pick_kept(z[i], w[i], tau, min_p)) last = i;
+    return last < 0 ? 0 : last;
+  }
+  double r = b ? run[b - 1] : 0.0;
+  for (int64_t i = b * kPickBlock; i < std::min(V, (b + 1) * kPickBlock); ++i) {
+    if (!pick_kept(z[i], w[i], tau, min_p)) continue;
+    r += w[i];
+    last = i;
+    if (r > target) return i;
+  }
+  return last < 0 ? 0 : last;
+}
+
+static int64_t pick_row(const float* x, int64_t V, const float* p, int64_t temp_col, int64_t topp_col,
+                        int64_t minp_col, int64_t u_col, bool top_p, bool min_p, PickScratch& s) {
+  const int64_t nb = (V + kPickBlock - 1) / kPickBlock, Vp = nb * kPickBlock;
+  if (static_cast<int64_t>(s.z.size()) < Vp) {
+    s.z.resize(Vp), s.w.resize(Vp), s.ws.resize(Vp), s.keys.resize(Vp);
+  }
+  if (static_cast<int64_t>(s.run.size()) < nb) s.run.resize(nb);
+  if (s.hist.size() < kPickBins) s.hist.resize(kPickBins);
+  float* z = s.z.data();
+  float* w = s.w.data();
+  double* run = s.run.data();
+  const float m = pick_scale(x, V, Vp, p[temp_col], z);
+  if (!(m > -std::numeric_limits<float>::infinity())) return 0;  // no finite entry (all masked, or NaN)
+  if (m == std::numeric_limits<float>::infinity())
+    pick_weights_inf(z, nb, w, run);
+  else
+    pick_weights(z, nb, m, w, run);
+  uint32_t tau = 0;
+  if (top_p && p[topp_col] < 1.f) {
+    const double cut = static_cast<double>(p[topp_col]) * run[nb - 1];
+    tau = cut > 0.0 ? pick_top_p_threshold(z, w, V, Vp, m, run[nb - 1], cut, s) : order_key(m);
+  }
+  const float mp = min_p && p[minp_col] > 0.f ? p[minp_col] : 0.f;
+  if (tau || mp > 0.f) pick_kept_run(z, w, nb, tau, mp, run);
+  return pick_walk(z, w, V, nb, run, tau, mp, static_cast<double>(p[u_col]));
+}
+
+// x: [N, V] float32 logits (rows may be strided; not modified); prm: [N, C] float32, each row's temperature,
+// top-p, min-p and uniform number at the given columns; top_p / min_p: whether to apply them at all. int64 [N].
+static at::Tensor pick_rows(at::Tensor x, at::Tensor prm, int64_t temp_col, int64_t topp_col, int64_t minp_col,
+                            int64_t u_col, bool top_p, bool min_p) {
+  TORCH_CHECK(x.device().is_cpu() && prm.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0, "x: [N, V] float32 logits");
+  TORCH_CHECK(x.size(1) <= std::numeric_limits<int32_t>::max(), "vocabulary too large");
+  TORCH_CHECK(prm.dim() == 2 && prm.scalar_type() == at::kFloat && prm.size(0) == x.size(0),
+              "prm: [N, C] float32");
+  for (int64_t col : {temp_col, topp_col, minp_col, u_col})
+    TORCH_CHECK(col >= 0 && col < prm.size(1), "column ", col, " out of range");
+  if (x.stride(1) != 1) x = x.contiguous();
+  prm = prm.contiguous();
+  const int64_t N = x.size(0), V = x.size(1), C = prm.size(1), sx = x.stride(0);
+  auto out = at::empty({N}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const float* pp = prm.data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    PickScratch& s = pick_scratch();
+    for (int64_t n = begin; n < end; ++n)
+      op[n] = pick_row(xp + n * sx, V, pp + n * C, temp_col, topp_col, minp_col, u_col, top_p, min_p, s);
+  });
+  return out;
+}
+
 // ---- small-batch bfloat16 matmul (decode) ---------------------------------------------------------------------
 // oneDNN's packed linear costs ~17 us of fixed overhead a call (measured: a 64x64 matmul), which at decode batch
 // sizes is a fifth of a SmolLM2 layer's matmul time. For those batches (the engine: up to 32 rows) this path calls
@@ -828,6 +1163,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("masked_argmax_rows", &masked_argmax_rows, "argmax of some rows over their bitmask's allowed entries (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("pick_rows", &pick_rows, "temperature, top-p, min-p and the inverse-CDF pick over whole rows (CPU)",
+        py::arg("x"), py::arg("prm"), py::arg("temp_col"), py::arg("topp_col"), py::arg("minp_col"),
+        py::arg("u_col"), py::arg("top_p"), py::arg("min_p"), py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "x += delta; RMSNorm(x) * weight, bf16/fp32 rows (CPU)", py::arg("x"),
         py::arg("delta"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
 #if defined(__AVX512F__)
