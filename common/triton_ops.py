@@ -727,6 +727,23 @@ def _pick_stats_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr,
     tl.store(s_ptr + row * nseg + sg, s)
 
 
+@triton.jit
+def _prefix_block(bm_ptr, row, nblk, start, prefix, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Whether the block at ``start`` can hold a token whose order key's top BITS bits are ``prefix``: its largest
+    z's are not under it."""
+    return (_order_key(tl.load(bm_ptr + row * nblk + start // BLOCK)) >> (32 - BITS)) >= prefix
+
+
+@triton.jit
+def _prefix_match(xr, sub, offs, hi, temp, prefix, BITS: tl.constexpr):
+    """A sub-block's tokens (which are in the segment), their z and order keys, and which keys' top BITS bits are
+    ``prefix``."""
+    inb = sub + offs < hi
+    z = tl.math.div_rn(tl.load(xr + sub + offs, mask=inb, other=-float("inf")), temp)
+    key = _order_key(z)
+    return inb, z, key, ((key >> (32 - BITS)) == prefix) & inb
+
+
 @triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n", "nblk"])
 def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, h_ptr, t_ptr, a_ptr, rf_ptr,
                             vocab, seg, n, nblk, TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, DIGIT: tl.constexpr,
@@ -759,12 +776,9 @@ def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm
                 tl.store(a_ptr + (DIGIT - 1) * n + row, above)
             prefix = tau >> (32 - 4 * DIGIT)
             for start in range(lo, hi, BLOCK):
-                if (_order_key(tl.load(bm_ptr + row * nblk + start // BLOCK)) >> (32 - 4 * DIGIT)) >= prefix:
+                if _prefix_block(bm_ptr, row, nblk, start, prefix, 4 * DIGIT, BLOCK):
                     for sub in range(start, start + BLOCK, SUB):
-                        inb = sub + offs < hi
-                        z = tl.math.div_rn(tl.load(xr + sub + offs, mask=inb, other=-float("inf")), temp)
-                        key = _order_key(z)
-                        match = ((key >> (32 - 4 * DIGIT)) == prefix) & inb
+                        inb, z, key, match = _prefix_match(xr, sub, offs, hi, temp, prefix, 4 * DIGIT)
                         if tl.max(match.to(tl.int32), 0) > 0:
                             hist += _digit_mass(key, tl.where(match, tl.exp(z - m), 0.0), DIGIT)
         tl.store(h_ptr + ((DIGIT * n + row) * nseg + sg) * 16 + tl.arange(0, 16), hist)
@@ -790,13 +804,10 @@ def _pick_topp_compact_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, 
         hi = tl.minimum(lo + seg, vocab)
         base = (row * nseg + sg) * CAP
         for start in range(lo, hi, BLOCK):
-            if (_order_key(tl.load(bm_ptr + row * nblk + start // BLOCK)) >> (32 - 4 * RESOLVE)) >= prefix:
+            if _prefix_block(bm_ptr, row, nblk, start, prefix, 4 * RESOLVE, BLOCK):
                 for sub in range(start, start + BLOCK, SUB):
-                    inb = sub + offs < hi
-                    z = tl.math.div_rn(tl.load(xr + sub + offs, mask=inb, other=-float("inf")), temp)
-                    key = _order_key(z)
+                    inb, z, key, match = _prefix_match(xr, sub, offs, hi, temp, prefix, 4 * RESOLVE)
                     w = tl.exp(z - m)
-                    match = ((key >> (32 - 4 * RESOLVE)) == prefix) & inb
                     pos = cnt + tl.cumsum(match.to(tl.int32), 0) - 1
                     keep = match & (pos < CAP)
                     tl.store(ck_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=keep)
@@ -953,7 +964,7 @@ PICK_SUB = 128  # tokens the radix select's launches sum by digit at once
 PICK_WARPS = 4
 PICK_DIGIT_WARPS = 2  # the radix select's and the candidates' launches
 PICK_SEGMENTS = 32  # about this many segments a row in the whole-vocabulary pick
-PICK_RESOLVE = 3  # top-p digits found over whole rows; the rest over the rows' candidates, where they fit
+PICK_RESOLVE = 4  # top-p digits found over whole rows; the rest over the rows' candidates, where they fit
 PICK_CAP = 256  # candidates a segment keeps for them
 
 
