@@ -389,9 +389,10 @@ def check_pick_full(device: str, vocab: int = 3000, n: int = 2048, cases: tuple[
     to its token: q·n of them, ±1), and never a token that temperature, top-p or min-p drop. The vocabulary spans
     several of the kernel's blocks (the running sum carried across them); one case masks the first blocks to -inf
     (a grammar's mask), one has a token far above the others (top-p keeps it alone: the blocks without it are
-    skipped). With top-p or min-p, the kept set's edge is checked exactly too. ``settings`` override the kernel's module settings by name (``PICK_BLOCK=256, PICK_SEGMENTS=4``:
-    several blocks a segment, skipped blocks beside read ones; ``PICK_CAP=2``: top-p's candidates overflow their
-    slots, so its last digits run over the whole rows)."""
+    skipped). With top-p or min-p, the kept set's edge is checked exactly too. ``settings`` override the kernel's
+    module settings by name (``PICK_BLOCK=256, PICK_SEGMENTS=4``: several blocks a segment, skipped blocks beside
+    read ones; ``PICK_CAP=2``: top-p's candidates overflow their slots, so its last digits run over the whole
+    rows)."""
     from common import sampler as sm
     from common import triton_ops as tk
 
