@@ -308,6 +308,11 @@ class WorkerBase:
         for task in self._report_tasks:
             try:
                 await asyncio.wait_for(task, 2.0)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # stop() itself was cancelled
+                # else the report task ended cancelled (gRPC cancels its stream when the channel closes under it)
             except (TimeoutError, Exception):
                 task.cancel()
         if self.core is not None:
