@@ -642,6 +642,25 @@ def _order_key(z):
 
 
 @triton.jit
+def _scaled(x, temp, rtemp):
+    """x / temp as IEEE division rounds it (the same z as ``tl.math.div_rn``, and as PyTorch's division) from the
+    reciprocal ``rtemp`` = 1 / temp (rounded): a product and one correction by fused multiply-adds, with no branch
+    (div_rn's slow-path branch per element kept the pick's launches from having several loads in flight). Infinite
+    and NaN x take the product."""
+    q = x * rtemp
+    z = tl.fma(tl.fma(-q, temp, x), rtemp, q)
+    return tl.where(z == z, z, q)
+
+
+@triton.jit(do_not_specialize=["temp", "n"])
+def _scaled_kernel(x_ptr, out_ptr, temp, n, BLOCK: tl.constexpr):
+    """out = :func:`_scaled` (x, temp): the pick's z alone, for the test that holds it to IEEE division."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, _scaled(x, temp, tl.math.div_rn(1.0, temp)), mask=offs < n)
+
+
+@triton.jit
 def _row_totals(m_ptr, s_ptr, row, nseg, SP: tl.constexpr):
     """A row's max z and its total mass sum(exp(z - max)), from its segments' own maxima and masses."""
     offs = tl.arange(0, SP)
@@ -693,10 +712,12 @@ def _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, K: tl.constexpr, SP: tl.
 
 
 @triton.jit
-def _digit_mass(key, w, K: tl.constexpr):
-    """Masses ``w`` summed by their order keys' K-th 4-bit digit: [16]."""
+def _digit_tile(key, w, K: tl.constexpr):
+    """Masses ``w`` [S] spread by their order keys' K-th 4-bit digit: [S, 16], each in its digit's column. A launch
+    adds these tiles up and sums the columns once at its end (a sum over the tile's rows for every sub-block costs
+    more than the adding)."""
     d = ((key >> (28 - 4 * K)) & 15).to(tl.int32)
-    return tl.sum(tl.where(d[:, None] == tl.arange(0, 16)[None, :], w[:, None], 0.0), 0)
+    return tl.where(d[:, None] == tl.arange(0, 16)[None, :], w[:, None], 0.0)
 
 
 @triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg"])
@@ -708,6 +729,7 @@ def _pick_stats_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr,
     sg = tl.program_id(1)
     nseg = tl.num_programs(1)
     temp = tl.load(prm_ptr + row.to(tl.int64) * stride_p + TEMP_COL)
+    rtemp = tl.math.div_rn(1.0, temp)
     xr = x_ptr + row.to(tl.int64) * stride_x
     offs = tl.arange(0, BLOCK)
     lo = sg * seg
@@ -715,7 +737,7 @@ def _pick_stats_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr,
     m = -float("inf")
     s = 0.0
     for start in range(lo, hi, BLOCK):
-        z = tl.math.div_rn(tl.load(xr + start + offs, mask=start + offs < hi, other=-float("inf")), temp)
+        z = _scaled(tl.load(xr + start + offs, mask=start + offs < hi, other=-float("inf")), temp, rtemp)
         bm = tl.max(z, 0)
         if BLOCKS:
             tl.store(bm_ptr + row * nblk + start // BLOCK, bm)
@@ -735,11 +757,11 @@ def _prefix_block(bm_ptr, row, nblk, start, prefix, BITS: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def _prefix_match(xr, sub, offs, hi, temp, prefix, BITS: tl.constexpr):
+def _prefix_match(xr, sub, offs, hi, temp, rtemp, prefix, BITS: tl.constexpr):
     """A sub-block's tokens (which are in the segment), their z and order keys, and which keys' top BITS bits are
     ``prefix``."""
     inb = sub + offs < hi
-    z = tl.math.div_rn(tl.load(xr + sub + offs, mask=inb, other=-float("inf")), temp)
+    z = _scaled(tl.load(xr + sub + offs, mask=inb, other=-float("inf")), temp, rtemp)
     key = _order_key(z)
     return inb, z, key, ((key >> (32 - BITS)) == prefix) & inb
 
@@ -747,56 +769,67 @@ def _prefix_match(xr, sub, offs, hi, temp, prefix, BITS: tl.constexpr):
 @triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n", "nblk"])
 def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, h_ptr, t_ptr, a_ptr, rf_ptr,
                             vocab, seg, n, nblk, TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr, DIGIT: tl.constexpr,
-                            RESOLVE: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+                            RESOLVE: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+                            UNROLL: tl.constexpr):
     """A segment's mass by the top-p threshold's DIGIT-th 4-bit digit of the order key, over its tokens whose
     key matches the digits chosen before (a radix select weighted by mass, from the top). Blocks whose largest key
-    is under that prefix are not read, and sub-blocks with no matching token add nothing. The segment 0 program
-    keeps the prefix for the next launch. From digit RESOLVE on, only rows whose candidates did not fit their
-    slots (:func:`_pick_topp_resolve_kernel`) are left."""
-    row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
-    cut = tl.load(p + TOPP_COL) * total
-    go = cut < total
-    if DIGIT >= RESOLVE:
-        go = go & (tl.load(rf_ptr + row) == 0)
+    is under that prefix are not read. UNROLL sub-blocks are read at once (their loads in flight together: a launch
+    that waits on one load at a time is bound by the memory's latency). The segment 0 program keeps the prefix for
+    the next launch. From digit RESOLVE on, only rows whose candidates did not fit
+    their slots (:func:`_pick_topp_resolve_kernel`) are left, and the others return at once."""
+    row = tl.program_id(0)
+    go = True
+    if DIGIT >= RESOLVE:  # rows the candidates resolved return before reading anything else
+        go = tl.load(rf_ptr + row) == 0
     if go:
-        xr = x_ptr + row.to(tl.int64) * stride_x
-        offs = tl.arange(0, SUB)
-        lo = sg * seg
-        hi = tl.minimum(lo + seg, vocab)
-        hist = tl.zeros([16], tl.float32)
-        if DIGIT == 0:
-            for start in range(lo, hi, SUB):
-                inb = start + offs < hi
-                z = tl.math.div_rn(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp)
-                hist += _digit_mass(_order_key(z), tl.where(inb, tl.exp(z - m), 0.0), 0)
-        else:
-            tau, above = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, DIGIT - 1, SP)
-            if sg == 0:
-                tl.store(t_ptr + (DIGIT - 1) * n + row, tau.to(tl.int32, bitcast=True))
-                tl.store(a_ptr + (DIGIT - 1) * n + row, above)
-            prefix = tau >> (32 - 4 * DIGIT)
-            for start in range(lo, hi, BLOCK):
-                if _prefix_block(bm_ptr, row, nblk, start, prefix, 4 * DIGIT, BLOCK):
-                    for sub in range(start, start + BLOCK, SUB):
-                        inb, z, key, match = _prefix_match(xr, sub, offs, hi, temp, prefix, 4 * DIGIT)
-                        if tl.max(match.to(tl.int32), 0) > 0:
-                            hist += _digit_mass(key, tl.where(match, tl.exp(z - m), 0.0), DIGIT)
-        tl.store(h_ptr + ((DIGIT * n + row) * nseg + sg) * 16 + tl.arange(0, 16), hist)
+        row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
+        rtemp = tl.math.div_rn(1.0, temp)
+        cut = tl.load(p + TOPP_COL) * total
+        if cut < total:
+            xr = x_ptr + row.to(tl.int64) * stride_x
+            offs = tl.arange(0, SUB)
+            lo = sg * seg
+            hi = tl.minimum(lo + seg, vocab)
+            acc = tl.zeros([SUB, 16], tl.float32)
+            if DIGIT == 0:
+                for start in range(lo, hi, SUB * UNROLL):
+                    for u in tl.static_range(UNROLL):
+                        inb = start + u * SUB + offs < hi
+                        z = _scaled(tl.load(xr + start + u * SUB + offs, mask=inb, other=-float("inf")), temp, rtemp)
+                        acc += _digit_tile(_order_key(z), tl.where(inb, tl.exp(z - m), 0.0), 0)
+            else:
+                tau, above = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, DIGIT - 1, SP)
+                if sg == 0:
+                    tl.store(t_ptr + (DIGIT - 1) * n + row, tau.to(tl.int32, bitcast=True))
+                    tl.store(a_ptr + (DIGIT - 1) * n + row, above)
+                prefix = tau >> (32 - 4 * DIGIT)
+                for start in range(lo, hi, BLOCK):
+                    if _prefix_block(bm_ptr, row, nblk, start, prefix, 4 * DIGIT, BLOCK):
+                        for sub in range(start, start + BLOCK, SUB * UNROLL):
+                            for u in tl.static_range(UNROLL):
+                                z, key, match = _prefix_match(xr, sub + u * SUB, offs, hi, temp, rtemp, prefix,
+                                                               4 * DIGIT)[1:]
+                                acc += _digit_tile(key, tl.where(match, tl.exp(z - m), 0.0), DIGIT)
+            tl.store(h_ptr + ((DIGIT * n + row) * nseg + sg) * 16 + tl.arange(0, 16), tl.sum(acc, 0))
 
 
 @triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n", "nblk"])
 def _pick_topp_compact_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, h_ptr, t_ptr, a_ptr, ck_ptr,
-                              cw_ptr, cn_ptr, ca_ptr, vocab, seg, n, nblk, TEMP_COL: tl.constexpr,
-                              TOPP_COL: tl.constexpr, RESOLVE: tl.constexpr, CAP: tl.constexpr, SP: tl.constexpr,
+                              cw_ptr, cn_ptr, rf_ptr, vocab, seg, n, nblk, TEMP_COL: tl.constexpr, TOPP_COL: tl.constexpr,
+                              RESOLVE: tl.constexpr, CAP: tl.constexpr, AGAIN: tl.constexpr, SP: tl.constexpr,
                               BLOCK: tl.constexpr, SUB: tl.constexpr):
     """A segment's candidates for the top-p threshold's last digits: its tokens whose order key matches the first
-    RESOLVE digits, key and mass, in vocabulary order into the segment's CAP slots; their count (past CAP, only the
-    first CAP are written); and the segment's mass above them (keys past that prefix: kept whatever the rest)."""
+    RESOLVE digits, key and mass, in vocabulary order into the segment's CAP slots, and their count (past CAP, only
+    the first CAP are written). Sub-blocks with no such token write nothing. ``AGAIN``: the second try, for the
+    rows whose first candidates overflowed (the others return at once)."""
     row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
+    rtemp = tl.math.div_rn(1.0, temp)
     cut = tl.load(p + TOPP_COL) * total
     cnt = tl.zeros([], tl.int32)
-    over = 0.0
-    if cut < total:
+    go = cut < total
+    if AGAIN:
+        go = go & (tl.load(rf_ptr + row) == 0)
+    if go:
         prefix = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, RESOLVE - 1, SP)[0] >> (32 - 4 * RESOLVE)
         xr = x_ptr + row.to(tl.int64) * stride_x
         offs = tl.arange(0, SUB)
@@ -806,49 +839,71 @@ def _pick_topp_compact_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, 
         for start in range(lo, hi, BLOCK):
             if _prefix_block(bm_ptr, row, nblk, start, prefix, 4 * RESOLVE, BLOCK):
                 for sub in range(start, start + BLOCK, SUB):
-                    inb, z, key, match = _prefix_match(xr, sub, offs, hi, temp, prefix, 4 * RESOLVE)
-                    w = tl.exp(z - m)
-                    pos = cnt + tl.cumsum(match.to(tl.int32), 0) - 1
-                    keep = match & (pos < CAP)
-                    tl.store(ck_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=keep)
-                    tl.store(cw_ptr + base + pos, w, mask=keep)
-                    cnt += tl.sum(match.to(tl.int32), 0)
-                    over += tl.sum(tl.where(((key >> (32 - 4 * RESOLVE)) > prefix) & inb, w, 0.0), 0)
-    tl.store(cn_ptr + row * nseg + sg, cnt)
-    tl.store(ca_ptr + row * nseg + sg, over)
+                    z, key, match = _prefix_match(xr, sub, offs, hi, temp, rtemp, prefix, 4 * RESOLVE)[1:]
+                    found = tl.sum(match.to(tl.int32), 0)
+                    if found > 0:
+                        pos = cnt + tl.cumsum(match.to(tl.int32), 0) - 1
+                        keep = match & (pos < CAP)
+                        tl.store(ck_ptr + base + pos, key.to(tl.int32, bitcast=True), mask=keep)
+                        tl.store(cw_ptr + base + pos, tl.exp(z - m), mask=keep)
+                        cnt += found
+        tl.store(cn_ptr + row * nseg + sg, cnt)
+    elif not AGAIN:
+        tl.store(cn_ptr + row * nseg + sg, cnt)
+
+
+@triton.jit
+def _segments_above(h_ptr, n, row, nseg, tau, RESOLVE: tl.constexpr, SP: tl.constexpr):
+    """Each segment's mass above the threshold's first RESOLVE digits ``tau`` [SP], from the digit launches' own
+    histograms: at each digit, the mass of its digits above the one chosen (over the tokens that matched the digits
+    before)."""
+    segs = tl.arange(0, SP)
+    bins = tl.arange(0, 16)
+    over = tl.zeros([SP], tl.float32)
+    for k in tl.static_range(RESOLVE):
+        h = tl.load(h_ptr + ((k * n + row) * nseg + segs[:, None]) * 16 + bins[None, :], mask=(segs < nseg)[:, None],
+                    other=0.0)
+        d = ((tau >> (28 - 4 * k)) & 15).to(tl.int32)
+        over += tl.sum(tl.where(bins[None, :] > d, h, 0.0), 1)
+    return over
 
 
 @triton.jit(do_not_specialize=["stride_p", "n", "nseg"])
-def _pick_topp_resolve_kernel(prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, t_ptr, a_ptr, ck_ptr, cw_ptr, cn_ptr, ca_ptr,
-                              rf_ptr, rt_ptr, k_ptr, n, nseg, TOPP_COL: tl.constexpr, RESOLVE: tl.constexpr,
-                              CAP: tl.constexpr, KEPT: tl.constexpr, SP: tl.constexpr):
+def _pick_topp_resolve_kernel(prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, t_ptr, a_ptr, ck_ptr, cw_ptr, cn_ptr, rf_ptr,
+                              rt_ptr, k_ptr, n, nseg, TOPP_COL: tl.constexpr, RESOLVE: tl.constexpr, CAP: tl.constexpr,
+                              KEPT: tl.constexpr, AGAIN: tl.constexpr, SP: tl.constexpr):
     """A row's top-p threshold past its first RESOLVE digits, where every segment's candidates fit their slots: all
     of them held at once by one program, the threshold's other bits set one at a time from the top (each kept
     where the mass of the keys at or above it still reaches the cut). The threshold and 1 (resolved), else 0 (the
     digit launches go on over the row). With ``KEPT`` (no min-p to apply), each segment's kept mass too: its mass
-    above the candidates and its candidates' at or above the threshold."""
+    above the candidates and its candidates' at or above the threshold. ``AGAIN``: the second try, one digit
+    further, for the rows the first left; the rows it resolved return at once."""
     row = tl.program_id(0)
-    total = _row_totals(m_ptr, s_ptr, row, nseg, SP)[1]
-    cut = tl.load(prm_ptr + row.to(tl.int64) * stride_p + TOPP_COL) * total
-    segs = tl.arange(0, SP)
-    counts = tl.load(cn_ptr + row * nseg + segs, mask=segs < nseg, other=0)
-    done = (cut < total) & (tl.max(counts, 0) <= CAP)
-    if done:
-        tau, above = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, RESOLVE - 1, SP)
-        slots = tl.arange(0, CAP)[None, :]
-        ok = slots < counts[:, None]
-        at = (row * nseg + segs[:, None]) * CAP + slots
-        keys = tl.load(ck_ptr + at, mask=ok, other=0).to(tl.uint32, bitcast=True)
-        w = tl.load(cw_ptr + at, mask=ok, other=0.0)
-        for b in tl.static_range(31 - 4 * RESOLVE, -1, -1):
-            t = tau | (1 << b)
-            if above + tl.sum(tl.sum(tl.where(keys >= t, w, 0.0), 1), 0) >= cut:
-                tau = t
-        tl.store(rt_ptr + row, tau.to(tl.int32, bitcast=True))
-        if KEPT:
-            over = tl.load(ca_ptr + row * nseg + segs, mask=segs < nseg, other=0.0)
-            tl.store(k_ptr + row * nseg + segs, over + tl.sum(tl.where(keys >= tau, w, 0.0), 1), mask=segs < nseg)
-    tl.store(rf_ptr + row, done.to(tl.int32))
+    go = True
+    if AGAIN:
+        go = tl.load(rf_ptr + row) == 0
+    if go:
+        total = _row_totals(m_ptr, s_ptr, row, nseg, SP)[1]
+        cut = tl.load(prm_ptr + row.to(tl.int64) * stride_p + TOPP_COL) * total
+        segs = tl.arange(0, SP)
+        counts = tl.load(cn_ptr + row * nseg + segs, mask=segs < nseg, other=0)
+        done = (cut < total) & (tl.max(counts, 0) <= CAP)
+        if done:
+            tau, above = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, RESOLVE - 1, SP)
+            slots = tl.arange(0, CAP)[None, :]
+            ok = slots < counts[:, None]
+            at = (row * nseg + segs[:, None]) * CAP + slots
+            keys = tl.load(ck_ptr + at, mask=ok, other=0).to(tl.uint32, bitcast=True)
+            w = tl.load(cw_ptr + at, mask=ok, other=0.0)
+            for b in tl.static_range(31 - 4 * RESOLVE, -1, -1):
+                t = tau | (1 << b)
+                if above + tl.sum(tl.sum(tl.where(keys >= t, w, 0.0), 1), 0) >= cut:
+                    tau = t
+            tl.store(rt_ptr + row, tau.to(tl.int32, bitcast=True))
+            if KEPT:
+                over = _segments_above(h_ptr, n, row, nseg, tau, RESOLVE, SP)
+                tl.store(k_ptr + row * nseg + segs, over + tl.sum(tl.where(keys >= tau, w, 0.0), 1), mask=segs < nseg)
+        tl.store(rf_ptr + row, done.to(tl.int32))
 
 
 @triton.jit
@@ -892,6 +947,7 @@ def _pick_kept_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, 
     """A segment's mass that top-p and min-p keep (blocks that can keep none are not read). Rows whose top-p the
     resolve launch found with no min-p have theirs already."""
     row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
+    rtemp = tl.math.div_rn(1.0, temp)
     go = True
     if TOP_P and not MIN_P:
         go = tl.load(rf_ptr + row) == 0
@@ -906,7 +962,7 @@ def _pick_kept_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, 
         for start in range(lo, hi, BLOCK):
             if _may_keep(bm_ptr, row, nblk, start, m, tau, min_p, BLOCK):
                 inb = start + offs < hi
-                z = tl.math.div_rn(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp)
+                z = _scaled(tl.load(xr + start + offs, mask=inb, other=-float("inf")), temp, rtemp)
                 kept += tl.sum(_kept(z, m, tau, min_p, inb), 0)
         tl.store(k_ptr + row * nseg + sg, kept)
 
@@ -919,6 +975,7 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, 
     """The inverse CDF in vocabulary order: the segment where the row's running kept mass passes u × its kept
     mass finds the token in its own tokens; the others return."""
     row, sg, nseg, p, temp, m, total = _segment_program(prm_ptr, stride_p, m_ptr, s_ptr, TEMP_COL, SP)
+    rtemp = tl.math.div_rn(1.0, temp)
     segs = tl.arange(0, SP)
     if TOP_P or MIN_P:
         segm = tl.load(k_ptr + row * nseg + segs, mask=segs < nseg, other=0.0)
@@ -948,7 +1005,7 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, 
             if go:
                 idx = start + offs
                 inb = idx < hi
-                z = tl.math.div_rn(tl.load(xr + idx, mask=inb, other=-float("inf")), temp)
+                z = _scaled(tl.load(xr + idx, mask=inb, other=-float("inf")), temp, rtemp)
                 w = _kept(z, m, tau, min_p, inb)
                 cdf = carry + tl.cumsum(w, 0)
                 found = tl.minimum(found, tl.min(tl.where(cdf > target, idx, hi), 0))
@@ -960,12 +1017,13 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, 
 
 
 PICK_BLOCK = 1024  # tokens a block: the unit of the whole-vocabulary pick's segments and of its skipped blocks
-PICK_SUB = 128  # tokens the radix select's launches sum by digit at once
+PICK_SUB = 64  # tokens the radix select's launches sum by digit at once
+PICK_UNROLL = 2  # sub-blocks a digit launch reads at once
 PICK_WARPS = 4
 PICK_DIGIT_WARPS = 2  # the radix select's and the candidates' launches
 PICK_SEGMENTS = 32  # about this many segments a row in the whole-vocabulary pick
-PICK_RESOLVE = 4  # top-p digits found over whole rows; the rest over the rows' candidates, where they fit
-PICK_CAP = 256  # candidates a segment keeps for them
+PICK_RESOLVE = 3  # top-p digits found over whole rows before the candidates (a second try one digit further)
+PICK_CAP = 256  # candidates a segment keeps for the threshold's other digits
 
 
 def pick_segments(vocab: int) -> tuple[int, int]:
@@ -997,6 +1055,7 @@ def pick_full(x: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int
     out = torch.empty(n, dtype=torch.int64, device=x.device)
     if not n:
         return out
+    assert PICK_BLOCK % (PICK_SUB * PICK_UNROLL) == 0
     nseg, seg = pick_segments(v)
     sp = max(2, triton.next_power_of_2(nseg))
     nblk = nseg * seg // PICK_BLOCK
@@ -1011,7 +1070,6 @@ def pick_full(x: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int
     cand_keys = torch.empty((n, nseg, cap), dtype=torch.int32, device=dev)
     cand_mass = torch.empty((n, nseg, cap), dtype=torch.float32, device=dev)
     counts = torch.empty((n, nseg), dtype=torch.int32, device=dev)
-    over = torch.empty((n, nseg), dtype=torch.float32, device=dev)  # each segment's mass above its candidates
     resolved = torch.empty(n, dtype=torch.int32, device=dev)  # written by the resolve launch, read with top-p
     found = torch.empty(n, dtype=torch.int32, device=dev)
     temp_col, topp_col, minp_col, u_col = cols
@@ -1023,14 +1081,21 @@ def pick_full(x: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int
         state = (x, x.stride(0), prm, prm.stride(0), ms, ss, bmax, hist, taus, aboves)
         digit = dict(RESOLVE=PICK_RESOLVE, SP=sp, SUB=PICK_SUB, BLOCK=PICK_BLOCK, num_warps=PICK_DIGIT_WARPS)
         for d in range(PICK_RESOLVE):
-            _pick_topp_digit_kernel[grid](*state, resolved, v, seg, n, nblk, temp_col, topp_col, DIGIT=d, **digit)
-        _pick_topp_compact_kernel[grid](*state, cand_keys, cand_mass, counts, over, v, seg, n, nblk, temp_col,
-                                        topp_col, CAP=cap, **digit)
-        _pick_topp_resolve_kernel[(n,)](prm, prm.stride(0), ms, ss, hist, taus, aboves, cand_keys, cand_mass, counts,
-                                        over, resolved, found, kept, n, nseg, topp_col, PICK_RESOLVE, cap,
-                                        not min_p, sp, num_warps=8)
-        for d in range(PICK_RESOLVE, 8):
-            _pick_topp_digit_kernel[grid](*state, resolved, v, seg, n, nblk, temp_col, topp_col, DIGIT=d, **digit)
+            _pick_topp_digit_kernel[grid](*state, resolved, v, seg, n, nblk, temp_col, topp_col, DIGIT=d,
+                                          UNROLL=PICK_UNROLL, **digit)
+        for again in range(2 if PICK_RESOLVE < 8 else 1):  # a second try one digit further, for rows left over
+            if again:
+                _pick_topp_digit_kernel[grid](*state, resolved, v, seg, n, nblk, temp_col, topp_col,
+                                              DIGIT=PICK_RESOLVE, UNROLL=PICK_UNROLL, **digit)
+            stage = dict(digit, RESOLVE=PICK_RESOLVE + again)
+            _pick_topp_compact_kernel[grid](*state, cand_keys, cand_mass, counts, resolved, v, seg, n, nblk, temp_col,
+                                            topp_col, CAP=cap, AGAIN=bool(again), **stage)
+            _pick_topp_resolve_kernel[(n,)](prm, prm.stride(0), ms, ss, hist, taus, aboves, cand_keys, cand_mass,
+                                            counts, resolved, found, kept, n, nseg, topp_col, PICK_RESOLVE + again,
+                                            cap, not min_p, bool(again), sp, num_warps=8)
+        for d in range(PICK_RESOLVE + 1, 8):
+            _pick_topp_digit_kernel[grid](*state, resolved, v, seg, n, nblk, temp_col, topp_col, DIGIT=d,
+                                          UNROLL=PICK_UNROLL, **digit)
     filters = (bmax, hist, taus, aboves, resolved, found)
     if blocks:
         _pick_kept_kernel[grid](x, x.stride(0), prm, prm.stride(0), ms, ss, *filters, kept, v, seg, n, nblk, temp_col,

@@ -266,17 +266,21 @@ def test_whole_vocabulary_pick_in_triton_interpreter():
     """The pick over the whole vocabulary (temperature, top-p by a mass-weighted radix select, min-p, the inverse
     CDF) takes each token in its exact share, on the CPU through Triton's interpreter: temperature alone, top-p with
     min-p, a row whose first blocks are masked; with several blocks a segment, top-p alone and a row whose top-p
-    keeps one token (the other blocks skipped); top-p with its candidates past their slots (its last digits over
-    the whole rows). The GPU suite runs every case on 2,048 rows."""
+    keeps one token (the other blocks skipped); top-p with its candidates past their slots at the first try and
+    within them at the second (one digit further), and past them at both (its last digits over the whole rows). First, the kernels' z = x / temperature is IEEE division bit for bit. The GPU suite runs every
+    case on 2,048 rows."""
     code = """
-from tests.gpu.test_kernels import check_pick_full
-check_pick_full("cpu", n=64, cases=(0, 4, 5))
-check_pick_full("cpu", n=64, cases=(1, 6), PICK_BLOCK=256, PICK_SEGMENTS=4)
-check_pick_full("cpu", n=64, cases=(2,), PICK_CAP=2)
+from tests.gpu.test_kernels import check_pick_full, check_scaled_division
+check_scaled_division("cpu")
+fast = dict(PICK_SUB=256, PICK_UNROLL=2)  # fewer, larger steps: the interpreter's time goes by steps
+check_pick_full("cpu", n=64, cases=(0, 4, 5), **fast)
+check_pick_full("cpu", n=64, cases=(1, 6), PICK_BLOCK=256, PICK_SEGMENTS=4, PICK_SUB=128, PICK_UNROLL=2)
+check_pick_full("cpu", n=64, cases=(5,), PICK_CAP=4, **fast)
+check_pick_full("cpu", n=64, cases=(2,), PICK_CAP=2, **fast)
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 
 

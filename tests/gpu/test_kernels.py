@@ -369,6 +369,28 @@ def check_sampler_kernels(device: str) -> None:
             assert int(a[i]) in cand[i, : int(prm[i, sm._TOPK])].tolist(), i
 
 
+def check_scaled_division(device: str) -> None:
+    """``triton_ops._scaled`` (x / t from t's reciprocal and one fused multiply-add correction, the pick's z) is
+    IEEE division, bit for bit: against PyTorch's ``x / t`` on 2^18 logits (spread over many binades, with the
+    infinities and a NaN) at temperatures whose reciprocals round up and down."""
+    import triton
+
+    from common.triton_ops import _scaled_kernel
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1 << 18, generator=g) * torch.exp2(torch.randint(-20, 20, (1 << 18,), generator=g).float())
+    x[:4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0])
+    x = x.to(device)
+    for temp in (1.0, 0.7, 1.3, 0.05, 3.7, 0.999999, 1.0000001, 2.0 / 3.0):
+        t = torch.tensor(temp, dtype=torch.float32)
+        out = torch.empty_like(x)
+        _scaled_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, float(t), x.numel(), BLOCK=1024)
+        want = x / t.to(device)
+        same = (out == want) | (out.isnan() & want.isnan())
+        assert bool(same.all()), f"temperature {temp}: {int((~same).sum())} quotients differ, e.g. " \
+            f"{x[~same][:3].tolist()} -> {out[~same][:3].tolist()} not {want[~same][:3].tolist()}"
+
+
 def exact_pick_shares(logits: torch.Tensor, temp: float, top_p: float, min_p: float) -> torch.Tensor:
     """Each token's share of the pick in float64: temperature, top-p (the smallest set of the largest whose mass
     reaches top_p), min-p (probability at least min_p × the largest), renormalized."""
@@ -391,8 +413,8 @@ def check_pick_full(device: str, vocab: int = 3000, n: int = 2048, cases: tuple[
     (a grammar's mask), one has a token far above the others (top-p keeps it alone: the blocks without it are
     skipped). With top-p or min-p, the kept set's edge is checked exactly too. ``settings`` override the kernel's
     module settings by name (``PICK_BLOCK=256, PICK_SEGMENTS=4``: several blocks a segment, skipped blocks beside
-    read ones; ``PICK_CAP=2``: top-p's candidates overflow their slots, so its last digits run over the whole
-    rows)."""
+    read ones; ``PICK_CAP=4``: top-p's first candidates overflow their slots and the second try's fit;
+    ``PICK_CAP=2``: some rows overflow both, so their last digits run over the whole rows)."""
     from common import sampler as sm
     from common import triton_ops as tk
 
@@ -490,8 +512,16 @@ def test_pick_full():
     check_pick_full("cuda")
 
 
+def test_scaled_division():
+    check_scaled_division("cuda")
+
+
 def test_pick_full_several_blocks_a_segment():
     check_pick_full("cuda", PICK_BLOCK=256, PICK_SEGMENTS=4)
+
+
+def test_pick_full_with_top_p_candidates_on_the_second_try():
+    check_pick_full("cuda", PICK_CAP=4)
 
 
 def test_pick_full_with_top_p_candidates_past_their_slots():
