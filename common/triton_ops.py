@@ -1043,8 +1043,9 @@ def pick_full(x: torch.Tensor, prm: torch.Tensor, cols: tuple[int, int, int, int
     2. with top-p, the threshold as a radix select weighted by mass, one 4-bit digit of the order key at a time:
        each segment's mass by digit over the tokens that match the digits before, summed over the row by the next
        launch. After ``PICK_RESOLVE`` digits, each segment writes the tokens that still match (at most
-       ``PICK_CAP``), and one program a row sets the threshold's other bits over them; rows with more go on digit
-       by digit over the whole row. Tokens tied with the threshold are all kept;
+       ``PICK_CAP``), and one program a row sets the threshold's other bits over them; rows with more try again
+       one digit further, and rows that overflow that too go on digit by digit over the whole row. Tokens tied
+       with the threshold are all kept;
     3. the mass each segment keeps (without min-p, the resolve launch's for the rows it resolved);
     4. the segment where the running mass passes u × the kept mass finds the token.
 
