@@ -775,8 +775,8 @@ def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm
     key matches the digits chosen before (a radix select weighted by mass, from the top). Blocks whose largest key
     is under that prefix are not read. UNROLL sub-blocks are read at once (their loads in flight together: a launch
     that waits on one load at a time is bound by the memory's latency). The segment 0 program keeps the prefix for
-    the next launch. From digit RESOLVE on, only rows whose candidates did not fit
-    their slots (:func:`_pick_topp_resolve_kernel`) are left, and the others return at once."""
+    the next launch. From digit RESOLVE on, only rows whose candidates did not fit their slots
+    (:func:`_pick_topp_resolve_kernel`) are left, and the others return at once."""
     row = tl.program_id(0)
     go = True
     if DIGIT >= RESOLVE:  # rows the candidates resolved return before reading anything else
