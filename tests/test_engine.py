@@ -176,7 +176,7 @@ def test_bfloat16_runs_on_any_cpu_packed_where_onednn_can(make_engine, france):
 
 @pytest.mark.skipif(not model_cpu.bf16_packing_supported(),
                     reason="oneDNN's bfloat16 matmul needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT")
-def test_bfloat16_prepacked_matmuls_equal_plain_ones(make_engine, source, france):
+def test_bfloat16_prepacked_matmuls_pick_as_plain_ones(make_engine, source, france):
     from common.config import EngineConfig
     from common.model import LlamaModel
 
@@ -186,7 +186,6 @@ def test_bfloat16_prepacked_matmuls_equal_plain_ones(make_engine, source, france
     assert model.layers[0].qkv.numel() == 0, "the plain copies of packed matrices are freed"
     # with AMX, batches of up to 32 rows (this prompt too) take the small-batch matmul
     assert bool(model.packed.small) == cpu_kernels.amx_bf16()
-    packed = eng.runner.score([france])[0]
     # the same weights, never packed: a model handed to an engine is used as it is
     plain_model = LlamaModel(source.config, torch.bfloat16, "cpu")
     plain_model.load_weights(source.weights())
@@ -195,8 +194,19 @@ def test_bfloat16_prepacked_matmuls_equal_plain_ones(make_engine, source, france
     # the same backend, so the same attention: this compares the matmuls
     assert plain_model.backend.name == model.backend.name == "cpu"
     assert plain_model.backend.prefill_kernel == model.backend.prefill_kernel == cpu_kernels.amx_bf16()
-    plain = plain_eng.runner.score([france])[0]
-    assert torch.equal(packed, plain)
+    # Packing changes which oneDNN kernel runs and so the order of a matmul's sums. On the CI machines where this
+    # test was written the two layouts gave the same logits bit for bit; on a Xeon with AVX-512 but neither AMX nor
+    # AVX512-BF16, some prompt lengths differ by bfloat16 rounding carried through the layers (up to ~1 in a
+    # logit; 560 of 563 greedy tokens the same). What holds on every CPU: the same greedy token at (nearly) every
+    # position of the reference prompts.
+    from tests.prompts import prompt_ids
+
+    same = total = 0
+    for ids in [france, *prompt_ids(eng.tokenizer)]:
+        a, b = eng.runner.score([ids])[0], plain_eng.runner.score([ids])[0]
+        same += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    assert same >= 0.99 * total, f"packed and plain bfloat16 matmuls pick the same token at {same} of {total}"
     [r] = eng.generate([france], SamplingParams(max_tokens=12, temperature=0))
     assert r.text.startswith("The capital of France is Paris")
 
