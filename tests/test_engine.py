@@ -197,8 +197,8 @@ def test_bfloat16_prepacked_matmuls_pick_as_plain_ones(make_engine, source, fran
     # Packing changes which oneDNN kernel runs and so the order of a matmul's sums. On the CI machines where this
     # test was written the two layouts gave the same logits bit for bit; on a Xeon with AVX-512 but neither AMX nor
     # AVX512-BF16, some prompt lengths differ by bfloat16 rounding carried through the layers (up to ~1 in a
-    # logit; 560 of 563 greedy tokens the same). What holds on every CPU: the same greedy token at (nearly) every
-    # position of the reference prompts.
+    # logit; 560 of 563 greedy tokens the same: the others where two logits nearly tie). What holds on every CPU:
+    # the same greedy token at nearly every position of the reference prompts (a wrong packing agrees at few).
     from tests.prompts import prompt_ids
 
     same = total = 0
@@ -206,7 +206,7 @@ def test_bfloat16_prepacked_matmuls_pick_as_plain_ones(make_engine, source, fran
         a, b = eng.runner.score([ids])[0], plain_eng.runner.score([ids])[0]
         same += int((a.argmax(-1) == b.argmax(-1)).sum())
         total += a.shape[0]
-    assert same >= 0.99 * total, f"packed and plain bfloat16 matmuls pick the same token at {same} of {total}"
+    assert same >= 0.98 * total, f"packed and plain bfloat16 matmuls pick the same token at {same} of {total}"
     [r] = eng.generate([france], SamplingParams(max_tokens=12, temperature=0))
     assert r.text.startswith("The capital of France is Paris")
 

@@ -267,8 +267,9 @@ def test_whole_vocabulary_pick_in_triton_interpreter():
     CDF) takes each token in its exact share, on the CPU through Triton's interpreter: temperature alone, top-p with
     min-p, a row whose first blocks are masked; with several blocks a segment, top-p alone and a row whose top-p
     keeps one token (the other blocks skipped); top-p with its candidates past their slots at the first try and
-    within them at the second (one digit further), and past them at both (its last digits over the whole rows). First, the kernels' z = x / temperature is IEEE division bit for bit. The GPU suite runs every
-    case on 2,048 rows."""
+    within them at the second (one digit further), and past them at both (its last digits over the whole rows).
+    First, the kernels' z = x / temperature is IEEE division bit for bit. The GPU suite runs every case on 2,048
+    rows."""
     code = """
 from tests.gpu.test_kernels import check_pick_full, check_scaled_division
 check_scaled_division("cpu")
