@@ -16,7 +16,8 @@ For each model (default: the Llama-3.1-8B dummy and the Llama-3.2-1B shape, rand
 
 The load: ``--num-prompts`` random word-token prompts of exactly ``--input-len`` tokens (loadgen/workloads.py; the
 same prompts for the engine and every client), ``--output-len`` tokens each, EOS ignored, ``--max-concurrency`` in
-flight. Sampled: temperature 1, top_p 0.9, top_k 50, repetition_penalty 1.1. Output tok/s, TTFT and TPOT
+flight. Sampled: temperature 1, top_p 0.9, top_k 50, repetition_penalty 1.1, or ``--sampled`` (e.g. what an
+OpenAI client sends: ``temperature=1,top_p=0.9``, no top_k). Output tok/s, TTFT and TPOT
 (per request (e2e − TTFT)/(tokens − 1), p50) are computed by loadgen/metrics.py for the engine as for the clients.
 
 The step's limit: the bytes a decode step reads (every weight matrix it multiplies by — the LM head, not the
@@ -105,6 +106,40 @@ class Sampling:
 
 
 SAMPLINGS = (Sampling("greedy", 0.0), Sampling("sampled", 1.0, top_p=0.9, top_k=50, repetition_penalty=1.1))
+SAMPLED_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+def parse_sampled(text: str) -> Sampling:
+    """``--sampled``: the sampled runs' fields as ``KEY=VALUE,...`` (keys of :data:`SAMPLED_FIELDS`; the others at
+    their defaults), e.g. ``temperature=1,top_p=0.9``: what an OpenAI client that sets top_p sends (the API has no
+    top_k). A sampled run needs a temperature above 0."""
+    given: dict[str, Any] = {}
+    for item in (x.strip() for x in text.split(",")):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in SAMPLED_FIELDS or key in given:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected KEY=VALUE items, each key once, of {', '.join(SAMPLED_FIELDS)}")
+        try:
+            given[key] = int(value) if key == "top_k" else float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: {key} takes a number") from None
+    sampled = Sampling("sampled", **{"temperature": 1.0, **given})
+    from common.sampling import SamplingParams
+
+    try:
+        SamplingParams(max_tokens=1, **sampled.fields()).validate(vocab_size=1)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if sampled.temperature <= 0:
+        raise argparse.ArgumentTypeError("the sampled runs need a temperature above 0 (greedy runs beside them)")
+    return sampled
+
+
+def samplings(a: argparse.Namespace) -> tuple[Sampling, Sampling]:
+    """The run's two settings: greedy, and ``--sampled`` (default the issue's: temperature 1, top_p 0.9, top_k 50,
+    repetition_penalty 1.1)."""
+    return SAMPLINGS[0], getattr(a, "sampled", None) or SAMPLINGS[1]
 
 
 # -- the step's limit --------------------------------------------------------------------------------------------
@@ -428,7 +463,7 @@ async def served_runs(a: argparse.Namespace, cluster: dict[str, Any], builder: P
     for backend in backends:
         sa = _serve_args(a, backend, cluster["state"])
         urls = bench_serve._metrics_urls(sa)
-        for sampling in SAMPLINGS:
+        for sampling in samplings(a):
             target = served_target(backend, cluster, sampling, a.request_timeout)
             await target.open()
             try:
@@ -670,7 +705,7 @@ def engine_phase(a: argparse.Namespace, model: str, dtype: DType, specs: list[Re
             _sync(a.device)
             mres["engine_config"], mres["kv_blocks"] = dataclasses.asdict(cfg), eng.runner.num_blocks
         with res.phase(f"{model}: engine warm-up and step timing"):
-            for s in SAMPLINGS:
+            for s in samplings(a):
                 engine_closed_loop(eng, _warm_specs(a, builder), s, a.max_concurrency, f"warm-{s.name}")
             batch = [dataclasses.replace(sp, index=i) for i, sp in
                      enumerate((specs * -(-a.max_concurrency // len(specs)))[: a.max_concurrency])]
@@ -678,7 +713,7 @@ def engine_phase(a: argparse.Namespace, model: str, dtype: DType, specs: list[Re
             # halves of a round alike, so the median of the rounds' ratios holds where one pair would not
             rounds = []
             for r in range(a.step_rounds):
-                g, smp = (time_decode_steps(eng, batch, s, a.steps, a.device) for s in SAMPLINGS)
+                g, smp = (time_decode_steps(eng, batch, s, a.steps, a.device) for s in samplings(a))
                 rounds.append({"greedy_ms": g["step_ms_p50"], "sampled_ms": smp["step_ms_p50"],
                                "ratio": smp["step_ms_p50"] / g["step_ms_p50"], "greedy": g, "sampled": smp})
                 if a.step_rounds > 1:
@@ -690,7 +725,7 @@ def engine_phase(a: argparse.Namespace, model: str, dtype: DType, specs: list[Re
             _say(f"{model}: engine step at batch {a.max_concurrency}: greedy {mid['greedy_ms']:.2f} ms, sampled "
                  f"{mid['sampled_ms']:.2f} ms ({mid['ratio']:.2f}×" + (f", the median of {len(rounds)} rounds)"
                                                                        if len(rounds) > 1 else ")"))
-        for s in SAMPLINGS:
+        for s in samplings(a):
             with res.phase(f"{model}: engine {s.name} load"):
                 c0 = engine_counters(eng)
                 summary = summarize(engine_closed_loop(eng, specs, s, a.max_concurrency, f"run-{s.name}"))
@@ -733,8 +768,8 @@ def run(a: argparse.Namespace) -> int:
     res = BenchResult(path, {
         "tool": "tokenmill bench gpu-serving", "device": a.device, "device_name": device_name, "dtype": dtype,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": _machine(), "source": _source_state(),
-        "torch": torch.__version__, "config": {k: v for k, v in vars(a).items() if not callable(v)},
-        "samplings": {s.name: s.fields() for s in SAMPLINGS}, "models": {}, "rows": [], "errors": [],
+        "torch": torch.__version__, "config": {k: v.fields() if isinstance(v, Sampling) else v for k, v in vars(a).items() if not callable(v)},
+        "samplings": {s.name: s.fields() for s in samplings(a)}, "models": {}, "rows": [], "errors": [],
         "phases_s": {},
     })
     _say(f"device {a.device} ({device_name}), {dtype}; models {models}; {a.num_prompts} prompts of {a.input_len} "
@@ -777,7 +812,7 @@ def run(a: argparse.Namespace) -> int:
     res.save()
     print(f"\nGPU serving benchmark on {device_name} ({a.device}, {dtype}): {a.num_prompts} prompts of "
           f"{a.input_len} random tokens, {a.output_len} out (EOS ignored), {a.max_concurrency} in flight; sampled = "
-          f"{SAMPLINGS[1].fields()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; served: "
+          f"{samplings(a)[1].fields()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; served: "
           + (f"{a.prefills} prefill worker(s) + 1 decode worker" if a.prefills else "aggregated, one decode worker"))
     return report_end(res, table, path, res.doc["rows"])
 
@@ -825,6 +860,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the aggregated layout, one device; 1 on two GPUs: prompts on one, decoding on the other)")
     p.add_argument("--backends", default="grpc,openai", help=f"served clients, of {','.join(BACKENDS)} "
                                                              "(default grpc,openai)")
+    p.add_argument("--sampled", type=parse_sampled, metavar="KEY=VALUE,...",
+                   help="the sampled runs' fields, of " + ", ".join(SAMPLED_FIELDS) + " (default temperature=1,"
+                        "top_p=0.9,top_k=50,repetition_penalty=1.1; an OpenAI client sends temperature=1 and at most "
+                        "a top_p)")
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per sampling (default 20)")
     p.add_argument("--step-rounds", type=int, default=1,
                    help="rounds of the step timing, greedy then sampled each (default 1); with more, the step "

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from common.config import ModelConfig
 from common.loader import load_model_source
-from loadgen.bench_gpu_serving import SAMPLINGS, limit_at_rows, served_target, step_limit
+from loadgen.bench_gpu_serving import SAMPLINGS, limit_at_rows, parse_sampled, served_target, step_limit
 from loadgen.clients import SAMPLING_FIELDS
 from loadgen.server_metrics import ENGINE_STEP_PHASES
 from loadgen.workloads import RequestSpec
@@ -57,6 +58,22 @@ def test_every_client_sends_the_samplings_fields_and_completions_the_token_ids()
             p = served_target(backend, cluster, s, None).payload(spec)
             assert {k: p[k] for k in SAMPLING_FIELDS if k in p} == want and p["ignore_eos"] and p.get("prompt") == prompt
     assert SAMPLINGS[1].fields() == {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+
+
+def test_sampled_runs_take_the_fields_given_and_refuse_bad_ones():
+    """``--sampled``: what an OpenAI client sends (temperature 1 and a top_p, no top_k) in place of the issue's
+    setting; a bad item gets a message naming it, as argparse prints it."""
+    import argparse
+
+    assert parse_sampled("temperature=1,top_p=0.9").fields() == {"temperature": 1.0, "top_p": 0.9}
+    assert parse_sampled("top_p=0.95").fields() == {"temperature": 1.0, "top_p": 0.95}  # temperature 1 by default
+    assert parse_sampled("temperature=0.7,top_k=20,repetition_penalty=1.2").fields() == {
+        "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.2}
+    for bad, says in (("top_p=1.5", "top_p must be in (0, 1]"), ("temperature=0", "temperature above 0"),
+                      ("min_p=0.1", "'min_p=0.1': expected KEY=VALUE"), ("top_k=x", "top_k takes a number"),
+                      ("top_p=0.9,top_p=0.8", "each key once"), ("temperature", "expected KEY=VALUE")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+            parse_sampled(bad)
 
 
 def test_the_reported_step_phases_are_the_engines():
@@ -130,6 +147,7 @@ def test_served_with_a_prefill_worker_reports_the_decode_workers_steps(tmp_path,
     code = main(["bench", "gpu-serving", "--device", "cpu", "--models", "smollm2", "--num-prompts", "4",
                  "--input-len", "32", "--output-len", "4", "--max-concurrency", "4", "--backends", "grpc",
                  "--skip-engine", "--prefills", "1", "--set", "tokenizer.count=1",
+                 "--sampled", "temperature=1,top_p=0.9",
                  "--set", "router.prefill_threshold_tokens=1", "--result-file", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
@@ -150,6 +168,9 @@ def test_served_with_a_prefill_worker_reports_the_decode_workers_steps(tmp_path,
         # the decode worker's work between steps: its pulls ticked, its outputs and counters sent on
         assert dec["engine_loop_tick"] > 0 and dec["engine_loop_after"] > 0 and dec["engine_loop_outputs"] > 0
     assert "1 prefill worker(s) + 1 decode worker" in text and "÷ limit at its rows" in text
+    # ``--sampled``: the sampled runs sent temperature 1 and top_p 0.9 alone
+    assert res["samplings"] == {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 1.0, "top_p": 0.9}}
+    assert "sampled = {'temperature': 1.0, 'top_p': 0.9}" in text
     assert "The engine thread's work between steps" in text
 
 
