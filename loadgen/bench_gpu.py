@@ -17,7 +17,8 @@ portable references, CUDA-graph decode against eager, SmolLM2 greedy against tra
    output tokens/s against transformers' ``generate_batch`` on the same card (section ``w1``; ``w1-ours`` skips
    the peer, which takes ~4 minutes).
 
-Extra sections: ``tune`` (GEMV / split-K / decode-kernel launch-parameter sweeps against cuBLAS),
+Extra sections: ``pick`` (the sampler's pick over the whole vocabulary, ``triton_ops.pick_full``, alone at 64 rows:
+temperature 1, and top_p 0.9, against PyTorch's sort-based ops and one read of the logits), ``tune`` (GEMV / split-K / decode-kernel launch-parameter sweeps against cuBLAS),
 ``decode-params`` (the decode kernel's tile, warps and stages for each shape of ``DECODE_HEADS``), ``projections``
 (a decode step's projections at 32 and 64 rows for SmolLM2, the 1B and the 8B, cuBLAS against split-K),
 ``profile`` (torch.profiler over mixed prefill + decode steps of W1).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import sys
 import time
@@ -194,6 +196,45 @@ def _graph_time(fns, reps: int = 5) -> float:
         times.append(start.elapsed_time(end) / 1e3 / len(fns))
     del g
     return sorted(times)[reps // 2]
+
+
+def _torch_pick(x: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The peer: PyTorch's ops over the whole vocabulary, a sort for top-p (the sampler's path before its kernels)."""
+    probs = (x / temp).softmax(-1)
+    sp, si = probs.sort(dim=-1, descending=True)
+    sp = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(1, si, sp)
+    cdf = kept.cumsum(-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=x.shape[1] - 1)
+
+
+def pick_speed(bandwidth: float, rows: int = 64) -> list[dict]:
+    """``triton_ops.pick_full`` alone (the sampler's pick for rows with no top_k: what an OpenAI client sends) at
+    ``rows`` rows of standard-normal logits, the 1B's and SmolLM2's vocabularies, temperature 1 alone and with
+    top_p 0.9, in a CUDA graph; against PyTorch's sort-based ops on the same rows and against one read of the
+    logits at the copy bandwidth."""
+    from common import sampler as sm
+    from common import triton_ops
+
+    out = []
+    for name, vocab in (("Llama-3.2-1B", 128256), ("SmolLM2", 49152)):
+        x = torch.randn(rows, vocab, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+        for top_p in (1.0, 0.9):
+            prm = torch.tensor([sm._PAD_ROW] * rows, dtype=torch.float32)
+            prm[:, sm._TOPP] = top_p
+            prm[:, sm._U] = torch.rand(rows, generator=torch.Generator().manual_seed(1))
+            prm = prm.cuda()
+            cols = (sm._TEMP, sm._TOPP, sm._MINP, sm._U)
+            ours = _graph_time([functools.partial(triton_ops.pick_full, x, prm, cols, top_p < 1, False)] * 10)
+            peer = _graph_time([functools.partial(_torch_pick, x, prm[:, sm._TEMP:sm._TEMP + 1],
+                                                  prm[:, sm._TOPP:sm._TOPP + 1], prm[:, sm._U:sm._U + 1])] * 3)
+            limit = x.numel() * 4 / bandwidth
+            r = {"vocab": name, "rows": rows, "top_p": top_p, "us": ours * 1e6, "torch_us": peer * 1e6,
+                 "read_limit_us": limit * 1e6}
+            print(f"  pick {name} ({vocab}), {rows} rows, top_p {top_p}: {r['us']:.1f} us (PyTorch's sort-based ops "
+                  f"{r['torch_us']:.0f} us, one read of the logits {r['read_limit_us']:.1f} us)", flush=True)
+            out.append(r)
+    return out
 
 
 def tune(bandwidth: float) -> dict:
@@ -646,7 +687,7 @@ def profile_mixed_steps(n_prompts: int = 96) -> None:
     print(ka.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60), flush=True)
 
 
-SECTIONS = ("kernels", "decode-params", "tune", "projections", "decode", "mixed", "prefill", "profile", "w1", "w1-ours")
+SECTIONS = ("kernels", "pick", "decode-params", "tune", "projections", "decode", "mixed", "prefill", "profile", "w1", "w1-ours")
 _MOVED = {"small": "tests/gpu/test_engine_fast_path.py"}  # correctness sections now in the GPU test suite
 
 
@@ -683,6 +724,9 @@ def main() -> int:
             splits = f"{r['splits']}" if r["splits"] else f"default ({r['default_splits']})"
             print(f"  decode kernel {r['heads']} heads, b{r['batch']} ctx {r['context']} splits {splits}: "
                   f"{r['us']:.1f} us, {r['GBps']:.0f} GB/s ({r['vs_copy_bw']:.2f} of copy)", flush=True)
+        save()
+    if "pick" in sections:
+        res["pick"] = pick_speed(bw)
         save()
     if "decode-params" in sections:
         res["decode_params"] = decode_params(bw)

@@ -17,3 +17,21 @@ def test_splitk_configs_divide_k_into_whole_blocks() -> None:
 def test_sweep_sections_and_shapes() -> None:
     assert {"decode-params", "projections"} <= set(SECTIONS)
     assert set(PROJECTION_MODELS) == {name for name, *_ in DECODE_HEADS}
+
+
+def test_the_pick_sections_peer_keeps_the_nucleus_and_picks_by_share() -> None:
+    """The ``pick`` section's peer (PyTorch's sort-based ops) picks what the sampler's pick does: with the rows'
+    uniform numbers on a grid of n points, each token in its exact share (±2/n), none outside the nucleus."""
+    import torch
+
+    from loadgen.bench_gpu import _torch_pick
+    from tests.gpu.test_kernels import exact_pick_shares
+
+    n, vocab = 4096, 500
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 2
+    for temp, top_p in ((1.0, 1.0), (0.8, 0.9)):
+        u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).float()[:, None]
+        got = _torch_pick(logits.expand(n, vocab), torch.full((n, 1), temp), torch.full((n, 1), top_p), u)
+        share = torch.bincount(got[:, 0], minlength=vocab).double() / n
+        want = exact_pick_shares(logits, temp, top_p, 0.0)
+        assert share[want == 0].sum() == 0 and float((share - want).abs().max()) <= 2.0 / n
