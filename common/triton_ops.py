@@ -713,11 +713,13 @@ def _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, K: tl.constexpr, SP: tl.
 
 @triton.jit
 def _digit_tile(key, w, K: tl.constexpr):
-    """Masses ``w`` [S] spread by their order keys' K-th 4-bit digit: [S, 16], each in its digit's column. A launch
-    adds these tiles up and sums the columns once at its end (a sum over the tile's rows for every sub-block costs
-    more than the adding)."""
+    """Masses ``w`` [S] spread by their order keys' K-th 4-bit digit: [16, S], each in its digit's row. A launch
+    adds these tiles up and sums the rows once at its end (a sum across threads for every sub-block costs more
+    than the adding). Tokens along the last dimension: each thread's tokens are where its loads put them, and it
+    holds their 16 digits itself (as [S, 16], the tile's layout differed from the loads', and every sub-block
+    went through shared memory, with barriers, to convert it)."""
     d = ((key >> (28 - 4 * K)) & 15).to(tl.int32)
-    return tl.where(d[:, None] == tl.arange(0, 16)[None, :], w[:, None], 0.0)
+    return tl.where(tl.arange(0, 16)[:, None] == d[None, :], w[None, :], 0.0)
 
 
 @triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg"])
@@ -790,7 +792,7 @@ def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm
             offs = tl.arange(0, SUB)
             lo = sg * seg
             hi = tl.minimum(lo + seg, vocab)
-            acc = tl.zeros([SUB, 16], tl.float32)
+            acc = tl.zeros([16, SUB], tl.float32)
             if DIGIT == 0:
                 for start in range(lo, hi, SUB * UNROLL):
                     for u in tl.static_range(UNROLL):
@@ -810,7 +812,7 @@ def _pick_topp_digit_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm
                                 z, key, match = _prefix_match(xr, sub + u * SUB, offs, hi, temp, rtemp, prefix,
                                                                4 * DIGIT)[1:]
                                 acc += _digit_tile(key, tl.where(match, tl.exp(z - m), 0.0), DIGIT)
-            tl.store(h_ptr + ((DIGIT * n + row) * nseg + sg) * 16 + tl.arange(0, 16), tl.sum(acc, 0))
+            tl.store(h_ptr + ((DIGIT * n + row) * nseg + sg) * 16 + tl.arange(0, 16), tl.sum(acc, 1))
 
 
 @triton.jit(do_not_specialize=["stride_x", "stride_p", "vocab", "seg", "n", "nblk"])
@@ -890,19 +892,21 @@ def _pick_topp_resolve_kernel(prm_ptr, stride_p, m_ptr, s_ptr, h_ptr, t_ptr, a_p
         done = (cut < total) & (tl.max(counts, 0) <= CAP)
         if done:
             tau, above = _topp_state(h_ptr, t_ptr, a_ptr, n, row, nseg, cut, RESOLVE - 1, SP)
-            slots = tl.arange(0, CAP)[None, :]
-            ok = slots < counts[:, None]
-            at = (row * nseg + segs[:, None]) * CAP + slots
-            keys = tl.load(ck_ptr + at, mask=ok, other=0).to(tl.uint32, bitcast=True)
-            w = tl.load(cw_ptr + at, mask=ok, other=0.0)
+            # the row's slots as one flat vector: each of the threshold's bits is one reduction over it
+            slots = tl.arange(0, SP * CAP)
+            seg_of = slots // CAP
+            ok = (slots % CAP) < tl.load(cn_ptr + row * nseg + seg_of, mask=seg_of < nseg, other=0)
+            keys = tl.load(ck_ptr + row * nseg * CAP + slots, mask=ok, other=0).to(tl.uint32, bitcast=True)
+            w = tl.load(cw_ptr + row * nseg * CAP + slots, mask=ok, other=0.0)
             for b in tl.static_range(31 - 4 * RESOLVE, -1, -1):
                 t = tau | (1 << b)
-                if above + tl.sum(tl.sum(tl.where(keys >= t, w, 0.0), 1), 0) >= cut:
+                if above + tl.sum(tl.where(keys >= t, w, 0.0), 0) >= cut:
                     tau = t
             tl.store(rt_ptr + row, tau.to(tl.int32, bitcast=True))
             if KEPT:
                 over = _segments_above(h_ptr, n, row, nseg, tau, RESOLVE, SP)
-                tl.store(k_ptr + row * nseg + segs, over + tl.sum(tl.where(keys >= tau, w, 0.0), 1), mask=segs < nseg)
+                mine = tl.sum(tl.reshape(tl.where(keys >= tau, w, 0.0), [SP, CAP]), 1)
+                tl.store(k_ptr + row * nseg + segs, over + mine, mask=segs < nseg)
         tl.store(rf_ptr + row, done.to(tl.int32))
 
 
@@ -1017,7 +1021,7 @@ def _pick_scan_kernel(x_ptr, stride_x, prm_ptr, stride_p, m_ptr, s_ptr, bm_ptr, 
 
 
 PICK_BLOCK = 1024  # tokens a block: the unit of the whole-vocabulary pick's segments and of its skipped blocks
-PICK_SUB = 64  # tokens the radix select's launches sum by digit at once
+PICK_SUB = 128  # tokens the radix select's launches sum by digit at once
 PICK_UNROLL = 2  # sub-blocks a digit launch reads at once
 PICK_WARPS = 4
 PICK_DIGIT_WARPS = 2  # the radix select's and the candidates' launches

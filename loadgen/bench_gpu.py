@@ -198,12 +198,15 @@ def _graph_time(fns, reps: int = 5) -> float:
     return sorted(times)[reps // 2]
 
 
-def _torch_pick(x: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The peer: PyTorch's ops over the whole vocabulary, a sort for top-p (the sampler's path before its kernels)."""
-    probs = (x / temp).softmax(-1)
-    sp, si = probs.sort(dim=-1, descending=True)
-    sp = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)
-    kept = torch.zeros_like(probs).scatter_(1, si, sp)
+def _torch_pick(x: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor,
+                nucleus: bool) -> torch.Tensor:
+    """The peer: PyTorch's ops over the whole vocabulary (the sampler's path before its kernels): with ``nucleus``,
+    a sort for top-p; without, the inverse CDF alone."""
+    kept = (x / temp).softmax(-1)
+    if nucleus:
+        sp, si = kept.sort(dim=-1, descending=True)
+        sp = sp.masked_fill(sp.cumsum(-1) - sp >= top_p, 0.0)
+        kept = torch.zeros_like(kept).scatter_(1, si, sp)
     cdf = kept.cumsum(-1)
     return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=x.shape[1] - 1)
 
@@ -211,8 +214,8 @@ def _torch_pick(x: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, u: tor
 def pick_speed(bandwidth: float, rows: int = 64) -> list[dict]:
     """``triton_ops.pick_full`` alone (the sampler's pick for rows with no top_k: what an OpenAI client sends) at
     ``rows`` rows of standard-normal logits, the 1B's and SmolLM2's vocabularies, temperature 1 alone and with
-    top_p 0.9, in a CUDA graph; against PyTorch's sort-based ops on the same rows and against one read of the
-    logits at the copy bandwidth."""
+    top_p 0.9, in a CUDA graph; against PyTorch's ops on the same rows (a sort for top-p) and against one read of
+    the logits at the copy bandwidth."""
     from common import sampler as sm
     from common import triton_ops
 
@@ -227,11 +230,12 @@ def pick_speed(bandwidth: float, rows: int = 64) -> list[dict]:
             cols = (sm._TEMP, sm._TOPP, sm._MINP, sm._U)
             ours = _graph_time([functools.partial(triton_ops.pick_full, x, prm, cols, top_p < 1, False)] * 10)
             peer = _graph_time([functools.partial(_torch_pick, x, prm[:, sm._TEMP:sm._TEMP + 1],
-                                                  prm[:, sm._TOPP:sm._TOPP + 1], prm[:, sm._U:sm._U + 1])] * 3)
+                                                  prm[:, sm._TOPP:sm._TOPP + 1], prm[:, sm._U:sm._U + 1],
+                                                  top_p < 1)] * 3)
             limit = x.numel() * 4 / bandwidth
             r = {"vocab": name, "rows": rows, "top_p": top_p, "us": ours * 1e6, "torch_us": peer * 1e6,
                  "read_limit_us": limit * 1e6}
-            print(f"  pick {name} ({vocab}), {rows} rows, top_p {top_p}: {r['us']:.1f} us (PyTorch's sort-based ops "
+            print(f"  pick {name} ({vocab}), {rows} rows, top_p {top_p}: {r['us']:.1f} us (PyTorch's ops "
                   f"{r['torch_us']:.0f} us, one read of the logits {r['read_limit_us']:.1f} us)", flush=True)
             out.append(r)
     return out

@@ -20,7 +20,7 @@ def test_sweep_sections_and_shapes() -> None:
 
 
 def test_the_pick_sections_peer_keeps_the_nucleus_and_picks_by_share() -> None:
-    """The ``pick`` section's peer (PyTorch's sort-based ops) picks what the sampler's pick does: with the rows'
+    """The ``pick`` section's peer (PyTorch's ops, a sort for top-p) picks what the sampler's pick does: with the rows'
     uniform numbers on a grid of n points, each token in its exact share (±2/n), none outside the nucleus."""
     import torch
 
@@ -31,7 +31,7 @@ def test_the_pick_sections_peer_keeps_the_nucleus_and_picks_by_share() -> None:
     logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3)) * 2
     for temp, top_p in ((1.0, 1.0), (0.8, 0.9)):
         u = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).float()[:, None]
-        got = _torch_pick(logits.expand(n, vocab), torch.full((n, 1), temp), torch.full((n, 1), top_p), u)
+        got = _torch_pick(logits.expand(n, vocab), torch.full((n, 1), temp), torch.full((n, 1), top_p), u, top_p < 1)
         share = torch.bincount(got[:, 0], minlength=vocab).double() / n
         want = exact_pick_shares(logits, temp, top_p, 0.0)
         assert share[want == 0].sum() == 0 and float((share - want).abs().max()) <= 2.0 / n
