@@ -1043,9 +1043,10 @@ def _penalize(x: torch.Tensor, prm: torch.Tensor, slots: _Slots, width: int, rep
 def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _Workspace) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the inverse-CDF pick in vocabulary order; may overwrite ``x``. Greedy
     rows' picks here are discarded (they take temperature 1 to stay finite). A batch whose sampled rows all have a
-    top_k up to ``_CANDIDATE_CAP`` picks among the top-k candidates; one with no top_k takes one kernel over the
-    whole vocabulary, with no sort (``triton_ops.pick_full`` on a GPU, ``cpu_kernels.pick_rows`` on the CPU where
-    the C++ kernels compiled); the others, PyTorch's ops over the whole vocabulary."""
+    top_k up to ``_CANDIDATE_CAP`` picks among the top-k candidates; the others take one kernel over the whole
+    vocabulary, with no sort (``triton_ops.pick_full`` on a GPU, ``cpu_kernels.pick_rows`` on the CPU where the C++
+    kernels compiled), their top-k rows' tokens under the k-th largest dropped first; where neither is there,
+    PyTorch's ops over the whole vocabulary."""
     temp = prm[:, _TEMP : _TEMP + 1]
     k_row = prm[:, _TOPK : _TOPK + 1]
     ops = _cuda_ops(x.device)
@@ -1063,10 +1064,17 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
         order = ids.argsort(dim=-1)  # back to vocabulary order, so the pick matches the full-vocabulary path
         ids, probs = ids.gather(1, order), probs.gather(1, order)
         return ids.gather(1, _inverse_cdf(probs, prm, probs.cumsum(-1))).squeeze(1)
-    if ops is not None and not any(spec.top_ks):  # on a GPU, Triton kernels with no sort (triton_ops.pick_full)
+    cpu_pick = x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.available()
+    if any(spec.top_ks) and (ops is not None or cpu_pick):
+        # rows with a top_k beside rows without (or one past the candidates' cap): each top-k row's tokens under
+        # its k-th largest logit dropped first (ties with it kept), then every row takes the whole-vocabulary pick
+        # below, with no sort
+        kmax = min(max(spec.top_ks), x.shape[1])
+        kth = torch.topk(x, kmax, dim=-1).values.gather(1, (k_row.long() - 1).clamp(0, kmax - 1))
+        x.masked_fill_((x < kth).logical_and_(k_row > 0), _MASK)
+    if ops is not None:  # on a GPU, Triton kernels with no sort (triton_ops.pick_full)
         return ops.pick_full(x, prm, (_TEMP, _TOPP, _MINP, _U), spec.any_top_p, spec.any_min_p)
-    if x.device.type == "cpu" and not any(spec.top_ks) and x.dtype == torch.float32 and cpu_kernels.available():
-        # on the CPU, the same pick in one C++ function (cpu_kernels.pick_rows), no sort either
+    if cpu_pick:  # on the CPU, the same pick in one C++ function (cpu_kernels.pick_rows), no sort either
         return cpu_kernels.pick_rows(x, prm, _TEMP, _TOPP, _MINP, _U, spec.any_top_p, spec.any_min_p)
     n, v = x.shape
     z = x.div_(temp)

@@ -17,7 +17,9 @@ host's cost).
 Run: ``python -m loadgen.bench_step_rows`` (the embedded SmolLM2 on CUDA where there is one, else the no-op model on
 the CPU: the host's work alone); ``--model dummy:llama-3.2-1b --tokenizer smollm2`` for a 1B's shape. ``--samplings``
 also takes ``default`` (temperature 1: an OpenAI client's defaults) and ``nucleus`` (top_p 0.9, no top_k): what an
-OpenAI client sends, which takes the sampler's whole-vocabulary path rather than its top-k candidates. ``--kernels N``
+OpenAI client sends, which takes the sampler's whole-vocabulary path rather than its top-k candidates, and ``mixed``
+(every other row the served benchmark's sampling, with top_k 50, the others top_p 0.9 alone: both kinds of client in
+one batch, which also takes the whole-vocabulary path). ``--kernels N``
 then runs ``--steps`` steps at the most rows under torch.profiler and prints the wall time a step and the N kernels
 with the most device time a step: where the device's part of a step goes.
 """
@@ -37,9 +39,25 @@ from loadgen.bench_gpu_serving import SAMPLINGS, Sampling
 from loadgen.bench_offline import _machine, _say, _source_state
 
 PATHS = ("inline", "general")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedSampling:
+    """Rows taking ``parts`` in turn (row i the ``i % len(parts)``-th): one batch of several clients' requests."""
+
+    name: str
+    parts: tuple[Sampling, ...]
+
+    def params(self, max_tokens: int) -> tuple[Any, ...]:
+        return tuple(s.params(max_tokens) for s in self.parts)
+
+
 # beside the served benchmark's two: what an OpenAI client sends (it has no top_k): its defaults (temperature 1),
-# and nucleus sampling (top_p 0.9)
-STEP_SAMPLINGS = (*SAMPLINGS, Sampling("default", 1.0), Sampling("nucleus", 1.0, top_p=0.9))
+# and nucleus sampling (top_p 0.9); and a batch of both kinds of client, every other row the served benchmark's
+# sampling (top_k 50) and the other top_p 0.9 alone
+STEP_SAMPLINGS: tuple[Sampling | MixedSampling, ...] = (
+    *SAMPLINGS, Sampling("default", 1.0), Sampling("nucleus", 1.0, top_p=0.9),
+    MixedSampling("mixed", (SAMPLINGS[1], Sampling("nucleus", 1.0, top_p=0.9))))
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -70,7 +88,8 @@ def _window(eng: Any, ids: list[str], params: Any, input_len: int, steps: int) -
 def _start(eng: Any, ids: list[str], params: Any, input_len: int) -> None:
     """``ids`` added as new requests, every prompt computed and 10 steps decoded."""
     for i, rid in enumerate(ids):
-        eng.add_request(rid, [(7 * i + j) % 1000 + 10 for j in range(input_len)], params)
+        p = params[i % len(params)] if isinstance(params, tuple) else params  # a MixedSampling's rows in turn
+        eng.add_request(rid, [(7 * i + j) % 1000 + 10 for j in range(input_len)], p)
     while any(len(eng._seqs[r].output_ids) < 2 for r in ids):  # every prompt computed and decoding
         eng.step()
     for _ in range(10):

@@ -80,3 +80,23 @@ def test_openai_samplings_send_what_an_openai_client_can() -> None:
     assert by_name["nucleus"].fields() == {"temperature": 1.0, "top_p": 0.9}
     p = by_name["nucleus"].params(8)
     assert not p.top_k and p.top_p == 0.9 and p.temperature == 1.0
+
+
+def test_mixed_rows_take_each_sampling_in_turn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--samplings mixed``: every other row the served benchmark's sampling (top_k 50), the others top_p 0.9
+    alone, in one batch."""
+    from common.engine import LLMEngine
+
+    sent: list[tuple[int | None, float]] = []
+    real = LLMEngine.add_request
+
+    def spy(self, rid, prompt, params, *args, **kw):  # type: ignore[no-untyped-def]
+        sent.append((params.top_k, params.top_p))
+        return real(self, rid, prompt, params, *args, **kw)
+
+    monkeypatch.setattr(LLMEngine, "add_request", spy)
+    out = tmp_path / "rows.json"
+    assert bench_step_rows.main(["--device", "cpu", "--rows", "4", "--steps", "3", "--rounds", "1",
+                                 "--samplings", "mixed", "--result-file", str(out)]) == 0
+    assert json.loads(out.read_text())["results"]["mixed"]["4"]["inline"]["step_us"] > 0
+    assert sent[:4] == [(50, 0.9), (None, 0.9), (50, 0.9), (None, 0.9)]
