@@ -18,7 +18,8 @@ portable references, CUDA-graph decode against eager, SmolLM2 greedy against tra
    the peer, which takes ~4 minutes).
 
 Extra sections: ``pick`` (the sampler's pick over the whole vocabulary, ``triton_ops.pick_full``, alone at 64 rows:
-temperature 1, and top_p 0.9, against PyTorch's sort-based ops and one read of the logits), ``tune`` (GEMV / split-K / decode-kernel launch-parameter sweeps against cuBLAS),
+temperature 1, and top_p 0.9, against PyTorch's ops, with a sort for top-p, and one read of the logits), ``tune``
+(GEMV / split-K / decode-kernel launch-parameter sweeps against cuBLAS),
 ``decode-params`` (the decode kernel's tile, warps and stages for each shape of ``DECODE_HEADS``), ``projections``
 (a decode step's projections at 32 and 64 rows for SmolLM2, the 1B and the 8B, cuBLAS against split-K),
 ``profile`` (torch.profiler over mixed prefill + decode steps of W1).
