@@ -215,7 +215,9 @@ def _far_from_boundaries(x: np.ndarray, p: SamplingParams, u: float, margin: flo
 def test_the_sampler_picks_rows_with_no_top_k_through_the_kernel(monkeypatch):
     """A CPU step with no top_k goes through pick_rows and picks what PyTorch's ops pick (every row's uniform number
     is far from the boundaries between tokens, where the two may round differently), which is the token the row's
-    exact distribution gives; a step with a top_k does not."""
+    exact distribution gives. A step that mixes in rows with a top_k (one within the candidates' cap, one past it)
+    goes through it too, each top-k row's logits under its k-th largest dropped first: the other rows pick the same
+    tokens, and the top-2 row one of its two largest."""
     v = 3000
     params = [SamplingParams(temperature=1.0), SamplingParams(top_p=0.9), SamplingParams(temperature=0.8, min_p=0.2),
               SamplingParams(temperature=1.3, top_p=0.7, min_p=0.1), SamplingParams(temperature=0)]
@@ -252,6 +254,12 @@ def test_the_sampler_picks_rows_with_no_top_k_through_the_kernel(monkeypatch):
         portable = Sampler(v, "cpu").sample(logits, rows).token_ids
     assert calls == [(len(rows), v)]
     assert kernel == portable == want
-    top_k = SampleRow(SamplingParams(top_k=2000), 1, 3, [1], [2], eos_ids=(0,))  # past the candidates: full vocab
-    Sampler(v, "cpu").sample(_peaked(len(rows) + 1, v), [*rows, top_k])
-    assert len(calls) == 1
+    # seed 10: u = 0.81, past the two largest peaks' running share in vocabulary order (0.75): unmasked, the top-2
+    # row would pick token 901
+    top2, top2000 = (SampleRow(SamplingParams(top_k=k), 10, 3, [1], [2], eos_ids=(0,)) for k in (2, 2000))
+    assert 0.8 < row_uniform(10, 3) < 0.82
+    mixed = Sampler(v, "cpu").sample(_peaked(len(rows) + 2, v), [*rows, top2, top2000]).token_ids
+    assert calls == [(len(rows), v), (len(rows) + 2, v)]
+    assert mixed[: len(rows)] == want
+    assert mixed[-2] == 40  # of the two largest (7: 0.4 of their mass, then 40), in vocabulary order
+    assert mixed[-1] == 901  # top_k 2000 keeps every peak (the other tokens tie at the 2000th): unmasked
