@@ -1064,24 +1064,20 @@ def _pick(x: torch.Tensor, prm: torch.Tensor, spec: _StepSpec | _GraphKey, ws: _
         order = ids.argsort(dim=-1)  # back to vocabulary order, so the pick matches the full-vocabulary path
         ids, probs = ids.gather(1, order), probs.gather(1, order)
         return ids.gather(1, _inverse_cdf(probs, prm, probs.cumsum(-1))).squeeze(1)
-    cpu_pick = x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.available()
-    if any(spec.top_ks) and (ops is not None or cpu_pick):
-        # rows with a top_k beside rows without (or one past the candidates' cap): each top-k row's tokens under
-        # its k-th largest logit dropped first (ties with it kept), then every row takes the whole-vocabulary pick
-        # below, with no sort
-        kmax = min(max(spec.top_ks), x.shape[1])
+    n, v = x.shape
+    if any(spec.top_ks):
+        # every full-vocabulary path: each top-k row's tokens under its k-th largest logit dropped first (ties with
+        # it kept; the order of x is z's), then the pick below over the whole vocabulary
+        kmax = min(max(spec.top_ks), v)
         kth = torch.topk(x, kmax, dim=-1).values.gather(1, (k_row.long() - 1).clamp(0, kmax - 1))
-        x.masked_fill_((x < kth).logical_and_(k_row > 0), _MASK)
+        x.masked_fill_(torch.lt(x, kth, out=ws.get("mask", n, v, torch.bool)).logical_and_(k_row > 0), _MASK)
     if ops is not None:  # on a GPU, Triton kernels with no sort (triton_ops.pick_full)
         return ops.pick_full(x, prm, (_TEMP, _TOPP, _MINP, _U), spec.any_top_p, spec.any_min_p)
-    if cpu_pick:  # on the CPU, the same pick in one C++ function (cpu_kernels.pick_rows), no sort either
+    if x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.available():
+        # on the CPU, the same pick in one C++ function (cpu_kernels.pick_rows), no sort either
         return cpu_kernels.pick_rows(x, prm, _TEMP, _TOPP, _MINP, _U, spec.any_top_p, spec.any_min_p)
-    n, v = x.shape
     z = x.div_(temp)
     mask = ws.get("mask", n, v, torch.bool)
-    if any(spec.top_ks):
-        kth = torch.topk(z, max(spec.top_ks), dim=-1).values.gather(1, (k_row.long() - 1).clamp(min=0))
-        z.masked_fill_(torch.lt(z, kth, out=mask).logical_and_(k_row > 0), _MASK)
     # unnormalized probabilities in place (the largest is 1): top-p and the pick compare against the row's total
     probs = z.sub_(z.amax(-1, keepdim=True)).exp_()
     if spec.any_top_p:
