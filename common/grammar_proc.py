@@ -17,11 +17,16 @@ is complete, or that a token broke, masks every token but EOS, so the sequence e
 engine asking. A matcher made before the child was ready, or when no slot was free, and a matcher whose tokens are
 not sent yet, are filled inline, into rows after the child's. A child that dies or stops answering makes every
 fill inline from then on, the engine's matchers caught up first.
+
+The child keeps the masks it made inside JSON strings by their place in the document (``common/mask_cache.py``):
+a row of the same schema at the same place later takes the mask from there instead of from llguidance, which
+spends hundreds of µs on a mask near the end of a string bounded by ``maxLength``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import mmap
@@ -42,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from common.mask_cache import MaskCache, PlaceKeys
+
 if TYPE_CHECKING:
     from common.structured import GrammarMatcher
 
@@ -51,8 +58,9 @@ log = logging.getLogger(__name__)
 # token as the int ``slot << 32 | token`` (the hot path: a list append, without the lock, on the engine thread)
 ADD, DROP = 0, 2
 _HEADER = struct.Struct("<Q")  # a message's length, then its pickle
-# an answer: the batch's sequence number, and when (CLOCK_MONOTONIC ns) the child had read it and had filled its masks
-_ANSWER = struct.Struct("<Qqq")
+# an answer: the batch's sequence number, when (CLOCK_MONOTONIC ns) the child had read it and had filled its masks,
+# and how many of its masks came from the cache of masks by place (common/mask_cache.py)
+_ANSWER = struct.Struct("<Qqqq")
 REPLY_TIMEOUT_S = 5.0  # a child that has not answered a batch by then is taken for hung: fills go inline
 # The child polls the pipe without blocking for this long after each batch before it sleeps in select: waking a
 # process that sleeps on a pipe costs tens of µs, against a ~1 ms decode step of a small model on a GPU, and the
@@ -62,6 +70,9 @@ REPLY_TIMEOUT_S = 5.0  # a child that has not answered a batch by then is taken 
 # TOKENMILL_GRAMMAR_SPIN_S sets it.
 SPIN_S = float(os.environ.get("TOKENMILL_GRAMMAR_SPIN_S", 0.002 if (os.cpu_count() or 1) >= 8 else 0.0))
 _COMPILED_CAPACITY = 256  # the child's compiled grammars, by text (LRU)
+# The child's masks kept by place in a JSON document (common/mask_cache.py), in MiB; 0 keeps none.
+# TOKENMILL_GRAMMAR_PLACE_CACHE_MB sets it.
+PLACE_CACHE_MB = int(os.environ.get("TOKENMILL_GRAMMAR_PLACE_CACHE_MB", "32"))
 
 
 class MaskProcess:
@@ -108,6 +119,7 @@ class MaskProcess:
         self._last: tuple[list[GrammarMatcher], list[int]] | None = None
         self.dead = False
         self.remote_rows = self.inline_rows = 0  # rows served from the child / filled inline, for the benchmark
+        self.cached_rows = 0  # of the child's rows, those it took from its cache of masks by place
         self._sent_at: dict[int, int] = {}  # batch → when it was sent (monotonic ns), until its answer
         # per answered batch: (seconds from sending it to the child having read it, seconds the child then took to
         # advance its matchers and fill the masks), the latest ones, for the benchmark
@@ -223,7 +235,8 @@ class MaskProcess:
         data = self._pending + data
         n = len(data) // _ANSWER.size
         for k in range(n):
-            self._done, read_ns, filled_ns = _ANSWER.unpack_from(data, k * _ANSWER.size)
+            self._done, read_ns, filled_ns, cached = _ANSWER.unpack_from(data, k * _ANSWER.size)
+            self.cached_rows += cached
             sent = self._sent_at.pop(self._done, None)
             if sent is not None:
                 self.batch_times.append(((read_ns - sent) * 1e-9, (filled_ns - read_ns) * 1e-9))
@@ -343,8 +356,13 @@ def main(argv: list[str]) -> int:
     executor = make_executor(threads)
     compiled: OrderedDict[str, Any] = OrderedDict()
     matchers: dict[int, Any] = {}
+    rows = np.frombuffer(mapped, dtype=np.int32).reshape(capacity, words)
+    token_bytes = functools.lru_cache(maxsize=None)(lambda t: tok.decode_bytes([t]))
+    # where each sequence is in the JSON it writes, and the masks kept by place
+    places = PlaceKeys(token_bytes) if PLACE_CACHE_MB > 0 else None
+    cache = MaskCache(words, PLACE_CACHE_MB << 20)
     stdin = _Reader(0)
-    os.write(1, _ANSWER.pack(0, 0, 0))  # ready
+    os.write(1, _ANSWER.pack(0, 0, 0, 0))  # ready
     while True:
         head = stdin.read(_HEADER.size)
         if not head:
@@ -354,10 +372,14 @@ def main(argv: list[str]) -> int:
         touched: dict[int, Any] = {}
         for op in ops:
             if type(op) is int:
-                m = matchers.get(op >> 32)
+                slot = op >> 32
+                m = matchers.get(slot)
                 if m is not None:
-                    m.consume_token(op & 0xFFFFFFFF)
-                    touched[op >> 32] = m
+                    token = op & 0xFFFFFFFF
+                    ok = m.consume_token(token)
+                    if places is not None:
+                        places.advance(slot, token, ok)
+                    touched[slot] = m
             elif op[0] == ADD:
                 _, slot, text, prior = op
                 base_m = compiled.get(text)
@@ -371,12 +393,30 @@ def main(argv: list[str]) -> int:
                 for t in prior:
                     m.consume_token(t)
                 matchers[slot] = touched[slot] = m
+                if places is not None:
+                    places.add(slot, text, prior)
+                    if m.is_error():  # a token of ``prior`` broke the grammar: its masks are EOS only
+                        places.drop(slot)
             else:
                 matchers.pop(op[1], None)
                 touched.pop(op[1], None)
+                if places is not None:
+                    places.drop(op[1])
         # a stopped (complete) or failed matcher's mask allows EOS only: the engine ends its sequence on it
-        compute_masks(executor, [(m, s) for s, m in touched.items()], base, words * 4)
-        os.write(1, _ANSWER.pack(batch, read_ns, time.monotonic_ns()))
+        fill, keep = [], []
+        for s, m in touched.items():
+            key = places.key(s) if places is not None else None
+            if key is not None:
+                row = cache.get(key)
+                if row is not None:
+                    rows[s] = row
+                    continue
+                keep.append((s, key))
+            fill.append((m, s))
+        compute_masks(executor, fill, base, words * 4)
+        for s, key in keep:
+            cache.put(key, rows[s])
+        os.write(1, _ANSWER.pack(batch, read_ns, time.monotonic_ns(), len(touched) - len(fill)))
 
 
 if __name__ == "__main__":

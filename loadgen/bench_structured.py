@@ -19,12 +19,13 @@ Two parts, one run:
   async scheduling the host's extra work can take the place of time it spent waiting for the GPU, so the update's
   growth alone can understate the cost.
 
-Run: ``tokenmill bench structured [--steps 8] [--rounds 2] [--dtype bfloat16] [--temperature 1]``.
+Run: ``tokenmill bench structured [--steps 32] [--rounds 2] [--dtype bfloat16] [--temperature 1]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -226,8 +227,11 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     tok = eng.tokenizer
     assert tok is not None
     names = list(SCHEMAS)
-    # short prompts: the window measures decode steps, and a prefill of 32 long prompts would cost more than it
-    prompts = [tok.encode(f"JSON {names[i % 5]} records, batch {i}:") for i in range(BATCH)]
+    # short prompts: the window measures decode steps, and a prefill of 32 long prompts would cost more than it.
+    # Each window's prompts and seeds are its own, so no window writes what an earlier one wrote: the mask process
+    # keeps masks by place (common/mask_cache.py), and a window that repeated the last one's outputs would find
+    # every one of them there
+    windows = itertools.count()
     update_s: list[float] = []
     update = [0.0]  # this step's host work on outputs: the last step's tokens handed out, this one's pick queued
     # where a constrained step's extra time goes: the host's mask fill and the matchers' advance, per step
@@ -324,10 +328,12 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         patch(GrammarMatcher, "send", into(parts, "advance"))
 
     def window(constrained: bool, tag: str, n: int) -> tuple[list[float], list[float]]:
-        for i, ids in enumerate(prompts):
+        w = next(windows)
+        for i in range(BATCH):
+            ids = tok.encode(f"JSON {names[i % 5]} records, batch {w * BATCH + i}:")
             so = StructuredOutput("json_schema", _long_schema(SCHEMAS[names[i % 5]])) if constrained else None
-            eng.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=steps + 4, temperature=temperature, seed=i,
-                                                              ignore_eos=True, structured=so))
+            eng.add_request(f"{tag}-{i}", ids, SamplingParams(max_tokens=steps + 4, temperature=temperature,
+                                                              seed=w * BATCH + i, ignore_eos=True, structured=so))
         while any(not s.output_ids for s in eng._seqs.values()):  # prefills (and their first tokens)
             eng.step()
         times: list[float] = []
@@ -374,7 +380,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
             masks = eng.grammars.masks
             if masks is not None:  # matchers made before the child was ready stay inline: time the ones after
                 assert masks.wait_ready(), "the grammar mask process did not start"
-                masks.remote_rows = masks.inline_rows = 0
+                masks.remote_rows = masks.inline_rows = masks.cached_rows = 0
             masked_fill.clear()
             masked_advance.clear()
             child_times.clear()
@@ -419,7 +425,10 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
             "child_read_ms": med(c[0] for c in child_times) * 1e3 if child_times else None,
             "child_fill_ms": med(c[1] for c in child_times) * 1e3 if child_times else None,
             "child_fill_p90_ms": (sorted(c[1] for c in child_times)[int(0.9 * len(child_times))] * 1e3
-                                  if child_times else None)}
+                                  if child_times else None),
+            # of the rows the process served, the share it took from its masks by place (common/mask_cache.py)
+            "child_cached_share": masks.cached_rows / masks.remote_rows if masks is not None and masks.remote_rows
+            else None}
 
 
 def run(a: argparse.Namespace) -> int:
@@ -461,12 +470,12 @@ def run(a: argparse.Namespace) -> int:
     print()
     print("| batch | dtype | temperature | masks filled | pick | step ms: none constrained | all constrained | "
           "update ms (sample + stop checks): none | all | mask fill (or wait and copy) ms | advance (and send) ms | "
-          "process: read after sending ms | its fill ms p50 / p90 | update growth ÷ step | "
+          "process: read after sending ms | its fill ms p50 / p90 | its masks by place | update growth ÷ step | "
           "constrained cost: step growth, end to end | target |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for e in runs:
-        child = (f"{e['child_read_ms']:.3f} | {e['child_fill_ms']:.3f} / {e['child_fill_p90_ms']:.3f}"
-                 if e.get("child_read_ms") is not None else "- | -")
+        child = (f"{e['child_read_ms']:.3f} | {e['child_fill_ms']:.3f} / {e['child_fill_p90_ms']:.3f} | "
+                 f"{e['child_cached_share'] * 100:.0f}%" if e.get("child_read_ms") is not None else "- | - | -")
         print(f"| {e['batch']} | {e['dtype']} | {e['temperature']:g} | {e['fill']} | {e['pick']} | "
               f"{e['step_ms_plain']:.1f} | "
               f"{e['step_ms_constrained']:.1f} | {e['update_ms_plain']:.2f} | {e['update_ms_constrained']:.2f} | "
@@ -495,7 +504,9 @@ def run(a: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("structured", help="structured outputs: grammar libraries and the constrained step's cost",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per window (default 8)")
+    p.add_argument("--steps", type=int, default=32,
+                   help="timed decode steps per window (default 32: the rows get past their first key and into the "
+                        "strings, where most of a JSON output's masks are)")
     p.add_argument("--rounds", type=int, default=2, help="alternating windows of each kind (default 2)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="the engine's dtype (default: the machine's, as tokenmill up picks it)")

@@ -1,0 +1,165 @@
+"""The mask process's masks kept by place in a JSON document (common/mask_cache.py): a cached mask is the mask
+llguidance makes there, bit for bit, and places are used only where the schema makes that so."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import llguidance as llg
+import numpy as np
+import pytest
+
+from common.grammar_proc import make_tokenizer
+from common.loader import load_tokenizer
+from common.mask_cache import JsonCursor, MaskCache, PlaceKeys, SchemaPlaces
+from common.sampling import StructuredOutput
+from common.structured import _JSON_OPTIONS, GrammarCompiler
+from loadgen.bench_structured import SCHEMAS
+
+V = 49152
+EOS = 2
+NESTED = {"type": "object", "properties": {
+    "tags": {"type": "array", "minItems": 1, "maxItems": 3,
+             "items": {"type": "string", "minLength": 2, "maxLength": 6}},
+    "inner": {"type": "object", "properties": {"x": {"type": "string", "maxLength": 5},
+                                               "y": {"type": "string", "maxLength": 3}}, "required": ["x"]},
+    "notes": {"type": "array", "minItems": 2, "items": {"type": "string", "maxLength": 4}}},
+    "required": ["tags", "inner", "notes"], "additionalProperties": False}
+
+
+def grammar(schema: dict) -> str:
+    return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+
+
+def place(schema: dict, text: str):
+    """The cache's key for the next mask after ``text`` (None: no cached mask there)."""
+    keys = PlaceKeys(lambda t: bytes([t]))
+    keys.add(0, grammar(schema), list(text.encode()))
+    key = keys.key(0)
+    return None if key is None else key[1:]
+
+
+def test_the_cursor_follows_keys_items_and_characters():
+    c = JsonCursor()
+    c.feed(b'{"a": 1, "b": [{"c": "x\\"y')
+    # in b's first item, c's value: 3 characters (an escape is one); a key's text and the keys before it kept
+    assert c.place() == ((("a", "b"), 0, ("c",)), 3)
+    c.feed(b'", "d": "')
+    assert c.place() == ((("a", "b"), 0, ("c", "d")), 0)
+    c.feed(b'q"}, {"c": "zz')
+    assert c.place() == ((("a", "b"), 1, ("c",)), 2)
+    c.feed(b'\\')  # in the middle of an escape: no place
+    assert c.place() is None
+    c.feed(b'n')
+    assert c.place() == ((("a", "b"), 1, ("c",)), 3)
+    c.feed(b'", "e": 12')  # outside a string
+    assert c.place() is None
+
+
+@pytest.mark.parametrize("text", ['{"name": "\\u00e9', '{"name": "café'])
+def test_a_string_with_a_unicode_escape_or_non_ascii_byte_has_no_place(text):
+    assert place(SCHEMAS["person"], text) is None
+
+
+@pytest.mark.parametrize("schema, text", [
+    (SCHEMAS["weather"], '{"city": "Paris", "unit": "cel'),  # an enum's string: its characters matter
+    (SCHEMAS["event"], '{"title": "Launch", "date": "2026'),  # a pattern
+    (SCHEMAS["event"], '{"title": "L", "date": "2026-11-27", "attendees": [], "location": "Pa'),  # in an anyOf
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/s"}}, "$defs": {"s": {"type": "string"}}}, '{"a": "x'),
+    ({"type": "array", "uniqueItems": True, "items": {"type": "string"}}, '["x'),
+    ({"type": "object", "additionalProperties": {"type": "string"}}, '{"free": "x'),  # a key the schema does not name
+])
+def test_places_are_left_alone_where_more_than_the_place_decides(schema, text):
+    assert place(schema, text) is None
+
+
+def test_plain_strings_have_places_and_array_items_past_min_items_share_one():
+    assert place(SCHEMAS["person"], '{"name": "Ada Lo') == ((("name",),), 6)
+    assert place(SCHEMAS["person"], '{"name": "Bob X", "age": 7, "email": "b@') == ((("name", "age", "email"),), 2)
+    notes = ['{"tags": ["ab"], "inner": {"x": "q"}, "notes": [' + ", ".join(['"n"'] * i + ['"a']) for i in range(5)]
+    # minItems 2 and no maxItems: the third item on is one place; tags has maxItems, each index its own
+    assert [place(NESTED, t)[0][-1] for t in notes] == [0, 1, 2, 2, 2]
+    assert place(NESTED, '{"tags": ["ab", "c')[0][-1] == 1
+    assert place(NESTED, '{"tags": ["ab", "cd", "e')[0][-1] == 2
+
+
+def test_grammars_other_than_one_json_schema_with_the_engines_options_have_no_places():
+    assert SchemaPlaces.from_grammar(grammar(SCHEMAS["person"])) is not None
+    assert SchemaPlaces.from_grammar(llg.LLMatcher.grammar_from_regex(r"[a-z]+")) is None
+    assert SchemaPlaces.from_grammar(llg.LLMatcher.grammar_from_json_schema(SCHEMAS["person"])) is None  # other options
+    assert SchemaPlaces.from_grammar(llg.LLMatcher.grammar_from_lark('start: "x"')) is None
+
+
+def test_a_cached_mask_is_the_mask_llguidance_makes_at_that_place():
+    """Walks through the five benchmark schemas and one with nested bounded strings, each a different output (random
+    allowed tokens, most of them short printable ones, some escapes), sharing one cache: at every step of every walk
+    where the cache has a mask, it equals the mask llguidance computes for the walk's own matcher."""
+    tok = make_tokenizer(load_tokenizer().tk.to_str(), V, [EOS])
+    words = (V + 31) // 32
+    tb: dict[int, bytes] = {}
+
+    def token_bytes(t: int) -> bytes:
+        if t not in tb:
+            tb[t] = tok.decode_bytes([t])
+        return tb[t]
+
+    row = np.zeros(words, dtype=np.int32)
+    cache, keys = MaskCache(words), PlaceKeys(token_bytes)
+    rng = random.Random(7)
+    checked = 0
+    for schema in [*SCHEMAS.values(), NESTED]:
+        text = grammar(schema)
+        start = llg.LLMatcher(tok, text)
+        for _ in range(10):
+            m = start.deep_copy()
+            keys.add(0, text, [])
+            for _ in range(90):
+                m.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
+                key = keys.key(0)
+                if key is not None:
+                    kept = cache.get(key)
+                    if kept is None:
+                        cache.put(key, row)
+                    else:
+                        assert np.array_equal(kept, row), f"the mask kept at {key[1:]} differs from llguidance's"
+                        checked += 1
+                allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V])
+                allowed = allowed[allowed != EOS]
+                if m.is_stopped() or not len(allowed):
+                    break
+                pick = [int(t) for t in rng.sample(list(allowed), min(8, len(allowed)))]
+                short = [t for t in pick if all(32 <= c < 127 for c in token_bytes(t))]
+                t = min(short or pick, key=lambda t: (len(token_bytes(t)), rng.random())) if rng.random() < 0.8 \
+                    else pick[0]
+                ok = m.consume_token(t)
+                keys.advance(0, t, ok)
+                assert ok
+            keys.drop(0)
+    assert checked > 300, checked  # most places came back: the check had cases
+
+
+def test_the_mask_process_takes_a_second_row_at_a_place_from_the_cache():
+    """Two matchers of one schema write different names of one length, one after the other: inside the second's
+    name every mask comes from the first's places, and each equals the matcher's own inline fill."""
+    tok = load_tokenizer()
+    inline = GrammarCompiler(tok.tk.to_str(), V, (EOS,))
+    mirrored = GrammarCompiler(tok.tk.to_str(), V, (EOS,), fill_process=True)
+    masks = mirrored.masks
+    assert masks is not None and masks.wait_ready()
+    so = StructuredOutput("json_schema", json.dumps(SCHEMAS["person"]))
+    served = []
+    for name in ("Alan Turing", "Ada Lovelac"):
+        walk = tok.encode(json.dumps({"name": name, "age": 36, "email": "a@b.c"}), add_special_tokens=False)
+        m, ref = mirrored.matcher(so), inline.matcher(so)
+        before = masks.cached_rows
+        for t in walk:
+            mirrored.flush()
+            got = mirrored.table.host[mirrored.table.fill([m])]
+            want = inline.table.host[inline.table.fill([ref])]
+            assert (got == want).all()
+            assert m.accept(t) and ref.accept(t)
+        served.append(masks.cached_rows - before)
+        del m
+    assert served[0] == 0 and served[1] > 0, served
+    mirrored.close()
