@@ -1,21 +1,24 @@
-"""Grammar masks remembered by the place in a JSON document, for strings bounded by ``maxLength``.
+"""Grammar masks remembered by their place in a JSON document.
 
 Inside a JSON string with a ``maxLength``, llguidance's mask costs 150-600 µs a row on SmolLM2's tokenizer once fewer
 characters are left than its longest tokens have: every count of characters is a lexer state of its own, and the
-mask walks the token trie for it (docs/benchmarks.md, "Structured outputs"). The other masks of a JSON schema cost
-10-30 µs. A decode step's fill of 32 rows waits for its slowest row, so those strings set the fill's time.
+mask walks the token trie for it. The other masks of a JSON schema cost 10-50 µs (docs/benchmarks.md, "Structured
+outputs"). A decode step's fill of 32 rows waits for its slowest row.
 
-What such a mask allows depends only on what may still follow, and inside a plain string (no ``pattern``, ``format``,
-``enum`` or ``const``) of an object or array that is plain too (no ``anyOf``, ``$ref``, ``uniqueItems``...) that is
-fixed by the place alone: the key of every object on the way down and the keys it has had so far, the index of every
-array item, and how many characters the string has. The characters themselves and the values before it do not
-matter. So the mask process (``common/grammar_proc.py``) follows each sequence's output through the JSON
-(:class:`JsonCursor`), and a mask made at a place is kept (:class:`MaskCache`, LRU by bytes) for every later
-sequence of the same grammar at that place: rows of requests that share a schema take it without llguidance.
+What a mask allows depends only on what may still follow. Inside objects and arrays that are plain (no ``anyOf``,
+``$ref``, ``uniqueItems``, ``enum``... on a container: :class:`SchemaPlaces`), that is fixed by the place: for every
+container on the way down, the keys its object has had so far or its array item's index, and whether it waits for a
+key, is inside a member or has just ended one; and the bytes of the member being written since it began (a key's
+letters, a number's digits, ``: "`` and the string's characters so far). The values that were written before do not
+matter. Inside a plain string (no ``pattern``, ``format``, ``enum`` or ``const``) only the number of its characters
+does, so rows writing different names share the places of their names' lengths. The mask process
+(``common/grammar_proc.py``) follows each sequence's output through the JSON (:class:`JsonCursor`), and a mask made
+at a place is kept (:class:`MaskCache`, LRU by bytes) for every later sequence of the same grammar at that place:
+rows of requests that share a schema take it without llguidance.
 
-A place is used only where the rule holds for sure: the whole way down is checked against the schema
-(:class:`SchemaPlaces`), and a string that has had a ``\\u`` escape or a non-ASCII byte is left alone (how the
-grammar counts those is llguidance's business). Everything else is filled by llguidance as before.
+A string that has had a ``\\u`` escape or a non-ASCII byte is placed by its bytes, not its length (how the grammar
+counts those is llguidance's business). Anywhere else (under a container that is not plain, a grammar that is not
+one JSON schema with the engine's options, a member longer than ``MAX_MEMBER`` bytes) llguidance fills the mask.
 """
 
 from __future__ import annotations
@@ -26,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
-# the JSON-schema keywords a place may pass through, by what the node is; any other keyword (anyOf, $ref, enum,
-# pattern, uniqueItems, if, ...) makes what follows depend on more than the place
+# the JSON-schema keywords of a container a place may pass through; any other (anyOf, $ref, enum, uniqueItems, if, ...)
+# makes what may follow depend on more than the place. A string with only these is plain: its length is its place
 _NOTES = {"title", "description", "$comment", "examples", "default"}
 _OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "minProperties", "maxProperties", *_NOTES}
 _ARRAY_KEYS = {"type", "items", "minItems", "maxItems", *_NOTES}
 _STRING_KEYS = {"type", "minLength", "maxLength", *_NOTES}
 _ROOT_KEYS = {"$schema", "x-guidance"}
+MAX_MEMBER = 256  # bytes of a member a place may hold
 # the JSON options of every json_schema grammar the engine makes (common/structured.py): fixed separators, no free
 # whitespace, so a place has one spelling
 _OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -43,7 +47,7 @@ class SchemaPlaces:
 
     def __init__(self, schema: dict[str, Any]) -> None:
         self.schema = schema
-        self._memo: dict[tuple, tuple | None] = {}
+        self._memo: dict[tuple, tuple[tuple, bool] | None] = {}
 
     @classmethod
     def from_grammar(cls, text: str) -> SchemaPlaces | None:
@@ -63,57 +67,58 @@ class SchemaPlaces:
             return None
         return cls(schema)
 
-    def place(self, path: tuple) -> tuple | None:
-        """The value string at ``path`` (:meth:`JsonCursor.place`) as a place of this schema, or None where the
-        string or a node above it is not plain (memoized). Array items past ``minItems`` of an array with no
-        ``maxItems`` are one place: what may follow them is the same."""
-        if path in self._memo:
-            return self._memo[path]
-        got = self._memo[path] = self._place(path)
+    def place(self, frames: tuple) -> tuple[tuple, bool] | None:
+        """``frames`` (:meth:`JsonCursor.place`) as a place of this schema: the frames with array indices past
+        ``minItems`` of an array with no ``maxItems`` made one (what may follow them is the same), and whether the
+        member being written is a plain string's value; None where a container on the way is not plain (memoized)."""
+        if frames in self._memo:
+            return self._memo[frames]
+        got = self._memo[frames] = self._place(frames)
         return got
 
-    def _place(self, path: tuple) -> tuple | None:
+    def _place(self, frames: tuple) -> tuple[tuple, bool] | None:
         node: Any = self.schema
         extra = _ROOT_KEYS
         out: list = []
-        for step in path:
-            if not isinstance(node, dict):
+        for depth, (kind, at, phase) in enumerate(frames):
+            if not isinstance(node, dict) or not node.keys() <= (_OBJECT_KEYS if kind == "o" else _ARRAY_KEYS) | extra:
                 return None
-            if isinstance(step, int):  # an array item
-                if node.get("type") != "array" or not node.keys() <= _ARRAY_KEYS | extra:
-                    return None
-                lo = node.get("minItems", 0)
-                if not isinstance(lo, int):
-                    return None
-                out.append(step if "maxItems" in node else min(step, lo))
-                node = node.get("items", {})
-            else:  # an object's value: step is (the keys so far, this one last)
-                if node.get("type") != "object" or not node.keys() <= _OBJECT_KEYS | extra:
-                    return None
-                props = node.get("properties", {})
-                if not isinstance(props, dict) or step[-1] not in props:
-                    return None
-                out.append(step)
-                node = props[step[-1]]
             extra = set()
-        if isinstance(node, dict) and node.get("type") == "string" and node.keys() <= _STRING_KEYS:
-            return tuple(out)
-        return None
+            if kind == "a":
+                lo = node.get("minItems", 0)
+                if node.get("type") != "array" or not isinstance(lo, int):
+                    return None
+                out.append((kind, at if "maxItems" in node else min(at, lo), phase))
+                node = node.get("items", {})
+            else:
+                props = node.get("properties", {})
+                if node.get("type") != "object" or not isinstance(props, dict):
+                    return None
+                out.append((kind, at, phase))
+                node = props.get(at[-1]) if at and phase == 1 else None
+            if node is None and depth < len(frames) - 1:  # a member the schema does not name holds a container
+                return None
+        top_member = frames and frames[-1][2] == 1
+        plain = (top_member and isinstance(node, dict) and node.get("type") == "string"
+                 and node.keys() <= _STRING_KEYS)
+        return tuple(out), bool(plain)
 
 
 class JsonCursor:
     """Where a sequence's output is in the JSON it writes: fed the bytes of each token it takes."""
 
-    __slots__ = ("_chars", "_clean", "_escape", "_key", "_stack", "_string", "broken")
+    __slots__ = ("_chars", "_clean", "_escape", "_key", "_stack", "_string", "_tail", "broken")
 
     def __init__(self) -> None:
-        # one frame per open object ([keys so far], the key being read) or array ([index])
+        # one frame per open container: [kind, the object's keys so far or the array item's index, phase]; phase 0:
+        # waiting for a key or an item, 1: in a member (its key, then its value; an array's item), 2: a member ended
         self._stack: list[list] = []
         self._string = 0  # 0: outside a string; 1: a key; 2: a value
         self._chars = 0  # characters of the string so far
         self._escape = 0  # bytes left of an escape sequence
         self._clean = True  # the string has had no \u escape and no non-ASCII byte
         self._key = bytearray()  # a key's bytes while it is read
+        self._tail = bytearray()  # the member's bytes since it began (or since the last container began or ended)
         self.broken = False  # bytes no JSON document has (the grammar is not JSON, or a token broke it)
 
     def feed(self, data: bytes) -> None:
@@ -121,31 +126,41 @@ class JsonCursor:
             return
         for b in data:
             if self._string:
+                self._tail.append(b)
                 self._in_string(b)
-            elif b == 0x22:  # "
-                top = self._stack[-1] if self._stack else None
-                self._string = 1 if top is not None and top[0] == "o" and top[2] else 2
-                self._chars, self._escape, self._clean = 0, 0, True
-                self._key.clear()
-            elif b == 0x7B:  # {
-                self._stack.append(["o", [], True])  # expecting a key
-            elif b == 0x5B:  # [
-                self._stack.append(["a", 0])
+                continue
+            if b == 0x2C:  # ,
+                if not self._stack:
+                    self.broken = True
+                    return
+                last = self._stack[-1]
+                if last[0] == "a":
+                    last[1] += 1
+                last[2] = 0
+                self._tail.clear()
+            elif b in (0x7B, 0x5B):  # { [
+                if self._stack:
+                    self._stack[-1][2] = 1
+                self._stack.append(["o", [], 0] if b == 0x7B else ["a", 0, 0])
+                self._tail.clear()
             elif b in (0x7D, 0x5D):  # } ]
                 if not self._stack:
                     self.broken = True
                     return
                 self._stack.pop()
-            elif b == 0x2C:  # ,
-                if not self._stack:
-                    self.broken = True
-                    return
-                top = self._stack[-1]
-                if top[0] == "a":
-                    top[1] += 1
-                else:
-                    top[2] = True
-            # ':', ' ', digits, true/false/null: nothing to follow
+                if self._stack:
+                    self._stack[-1][2] = 2
+                self._tail.clear()
+            else:
+                self._tail.append(b)
+                if b == 0x22:  # "
+                    top = self._stack[-1] if self._stack else None
+                    self._string = 1 if top is not None and top[0] == "o" and top[2] == 0 else 2
+                    self._chars, self._escape, self._clean = 0, 0, True
+                    self._key.clear()
+                    if top is not None:
+                        top[2] = 1
+                # ':', ' ', digits, true/false/null: in the tail
 
     def _in_string(self, b: int) -> None:
         if self._escape:
@@ -158,9 +173,11 @@ class JsonCursor:
             return
         if b == 0x22:  # the end of the string
             if self._string == 1:
-                top = self._stack[-1]
-                top[1].append(self._key.decode("utf-8", "replace"))
-                top[2] = False  # a value follows
+                self._stack[-1][1].append(self._key.decode("utf-8", "replace"))  # the member's value follows
+            else:
+                if self._stack:
+                    self._stack[-1][2] = 2
+                self._tail.clear()
             self._string = 0
             return
         if self._string == 1:
@@ -173,12 +190,16 @@ class JsonCursor:
         else:
             self._clean = False
 
-    def place(self) -> tuple[tuple, int] | None:
-        """(the path to the value string being written, its characters so far), or None when the output is not
-        inside a value string, or is in the middle of an escape, or the string is not plain ASCII."""
-        if self._string != 2 or self._escape or not self._clean or self.broken:
+    def place(self) -> tuple[tuple, bytes, int | None] | None:
+        """(the frames: each container's kind, keys so far or index, and phase; the member's bytes so far; the
+        characters of the value string being written, when it is plain ASCII and not inside an escape), or None
+        outside the document (before it or after it), when the output is not JSON, or when the member is longer than
+        MAX_MEMBER bytes."""
+        if self.broken or not self._stack or len(self._tail) > MAX_MEMBER:  # outside the document: its start or end
             return None
-        return tuple(tuple(f[1]) if f[0] == "o" else f[1] for f in self._stack), self._chars
+        frames = tuple((f[0], tuple(f[1]) if f[0] == "o" else f[1], f[2]) for f in self._stack)
+        count = self._chars if self._string == 2 and not self._escape and self._clean else None
+        return frames, bytes(self._tail), count
 
 
 class MaskCache:
@@ -251,5 +272,8 @@ class PlaceKeys:
         at = cursor.place()
         if at is None:
             return None
-        where = places.place(at[0])
-        return None if where is None else (text, where, at[1])
+        frames, tail, count = at
+        where = places.place(frames)
+        if where is None:
+            return None
+        return text, where[0], count if count is not None and where[1] else tail

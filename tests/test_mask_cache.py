@@ -43,45 +43,52 @@ def place(schema: dict, text: str):
 def test_the_cursor_follows_keys_items_and_characters():
     c = JsonCursor()
     c.feed(b'{"a": 1, "b": [{"c": "x\\"y')
-    # in b's first item, c's value: 3 characters (an escape is one); a key's text and the keys before it kept
-    assert c.place() == ((("a", "b"), 0, ("c",)), 3)
-    c.feed(b'", "d": "')
-    assert c.place() == ((("a", "b"), 0, ("c", "d")), 0)
-    c.feed(b'q"}, {"c": "zz')
-    assert c.place() == ((("a", "b"), 1, ("c",)), 2)
-    c.feed(b'\\')  # in the middle of an escape: no place
-    assert c.place() is None
-    c.feed(b'n')
-    assert c.place() == ((("a", "b"), 1, ("c",)), 3)
-    c.feed(b'", "e": 12')  # outside a string
-    assert c.place() is None
+    # in b's first item, c's value: 3 characters (an escape is one); the keys so far and each container's phase
+    assert c.place() == ((("o", ("a", "b"), 1), ("a", 0, 1), ("o", ("c",), 1)), b'"c": "x\\"y', 3)
+    c.feed(b'", "d')  # a key being written: its bytes are the member's
+    assert c.place() == ((("o", ("a", "b"), 1), ("a", 0, 1), ("o", ("c",), 1)), b' "d', None)
+    c.feed(b'": "q"}, {"c": "zz')
+    assert c.place() == ((("o", ("a", "b"), 1), ("a", 1, 1), ("o", ("c",), 1)), b'"c": "zz', 2)
+    c.feed(b'\\')  # in the middle of an escape: no count
+    assert c.place()[2] is None
+    c.feed(b'n"')  # the member ended
+    assert c.place() == ((("o", ("a", "b"), 1), ("a", 1, 1), ("o", ("c",), 2)), b"", None)
+    c.feed(b', "e": 12')  # a number's digits
+    assert c.place() == ((("o", ("a", "b"), 1), ("a", 1, 1), ("o", ("c", "e"), 1)), b' "e": 12', None)
+    c.feed(b"}]")
+    assert c.place() == ((("o", ("a", "b"), 2),), b"", None)
 
 
 @pytest.mark.parametrize("text", ['{"name": "\\u00e9', '{"name": "café'])
-def test_a_string_with_a_unicode_escape_or_non_ascii_byte_has_no_place(text):
-    assert place(SCHEMAS["person"], text) is None
+def test_a_string_with_a_unicode_escape_or_non_ascii_byte_is_placed_by_its_bytes(text):
+    assert place(SCHEMAS["person"], text)[1] == text[1:].encode()
 
 
 @pytest.mark.parametrize("schema, text", [
-    (SCHEMAS["weather"], '{"city": "Paris", "unit": "cel'),  # an enum's string: its characters matter
-    (SCHEMAS["event"], '{"title": "Launch", "date": "2026'),  # a pattern
-    (SCHEMAS["event"], '{"title": "L", "date": "2026-11-27", "attendees": [], "location": "Pa'),  # in an anyOf
-    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/s"}}, "$defs": {"s": {"type": "string"}}}, '{"a": "x'),
+    ({"anyOf": [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "array"}]}, '{"a": "x'),
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/o"}},
+      "$defs": {"o": {"type": "object", "properties": {"b": {"type": "string"}}}}}, '{"a": {"b": "x'),
     ({"type": "array", "uniqueItems": True, "items": {"type": "string"}}, '["x'),
-    ({"type": "object", "additionalProperties": {"type": "string"}}, '{"free": "x'),  # a key the schema does not name
+    ({"type": "object", "properties": {"a": {"type": "object", "enum": [{"b": 1}]}}}, '{"a": {"b'),
+    ({"type": "object", "additionalProperties": {"type": "object"}}, '{"free": {"x'),  # under a key not named
 ])
-def test_places_are_left_alone_where_more_than_the_place_decides(schema, text):
+def test_places_are_left_alone_where_a_container_decides_more_than_the_place(schema, text):
     assert place(schema, text) is None
 
 
-def test_plain_strings_have_places_and_array_items_past_min_items_share_one():
-    assert place(SCHEMAS["person"], '{"name": "Ada Lo') == ((("name",),), 6)
-    assert place(SCHEMAS["person"], '{"name": "Bob X", "age": 7, "email": "b@') == ((("name", "age", "email"),), 2)
+def test_plain_strings_are_placed_by_length_the_rest_by_bytes_and_items_past_min_items_share_one():
+    assert place(SCHEMAS["person"], '{"name": "Ada Lo') == ((("o", ("name",), 1),), 6)
+    assert place(SCHEMAS["person"], '{"name": "Bob X", "age": 7, "email": "b@') == ((("o", ("name", "age", "email"), 1),), 2)
+    assert place(SCHEMAS["person"], '{"name": "Bob X", "age": 7') == ((("o", ("name", "age"), 1),), b' "age": 7')
+    # an enum's string, a pattern's, an anyOf member's: what was written matters, so the bytes are the place
+    assert place(SCHEMAS["weather"], '{"city": "Paris", "unit": "cel')[1] == b' "unit": "cel'
+    assert place(SCHEMAS["event"], '{"title": "L", "date": "2026-11-27", "attendees": [], "location": "Pa')[1] == \
+        b' "location": "Pa'
     notes = ['{"tags": ["ab"], "inner": {"x": "q"}, "notes": [' + ", ".join(['"n"'] * i + ['"a']) for i in range(5)]
     # minItems 2 and no maxItems: the third item on is one place; tags has maxItems, each index its own
-    assert [place(NESTED, t)[0][-1] for t in notes] == [0, 1, 2, 2, 2]
-    assert place(NESTED, '{"tags": ["ab", "c')[0][-1] == 1
-    assert place(NESTED, '{"tags": ["ab", "cd", "e')[0][-1] == 2
+    assert [place(NESTED, t)[0][-1] for t in notes] == [("a", i, 1) for i in (0, 1, 2, 2, 2)]
+    assert place(NESTED, '{"tags": ["ab", "c')[0][-1] == ("a", 1, 1)
+    assert place(NESTED, '{"tags": ["ab", "cd", "e')[0][-1] == ("a", 2, 1)
 
 
 def test_grammars_other_than_one_json_schema_with_the_engines_options_have_no_places():
