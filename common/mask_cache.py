@@ -23,6 +23,7 @@ one JSON schema with the engine's options, a member longer than ``MAX_MEMBER`` b
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import OrderedDict
 from typing import Any
@@ -37,6 +38,7 @@ _ARRAY_KEYS = {"type", "items", "minItems", "maxItems", *_NOTES}
 _STRING_KEYS = {"type", "minLength", "maxLength", *_NOTES}
 _ROOT_KEYS = {"$schema", "x-guidance"}
 MAX_MEMBER = 256  # bytes of a member a place may hold
+_PLACE_IDS = itertools.count()  # places of every schema, numbered
 # the JSON options of every json_schema grammar the engine makes (common/structured.py): fixed separators, no free
 # whitespace, so a place has one spelling
 _OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -47,7 +49,8 @@ class SchemaPlaces:
 
     def __init__(self, schema: dict[str, Any]) -> None:
         self.schema = schema
-        self._memo: dict[tuple, tuple[tuple, bool] | None] = {}
+        self._memo: dict[tuple, tuple[int, bool] | None] = {}
+        self._ids: dict[tuple, int] = {}
 
     @classmethod
     def from_grammar(cls, text: str) -> SchemaPlaces | None:
@@ -67,16 +70,27 @@ class SchemaPlaces:
             return None
         return cls(schema)
 
-    def place(self, frames: tuple) -> tuple[tuple, bool] | None:
-        """``frames`` (:meth:`JsonCursor.place`) as a place of this schema: the frames with array indices past
-        ``minItems`` of an array with no ``maxItems`` made one (what may follow them is the same), and whether the
-        member being written is a plain string's value; None where a container on the way is not plain (memoized)."""
+    def place(self, frames: tuple) -> tuple[int, bool] | None:
+        """``frames`` (:meth:`JsonCursor.place`) as a place of this schema: a number for the frames with array
+        indices past ``minItems`` of an array with no ``maxItems`` made one (what may follow them is the same),
+        unique over every schema, and whether the member being written is a plain string's value; None where a
+        container on the way is not plain (memoized)."""
         if frames in self._memo:
             return self._memo[frames]
-        got = self._memo[frames] = self._place(frames)
-        return got
+        got = self.resolve(frames)
+        if got is not None:
+            norm, plain = got
+            ids = self._ids.get(norm)
+            if ids is None:
+                ids = self._ids[norm] = next(_PLACE_IDS)
+            self._memo[frames] = (ids, plain)
+        else:
+            self._memo[frames] = None
+        return self._memo[frames]
 
-    def _place(self, frames: tuple) -> tuple[tuple, bool] | None:
+    def resolve(self, frames: tuple) -> tuple[tuple, bool] | None:
+        """What :meth:`place` numbers: (the frames made one where items past ``minItems`` are, whether the member
+        is a plain string's value), or None."""
         node: Any = self.schema
         extra = _ROOT_KEYS
         out: list = []
@@ -107,7 +121,7 @@ class SchemaPlaces:
 class JsonCursor:
     """Where a sequence's output is in the JSON it writes: fed the bytes of each token it takes."""
 
-    __slots__ = ("_chars", "_clean", "_escape", "_key", "_stack", "_string", "_tail", "broken")
+    __slots__ = ("_chars", "_clean", "_escape", "_frames", "_key", "_stack", "_string", "_tail", "broken")
 
     def __init__(self) -> None:
         # one frame per open container: [kind, the object's keys so far or the array item's index, phase]; phase 0:
@@ -119,6 +133,7 @@ class JsonCursor:
         self._clean = True  # the string has had no \u escape and no non-ASCII byte
         self._key = bytearray()  # a key's bytes while it is read
         self._tail = bytearray()  # the member's bytes since it began (or since the last container began or ended)
+        self._frames: tuple | None = ()  # the stack as place() gives it, until it changes (None: made again)
         self.broken = False  # bytes no JSON document has (the grammar is not JSON, or a token broke it)
 
     def feed(self, data: bytes) -> None:
@@ -138,11 +153,13 @@ class JsonCursor:
                     last[1] += 1
                 last[2] = 0
                 self._tail.clear()
+                self._frames = None
             elif b in (0x7B, 0x5B):  # { [
                 if self._stack:
                     self._stack[-1][2] = 1
                 self._stack.append(["o", [], 0] if b == 0x7B else ["a", 0, 0])
                 self._tail.clear()
+                self._frames = None
             elif b in (0x7D, 0x5D):  # } ]
                 if not self._stack:
                     self.broken = True
@@ -151,6 +168,7 @@ class JsonCursor:
                 if self._stack:
                     self._stack[-1][2] = 2
                 self._tail.clear()
+                self._frames = None
             else:
                 self._tail.append(b)
                 if b == 0x22:  # "
@@ -160,6 +178,7 @@ class JsonCursor:
                     self._key.clear()
                     if top is not None:
                         top[2] = 1
+                        self._frames = None
                 # ':', ' ', digits, true/false/null: in the tail
 
     def _in_string(self, b: int) -> None:
@@ -178,6 +197,7 @@ class JsonCursor:
                 if self._stack:
                     self._stack[-1][2] = 2
                 self._tail.clear()
+            self._frames = None
             self._string = 0
             return
         if self._string == 1:
@@ -197,7 +217,9 @@ class JsonCursor:
         MAX_MEMBER bytes."""
         if self.broken or not self._stack or len(self._tail) > MAX_MEMBER:  # outside the document: its start or end
             return None
-        frames = tuple((f[0], tuple(f[1]) if f[0] == "o" else f[1], f[2]) for f in self._stack)
+        frames = self._frames
+        if frames is None:
+            frames = self._frames = tuple((f[0], tuple(f[1]) if f[0] == "o" else f[1], f[2]) for f in self._stack)
         count = self._chars if self._string == 2 and not self._escape and self._clean else None
         return frames, bytes(self._tail), count
 
@@ -236,7 +258,8 @@ class PlaceKeys:
     def __init__(self, token_bytes: Any) -> None:
         self._bytes = token_bytes
         self._places: dict[str, SchemaPlaces | None] = {}  # by grammar text
-        self._slots: dict[int, tuple[str, SchemaPlaces, JsonCursor]] = {}
+        # by slot: [its grammar's places, its cursor, the frames it had at the last key, their place]
+        self._slots: dict[int, list] = {}
 
     def add(self, slot: int, text: str, prior: list[int]) -> None:
         if text in self._places:
@@ -251,7 +274,7 @@ class PlaceKeys:
         cursor = JsonCursor()
         for t in prior:
             cursor.feed(self._bytes(t))
-        self._slots[slot] = (text, places, cursor)
+        self._slots[slot] = [places, cursor, None, None]
 
     def drop(self, slot: int) -> None:
         self._slots.pop(slot, None)
@@ -260,20 +283,24 @@ class PlaceKeys:
         entry = self._slots.get(slot)
         if entry is not None:
             if ok:
-                entry[2].feed(self._bytes(token))
+                entry[1].feed(self._bytes(token))
             else:
-                entry[2].broken = True
+                entry[1].broken = True
 
-    def key(self, slot: int) -> tuple | None:
+    def key(self, slot: int) -> tuple[int, int | bytes] | None:
+        """(the place's number, the plain string's characters so far or the member's bytes)."""
         entry = self._slots.get(slot)
         if entry is None:
             return None
-        text, places, cursor = entry
-        at = cursor.place()
+        at = entry[1].place()
         if at is None:
             return None
         frames, tail, count = at
-        where = places.place(frames)
+        if frames is entry[2]:  # the same containers as at the last key: their place too
+            where = entry[3]
+        else:
+            where = entry[3] = entry[0].place(frames)
+            entry[2] = frames
         if where is None:
             return None
-        return text, where[0], count if count is not None and where[1] else tail
+        return where[0], count if count is not None and where[1] else tail

@@ -33,11 +33,29 @@ def grammar(schema: dict) -> str:
 
 
 def place(schema: dict, text: str):
-    """The cache's key for the next mask after ``text`` (None: no cached mask there)."""
+    """Where the next mask after ``text`` is kept: (the containers' frames as a place, the plain string's characters
+    or the member's bytes); None where none is."""
+    places = SchemaPlaces.from_grammar(grammar(schema))
+    cursor = JsonCursor()
+    cursor.feed(text.encode())
+    at = cursor.place()
+    where = None if at is None or places is None else places.resolve(at[0])
+    if where is None:
+        return None
+    return where[0], at[2] if at[2] is not None and where[1] else at[1]
+
+
+def test_rows_at_one_place_share_a_key_and_rows_elsewhere_do_not():
     keys = PlaceKeys(lambda t: bytes([t]))
-    keys.add(0, grammar(schema), list(text.encode()))
-    key = keys.key(0)
-    return None if key is None else key[1:]
+    text = grammar(SCHEMAS["person"])
+    for slot, doc in enumerate(['{"name": "Ada Lo', '{"name": "Bob Xy', '{"name": "Bob X', '{"name": "Ada", "age": 3']):
+        keys.add(slot, text, list(doc.encode()))
+    assert keys.key(0) == keys.key(1) != keys.key(2)
+    assert keys.key(3)[1] == b' "age": 3'
+    keys.advance(2, ord("y"), True)
+    assert keys.key(2) == keys.key(0)
+    keys.advance(0, ord("z"), False)  # a token the grammar refused: no place from then on
+    assert keys.key(0) is None
 
 
 def test_the_cursor_follows_keys_items_and_characters():
