@@ -261,8 +261,13 @@ def test_the_launcher_starts_each_worker_on_its_own_gpu_with_its_share(tmp_path)
             assert time.monotonic() < deadline, "no state file in 60 s"
             time.sleep(0.02)
         for p in st["processes"]:
+            # a child read between its fork and its exec still has the launcher's environment and command line:
+            # wait for the exec (every child's environment names CUDA_VISIBLE_DEVICES, the router's empty)
+            until = time.monotonic() + 10
+            while "CUDA_VISIBLE_DEVICES" not in (env := _proc_env(p["pid"])) and time.monotonic() < until:
+                time.sleep(0.01)
             cmdline = Path(f"/proc/{p['pid']}/cmdline").read_bytes().rstrip(b"\0").decode().split("\0")
-            seen[p["name"]] = (_proc_env(p["pid"]), cmdline)
+            seen[p["name"]] = (env, cmdline)
         records = {p["name"]: p for p in st["processes"]}
         err = proc.communicate(timeout=120)[1]
     finally:
