@@ -100,8 +100,8 @@ class SchemaPlaces:
             extra = set()
             if kind == "a":
                 lo = node.get("minItems", 0)
-                if node.get("type") != "array" or not isinstance(lo, int):
-                    return None
+                if node.get("type") != "array" or not isinstance(lo, int) or not isinstance(node.get("items", {}), dict):
+                    return None  # items as a list (an old draft's tuple): each index has a schema of its own
                 out.append((kind, at if "maxItems" in node else min(at, lo), phase))
                 node = node.get("items", {})
             else:

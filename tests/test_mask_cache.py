@@ -87,6 +87,7 @@ def test_a_string_with_a_unicode_escape_or_non_ascii_byte_is_placed_by_its_bytes
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/o"}},
       "$defs": {"o": {"type": "object", "properties": {"b": {"type": "string"}}}}}, '{"a": {"b": "x'),
     ({"type": "array", "uniqueItems": True, "items": {"type": "string"}}, '["x'),
+    ({"type": "array", "items": [{"type": "string"}, {"type": "integer"}]}, '["a", 1'),  # a schema per index
     ({"type": "object", "properties": {"a": {"type": "object", "enum": [{"b": 1}]}}}, '{"a": {"b'),
     ({"type": "object", "additionalProperties": {"type": "object"}}, '{"free": {"x'),  # under a key not named
 ])
