@@ -45,7 +45,7 @@ _OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 
 
 class SchemaPlaces:
-    """One grammar's JSON schema, and whether a value string at a place is plain all the way down (memoized)."""
+    """One grammar's JSON schema, and the places of its documents: where every container on the way down is plain."""
 
     def __init__(self, schema: dict[str, Any]) -> None:
         self.schema = schema
