@@ -41,7 +41,7 @@ from common.loader import ModelSource, load_model_source
 from common.model import LlamaModel
 from common.model_runner import ModelRunner, TokenFeed
 from common.output_processor import OutputProcessor
-from common.sampler import PendingSample, PinnedUploads, Sampler, SampleRow, record
+from common.sampler import PendingSample, PinnedUploads, Sampler, SampleRow
 from common.sampling import SamplingParams
 from common.scheduler import Scheduler, SchedulerOutput
 from common.sequence import DEFAULT_TENANCY, FinishReason, PriorityClass, Sequence, SequenceStatus, Tenancy
@@ -139,10 +139,6 @@ class _InFlight:
     # their masks fill beside the next schedule and forward)
     overlap: bool
     logits: torch.Tensor | None = None  # a pick not queued yet: its rows' logits
-    # a pick not queued yet, on CUDA: done when the step's forward is (``step`` sends its tokens to the grammar mask
-    # process as soon as it is queued when the GPU is idle by then); ``sent``: they went
-    forward_done: torch.cuda.Event | None = None
-    sent: bool = False
 
 
 class LLMEngine:
@@ -507,10 +503,10 @@ class LLMEngine:
         phase["schedule"] += t1 - t0
         staged = None
         if deferred and prev is not None:
-            # this step's rows staged first, so the masks have that long too; then the pick, then the launch
+            # this step's rows staged first, so the masks have that long too (on a GPU the host does not wait for
+            # them: the device does); then the pick, then the launch
             staged = self.runner.stage(out)
             self._queue_pick(prev)
-            self._send_early(prev)
         logits = self.runner.execute(out, self._feed(out, prev), staged)
         phase["launch"] += time.perf_counter() - t1  # the deferred pick queued above counts here too
         self.num_steps += 1
@@ -563,9 +559,6 @@ class LLMEngine:
                 s.pending_final = (s.request_id in self._prefill_only or n >= s.max_tokens
                                    or s.num_tokens + 1 >= self.max_model_len)
             if constrained:
-                if self.runner.device.type == "cuda" and self._grammars is not None and self._grammars.masks is not None:
-                    step.forward_done = torch.cuda.Event()
-                    record(step.forward_done)
                 return step
         self._queue_pick(step)
         return step
@@ -610,8 +603,7 @@ class LLMEngine:
         keep = [j for j, s in enumerate(sampling) if live(s.request_id) is s]  # ``_live``, inline: every row
         if len(keep) < len(sampling):  # aborted while its token was on the device
             sampling, toks, lps = [sampling[j] for j in keep], [toks[j] for j in keep], [lps[j] for j in keep]
-        if not step.sent:  # the next masks start before the rows below
-            self._send_tokens(sampling, toks)
+        self._send_tokens(sampling, toks)  # the next masks start before the rows below
         now = time.monotonic()
         outputs = []
         for s, tok, lp in zip(sampling, toks, lps):
@@ -651,19 +643,6 @@ class LLMEngine:
                 if s.matcher is not None:
                     s.matcher.send(tok)
             self._grammars.flush()
-
-    def _send_early(self, step: _InFlight) -> None:
-        """A deferred pick just queued, on an idle GPU (its step's forward is done: the host is the bound): wait the
-        few tens of µs the pick takes and send its tokens to the mask process before the next forward's launch,
-        rather than after it, so the masks of the pick after have that much longer to fill. On a busy GPU (a large
-        model) waiting for the pick would leave it idle through the launch: the tokens go after it, as they would."""
-        if step.forward_done is None or not step.forward_done.query():
-            return
-        assert step.picks is not None
-        toks = step.picks.result().token_ids
-        live = [j for j, s in enumerate(step.seqs) if self._live(s)]
-        self._send_tokens([step.seqs[j] for j in live], [toks[j] for j in live])
-        step.sent = True
 
     def _live(self, s: Sequence) -> bool:
         """Not aborted: still the engine's sequence under its id (a new request may reuse an aborted one's id)."""

@@ -7,9 +7,12 @@ which holds it. So a child process (``python -m common.grammar_proc``, importing
 keeps a mirror of every constrained sequence's matcher. When a step's update ends, the engine thread sends the
 tokens its sequences took (``MaskProcess.flush``). The child advances its mirrors and fills their next masks into
 shared memory, one row per sequence (its slot), in parallel, while the engine hands the step's tokens out,
-schedules the next step and runs its forward. At the next sampling the engine waits for the child's answer
-(usually there already), and the pick reads the rows where the child wrote them: on a GPU, in place over PCIe
-(the shared memory is registered with CUDA: ``common/sampler.py``), with nothing copied.
+schedules the next step and runs its forward. The pick reads the rows where the child wrote them. On a GPU the
+host does not wait for them: the shared memory is registered with CUDA (``common/sampler.py``), the child writes
+the number of each batch it has answered into a word after the rows (``answered``), and the pick's kernels, queued
+at once, start behind a wait on the device for the batch its rows need (``triton_ops.wait_masks``), then read the
+masks in place over PCIe, with nothing copied. On the CPU the engine waits for the child's answer (usually there
+already).
 
 The mirrors are the truth for a mirrored sequence: the engine's own matcher does not advance (1-80 µs a token on
 the engine thread), it only keeps the tokens to catch up with if it is needed (``GrammarMatcher``). A grammar that
@@ -61,6 +64,12 @@ _HEADER = struct.Struct("<Q")  # a message's length, then its pickle
 # an answer: the batch's sequence number, when (CLOCK_MONOTONIC ns) the child had read it and had filled its masks,
 # and how many of its masks came from the cache of masks by place (common/mask_cache.py)
 _ANSWER = struct.Struct("<Qqqq")
+# the end of the shared memory, after the rows, on a cache line of its own: the number of the last batch the child
+# has filled masks for (int64; the device reads it in place)
+READY_BYTES = 64
+# ``answered`` once the child is gone: every wait on the device passes (the rows it waits for then are stale; the
+# engine fills inline from then on)
+RELEASED = 1 << 62
 REPLY_TIMEOUT_S = 5.0  # a child that has not answered a batch by then is taken for hung: fills go inline
 # The child polls the pipe without blocking for this long after each batch before it sleeps in select: waking a
 # process that sleeps on a pipe costs tens of µs, against a ~1 ms decode step of a small model on a GPU, and the
@@ -84,7 +93,8 @@ class MaskProcess:
         self.words = (vocab_size + 31) // 32
         self.capacity = capacity
         # the child's rows (a slot each), then ``inline_rows`` that the engine fills itself (structured.MaskTable)
-        nbytes = (capacity + inline_rows) * self.words * 4
+        rows_bytes = (capacity + inline_rows) * self.words * 4
+        nbytes = -(-rows_bytes // READY_BYTES) * READY_BYTES + READY_BYTES  # ``answered`` on a line of its own
         self._fd = os.memfd_create("tokenmill-grammar-masks")
         os.ftruncate(self._fd, nbytes)
         self._map = mmap.mmap(self._fd, nbytes)
@@ -102,7 +112,10 @@ class MaskProcess:
             self._map.close()
             os.close(self._fd)
             raise
-        self.rows = np.frombuffer(self._map, dtype=np.int32).reshape(capacity + inline_rows, self.words)
+        # the whole shared memory as int32 (the sampler registers it with CUDA as one): the rows, then ``answered``
+        self.shared = np.frombuffer(self._map, dtype=np.int32)
+        self.rows = self.shared[: rows_bytes // 4].reshape(capacity + inline_rows, self.words)
+        self.answered = np.frombuffer(self._map, dtype=np.int64, count=1, offset=nbytes - READY_BYTES)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin = self._proc.stdin
         self._answers = self._proc.stdout.fileno()
@@ -188,14 +201,15 @@ class MaskProcess:
             for op in ops:
                 batch[op >> 32 if type(op) is int else op[1]] = self._sent
 
-    def locate(self, matchers: Sequence[GrammarMatcher]) -> list[int]:
-        """The slot (row of ``rows``) with each matcher's next mask, once the child has answered the batch that
-        carried its last token; -1 where the engine fills it (not mirrored, its tokens not sent, no child). The
-        same rows as the last call (a decode batch, step after step) get the same list back."""
+    def locate(self, matchers: Sequence[GrammarMatcher], wait: bool = True) -> tuple[list[int], int]:
+        """The slot (row of ``rows``) with each matcher's next mask, -1 where the engine fills it (not mirrored,
+        its tokens not sent, no child); and the batch whose answer those slots need (0: none). With ``wait``, once
+        the child has answered it; without, at once: the reader waits until ``answered`` reaches it (on a GPU, the
+        device). The same rows as the last call (a decode batch, step after step) get the same list back."""
         with self._lock:
             if self.dead or self._done < 0:
                 self.inline_rows += len(matchers)
-                return [-1] * len(matchers)
+                return [-1] * len(matchers), 0
             last = self._last
             if last is not None and not self._ops and last[0] == matchers:
                 at = last[1]  # the rows of the last call, all mirrored, nothing unsent: the same slots (the same list)
@@ -208,16 +222,27 @@ class MaskProcess:
                     at.append(-1 if s is None or s in unsent else s)
                 served = [s for s in at if s >= 0]
                 self._last = (list(matchers), at) if len(served) == len(at) else None
-            if served:
-                need = max(map(self._slot_batch.__getitem__, served))
-                if need > self._done and not self._wait(need, REPLY_TIMEOUT_S):
+            need = max(map(self._slot_batch.__getitem__, served)) if served else 0
+            if need > self._done:
+                if not wait:
+                    self._poll()  # the answers read as they come (they would fill the pipe), not waited for
+                elif not self._wait(need, REPLY_TIMEOUT_S):
                     if not self.dead:
                         self._die(f"no answer in {REPLY_TIMEOUT_S:g} s")
                     self.inline_rows += len(matchers)
-                    return [-1] * len(matchers)
+                    return [-1] * len(matchers), 0
+            if self.dead:  # found gone just now: its rows are stale
+                self.inline_rows += len(matchers)
+                return [-1] * len(matchers), 0
             self.remote_rows += len(served)
             self.inline_rows += len(matchers) - len(served)
-            return at
+            return at, need
+
+    def hung(self) -> None:
+        """A wait on the device for an answer gave up (``triton_ops.MASK_WAIT_SPINS``): fill inline from now on."""
+        with self._lock:
+            if not self.dead:
+                self._die("a pick waited seconds for its masks on the device")
 
     # -- the child's answers (under the lock) -------------------------------------------------------------
     def _poll(self) -> bool:
@@ -258,6 +283,7 @@ class MaskProcess:
         log.error("grammar mask process: %s; filling masks inline from now on", why)
         self.dead = True
         self._ops = []
+        self.answered[0] = RELEASED  # a pick queued behind a wait for the child goes on, on stale rows
         self._closer()
 
 
@@ -348,15 +374,16 @@ def main(argv: list[str]) -> int:
 
     fd, capacity, words, vocab = (int(x) for x in argv[:4])
     tok_path, eos, threads = argv[4], json.loads(argv[5]), int(argv[6])
-    mapped = mmap.mmap(fd, capacity * words * 4)
+    mapped = mmap.mmap(fd, 0)  # the rows (its own, then the engine's inline ones), then ``answered``
     base = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    answered = np.frombuffer(mapped, dtype=np.int64, count=1, offset=len(mapped) - READY_BYTES)
     tokenizer_json = Path(tok_path).read_text()
     os.unlink(tok_path)
     tok = make_tokenizer(tokenizer_json, vocab, eos)
     executor = make_executor(threads)
     compiled: OrderedDict[str, Any] = OrderedDict()
     matchers: dict[int, Any] = {}
-    rows = np.frombuffer(mapped, dtype=np.int32).reshape(capacity, words)
+    rows = np.frombuffer(mapped, dtype=np.int32, count=capacity * words).reshape(capacity, words)
     token_bytes = functools.lru_cache(maxsize=None)(lambda t: tok.decode_bytes([t]))
     # where each sequence is in the JSON it writes, and the masks kept by place
     places = PlaceKeys(token_bytes) if PLACE_CACHE_MB > 0 else None
@@ -416,6 +443,7 @@ def main(argv: list[str]) -> int:
         compute_masks(executor, fill, base, words * 4)
         for s, key in keep:
             cache.put(key, rows[s])
+        answered[0] = batch  # after the rows (x86 keeps stores in order): a device reading this may read them
         os.write(1, _ANSWER.pack(batch, read_ns, time.monotonic_ns(), len(touched) - len(fill)))
 
 

@@ -30,7 +30,9 @@ with one gather). On the CPU's all-greedy fast path the argmax is checked agains
 whose argmax is disallowed are picked again, by one pass of the C++ kernel that takes the argmax over the allowed
 tokens (``cpu_kernels.masked_argmax_rows``). On a GPU nothing is copied: the table is registered with CUDA and
 the kernels read each row's mask in place, over PCIe, through a small index (each row's row of the table, -1 for
-none) in registered memory too. One Triton kernel sets the disallowed logits to -inf (``common/triton_ops.py``),
+none) in registered memory too. The host does not wait for the grammar mask process either: the kernels are
+queued behind a wait on the device (``triton_ops.wait_masks``) until the mask process's answered batch, a word of
+the same memory, reaches the one the rows need. One Triton kernel sets the disallowed logits to -inf (``common/triton_ops.py``),
 as a node of the pick's CUDA graph (:class:`_PickGraphs`); an all-greedy batch takes one kernel instead, each
 row's argmax over its allowed tokens (on an H200's host its launch cost less than a graph's loads and replay). Rows
 without a constraint keep their logits.
@@ -50,12 +52,13 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
 from common import cpu_kernels
+from common.grammar_proc import READY_BYTES
 from common.sampling import SamplingParams
 from common.structured import GrammarMatcher, MaskTable
 
@@ -480,8 +483,9 @@ class _PickGraphs:
     inverse-CDF pick, the greedy rows' argmax and the fold of the picks into the kept tables, kernels whose launches
     one by one would cost the host more than they cost the GPU. One graph per
     :class:`_GraphKey`, captured the first time it is needed; rows padded to a power of two (at least 8) with
-    greedy rows. A step with grammar masks reads them in place from the host's mask table, through the index of
-    each row's row of it (-1, left as it is: a row without a constraint, and the padding).
+    greedy rows. A step with grammar masks waits on the device for the mask process's answer, then reads the masks
+    in place from the host's mask table, through the index of each row's row of it (-1, left as it is: a row
+    without a constraint, and the padding).
     A step with logit_bias, min_tokens bans or logprobs runs eagerly, as does one whose capture failed. The graphs
     read and write the kept tables in place: a table that grew is a new one, and the graphs are captured again."""
 
@@ -493,9 +497,8 @@ class _PickGraphs:
         self.x: torch.Tensor | None = None  # [rows, vocab] float32: the logits a replay reads
         self.prm: torch.Tensor | None = None  # [rows, columns]: the parameter table a replay reads
         self.tables: tuple[torch.Tensor, ...] | None = None  # the kept tables the graphs read and write
-        # what a masked replay reads in place, in host memory (Sampler._device_masks): the mask table, and each
-        # row's row of it
-        self.mask_src: tuple[torch.Tensor, torch.Tensor] | None = None
+        # what a masked replay reads in place, in host memory (Sampler._device_masks), every index row
+        self.mask_src: _DeviceMasks | None = None
         self.captures = 0
         self.replays = 0
 
@@ -520,10 +523,10 @@ class _PickGraphs:
             src = self.sampler._device_masks(constrained, key.rows)
             if src is None:
                 return None
-            if self.mask_src is None or any(a.data_ptr() != b.data_ptr() for a, b in zip(src, self.mask_src)):
+            if self.mask_src is None or src.table.data_ptr() != self.mask_src.table.data_ptr():
                 self.graphs = {k: g for k, g in self.graphs.items() if not k.masked}  # they read the old ones
-                assert self.sampler._index is not None  # made with the table's view
-                self.mask_src = (src[0], self.sampler._index.tensor)
+                assert not isinstance(self.sampler._table, bool) and self.sampler._table is not None
+                self.mask_src = self.sampler._table[1]
         slots = self.sampler._slots
         if self.tables is None or any(a is not b for a, b in zip(self.tables, (slots.ids, slots.counts, slots.nseen))):
             self.graphs.clear()  # the tables grew: the graphs read the old ones
@@ -567,8 +570,9 @@ class _PickGraphs:
             _penalize(x, prm, self.sampler._slots, key.width, key.any_rep, key.any_freq_pres)
         if key.masked:
             assert self.mask_src is not None
-            table, index = self.mask_src
-            _cuda_ops(x.device).apply_token_bitmask_(x, table, index[: key.rows])
+            ops = _cuda_ops(x.device)
+            ops.wait_masks(*self.mask_src.wait)
+            ops.apply_token_bitmask_(x, self.mask_src.table, self.mask_src.rows[: key.rows])
         tok: torch.Tensor | None = x.argmax(dim=-1) if key.any_greedy else None
         if key.any_sampled:
             picked = _pick(x, prm, key, _Fresh(x.device))
@@ -617,7 +621,7 @@ class Sampler:
         # CUDA: the grammar masks' table as the device reads it in place (None: not mapped yet; False: it could not
         # be, masks go up as a -inf bias), each row's row of it (int32, -1: none), and the event after the last
         # pick that read them
-        self._table: tuple[MaskTable, _Mapped] | bool | None = None
+        self._table: tuple[MaskTable, _DeviceMasks] | bool | None = None
         self._index: _Mapped | None = None
         self._indexed: tuple[list[int] | None, list[int], int] = (None, [], 0)  # what the index holds: (at, idx, padded)
         self._read: torch.cuda.Event | None = None
@@ -647,7 +651,8 @@ class Sampler:
         if plain and ops is not None:  # on a GPU: one kernel, each row's argmax over its allowed tokens
             masks = self._device_masks(rows, logits.shape[0])
             if masks is not None:
-                picked = ops.masked_argmax(logits, *masks)
+                ops.wait_masks(*masks.wait)
+                picked = ops.masked_argmax(logits, masks.table, masks.rows)
                 self._masks_read()
                 return self._tokens_only(picked)
         if plain and logits.device.type != "cpu" and not constrained:
@@ -732,7 +737,8 @@ class Sampler:
         masks = self._device_masks(rows, n) if ops is not None else None
         if masks is not None:  # on a GPU: the disallowed tokens set to -inf in place, the bits read packed
             assert ops is not None
-            ops.apply_token_bitmask_(x, *masks)
+            ops.wait_masks(*masks.wait)
+            ops.apply_token_bitmask_(x, masks.table, masks.rows)
             self._masks_read()
             return x, prm
         filled = self._fill(rows)
@@ -767,25 +773,25 @@ class Sampler:
         if found is None:
             return None
         idx, matchers, table = found
-        at = table.fill(matchers)
+        at, _ = table.fill(matchers)
         if at == list(range(at[0], at[0] + len(at))):  # filled here, in a run of rows: read them where they are
             return idx, torch.from_numpy(table.host[at[0] : at[0] + len(at)])
         return idx, torch.from_numpy(table.host[at])  # the mask process's slots: gathered into one bitmask
 
-    def _device_masks(self, rows: list[SampleRow], padded: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """On CUDA, the rows' masks where the device reads them in place, without a copy: the mask table (host
-        memory mapped into the device's address space) and [padded] int32, each row's row of it (-1: none; rows
-        past ``rows`` too). None where the table cannot be mapped (the masks then go up as a bias)."""
+    def _device_masks(self, rows: list[SampleRow], padded: int) -> _DeviceMasks | None:
+        """On CUDA, the rows' masks where the device reads them in place, without a copy, and what the device
+        waits on before it reads them (the mask process's answer: the host does not wait for it). None where the
+        table cannot be mapped (the masks then go up as a bias)."""
         found = self._table_of(rows)
         if found is None or self._ws.device.type != "cuda" or padded > _GRAPH_MAX_ROWS:
             return None
         idx, matchers, table = found
         if self._table is None or (not isinstance(self._table, bool) and self._table[0] is not table):
             try:
-                if self._index is None:
-                    self._index = _Mapped(np.frombuffer(mmap.mmap(-1, 4 * _GRAPH_MAX_ROWS), np.int32),
+                if self._index is None:  # each row's row of the table, then the batch it waits for and the flag
+                    self._index = _Mapped(np.frombuffer(mmap.mmap(-1, 4 * _GRAPH_MAX_ROWS + 16), np.int32),
                                           self._ws.device)
-                self._table = (table, _Mapped.of(table.host, self._ws.device))
+                self._table = (table, _DeviceMasks.of(table, _Mapped.of(table.shared, self._ws.device), self._index))
             except RuntimeError as e:
                 log.warning("sampler: the grammar mask table cannot be mapped into the device (%s); masks go up as "
                             "a bias, slower", e)
@@ -795,13 +801,19 @@ class Sampler:
         assert not isinstance(self._table, bool) and self._index is not None
         if self._read is not None:
             self._read.synchronize()  # the last pick that read the table and the index (done by now: its tokens were read)
-        at = table.fill(matchers)
+        waits = self._index.host[_GRAPH_MAX_ROWS:].view(np.int64)  # [the batch the pick waits for, the flag]
+        if waits[1]:  # the last wait gave up: the mask process hangs
+            waits[1] = 0
+            if table.remote is not None:
+                table.remote.hung()
+        at, waits[0] = table.fill(matchers, wait=False)
         if at is not self._indexed[0] or (idx, padded) != self._indexed[1:]:  # else the index holds them already
             index = self._index.host
             index[:padded] = -1
             index[idx] = at
             self._indexed = (at, idx, padded)
-        return self._table[1].tensor, self._index.tensor[:padded]
+        masks = self._table[1]
+        return masks if padded == _GRAPH_MAX_ROWS else masks.padded(padded)
 
     def _masks_read(self) -> None:
         """Mark the end of the kernels queued to read the mask table and index: the next fill waits for it."""
@@ -831,6 +843,27 @@ class Sampler:
             return torch.from_numpy(flat).view(m, -1)[:, : self.vocab_size]
         byte_ids = bitmask.to(dev).view(torch.uint8).view(-1).long()
         return lut.index_select(0, byte_ids).view(m, -1)[:, : self.vocab_size]
+
+
+class _DeviceMasks(NamedTuple):
+    """What a pick on CUDA reads in place, in host memory: the mask table ([rows, words] int32), each pick row's
+    row of it ([padded] int32, -1: none); and the wait before it (``triton_ops.wait_masks``): the mask process's
+    last answered batch, the batch the pick needs, the flag a wait that gave up sets."""
+
+    table: torch.Tensor
+    rows: torch.Tensor
+    wait: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def of(cls, table: MaskTable, shared: _Mapped, index: _Mapped) -> _DeviceMasks:
+        t = shared.tensor
+        answered = t[t.shape[0] - READY_BYTES // 4 :].view(torch.int64)[:1]  # the end of the memory (MaskTable)
+        waits = index.tensor[_GRAPH_MAX_ROWS:].view(torch.int64)
+        return cls(t[: table.host.size].view(table.host.shape), index.tensor[:_GRAPH_MAX_ROWS],
+                   (answered, waits[:1], waits[1:]))
+
+    def padded(self, rows: int) -> _DeviceMasks:
+        return self._replace(rows=self.rows[:rows])
 
 
 class _Mapped:

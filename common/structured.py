@@ -22,7 +22,7 @@ import llguidance as llg
 import numpy as np
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from common.grammar_proc import MaskProcess, compute_masks, make_executor, make_tokenizer
+from common.grammar_proc import READY_BYTES, MaskProcess, compute_masks, make_executor, make_tokenizer
 from common.sampling import StructuredOutput
 
 if TYPE_CHECKING:
@@ -102,20 +102,29 @@ class MaskTable:
     slot), then ``inline`` rows the engine thread fills for the other matchers; without the process, those only.
 
     A step's rows are read by its pick on the device before the matchers advance again (the engine reads the
-    pick's tokens first), so the next fill never writes under a pick still reading."""
+    pick's tokens first), so the next fill never writes under a pick still reading.
+
+    ``shared``: the whole memory as int32, for the device to read in place: the rows, and at its end ``answered``
+    (int64: the last batch the mask process has answered; ``grammar_proc.READY_BYTES``)."""
 
     def __init__(self, words: int, inline: int, remote: MaskProcess | None, threads: int) -> None:
         self.remote, self.inline = remote, inline
         self.executor = _Executor(threads)
         if remote is not None:
-            self.host, self.base = remote.rows, remote.capacity
+            self.shared, self.host, self.answered, self.base = remote.shared, remote.rows, remote.answered, remote.capacity
         else:
-            self.host, self.base = np.frombuffer(mmap.mmap(-1, inline * words * 4), np.int32).reshape(inline, words), 0
+            nbytes = -(-inline * words * 4 // READY_BYTES) * READY_BYTES + READY_BYTES
+            mem = mmap.mmap(-1, nbytes)
+            self.shared = np.frombuffer(mem, np.int32)
+            self.host = self.shared[: inline * words].reshape(inline, words)
+            self.answered = np.frombuffer(mem, np.int64, count=1, offset=nbytes - READY_BYTES)
+            self.base = 0
 
-    def fill(self, matchers: Sequence[GrammarMatcher]) -> list[int]:
-        """The row of ``host`` with each matcher's next mask: the mask process's (waited for), else filled here,
-        several in parallel without the GIL."""
-        at = self.remote.locate(matchers) if self.remote is not None else [-1] * len(matchers)
+    def fill(self, matchers: Sequence[GrammarMatcher], wait: bool = True) -> tuple[list[int], int]:
+        """The row of ``host`` with each matcher's next mask: the mask process's, else filled here, several in
+        parallel without the GIL; and the batch of the mask process's that those rows need, 0 for none. With
+        ``wait`` it has been answered already; without, the reader waits until ``answered`` reaches it."""
+        at, need = self.remote.locate(matchers, wait) if self.remote is not None else ([-1] * len(matchers), 0)
         todo = [i for i, a in enumerate(at) if a < 0]
         if len(todo) > self.inline:
             raise ValueError(f"{len(todo)} constrained rows in one pick; the mask table has {self.inline} rows "
@@ -125,7 +134,7 @@ class MaskTable:
         if todo:
             compute_masks(self.executor, [(matchers[i].raw, at[i]) for i in todo], self.host.ctypes.data,
                           self.host.shape[1] * 4)
-        return at
+        return at, need
 
 
 class _Executor:

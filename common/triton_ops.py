@@ -532,6 +532,32 @@ def apply_token_bitmask_(x: torch.Tensor, masks: torch.Tensor, mask_rows: torch.
                                                                           num_warps=8)
 
 
+# The device's wait for the grammar mask process (common/grammar_proc.py): the child writes the number of the last
+# batch of tokens it has filled masks for into a word of the mask table's shared memory, which the device reads in
+# place; a step's pick waits on the device, not the host, until that number reaches the batch its rows need. Each
+# read crosses PCIe (about a µs), so a wait gives up after this many reads (seconds), and says so in ``flag``.
+MASK_WAIT_SPINS = 4_000_000
+
+
+@triton.jit(do_not_specialize=["spins"])
+def _wait_masks_kernel(ready_ptr, want_ptr, flag_ptr, spins):
+    want = tl.load(want_ptr, volatile=True)
+    got = tl.load(ready_ptr, volatile=True)
+    n = 0
+    while (got < want) & (n < spins):
+        got = tl.load(ready_ptr, volatile=True)
+        n += 1
+    if got < want:
+        tl.store(flag_ptr, want)
+
+
+def wait_masks(ready: torch.Tensor, want: torch.Tensor, flag: torch.Tensor, spins: int = MASK_WAIT_SPINS) -> None:
+    """Queue a wait until ``ready[0]`` (int64, written by another process) is at least ``want[0]`` (int64,
+    written by the host before this is queued); the kernels queued after it start once it holds. Past ``spins``
+    reads it gives up and writes ``want[0]`` to ``flag[0]``."""
+    _wait_masks_kernel[(1,)](ready, want, flag, spins, num_warps=1)
+
+
 # ---- the sampler's pick (common/sampler.py) ------------------------------------------------------------------
 # The kept penalty state: a slot's row of ``ids`` holds its distinct tokens, ``counts`` how often each came out,
 # ``nseen`` how many of its columns are its own; the step's parameter table has a row per pick and the column

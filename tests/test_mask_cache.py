@@ -181,8 +181,8 @@ def test_the_mask_process_takes_a_second_row_at_a_place_from_the_cache():
         before = masks.cached_rows
         for t in walk:
             mirrored.flush()
-            got = mirrored.table.host[mirrored.table.fill([m])]
-            want = inline.table.host[inline.table.fill([ref])]
+            got = mirrored.table.host[mirrored.table.fill([m])[0]]
+            want = inline.table.host[inline.table.fill([ref])[0]]
             assert (got == want).all()
             assert m.accept(t) and ref.accept(t)
         served.append(masks.cached_rows - before)

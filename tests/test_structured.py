@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import jsonschema
@@ -321,11 +322,17 @@ def test_the_mask_process_fills_the_masks_the_matchers_fill_inline(spin, monkeyp
     for step in range(max(map(len, walks))):
         live = [i for i, w in enumerate(walks) if step < len(w)]
         mirrored.flush()
-        at = mirrored.table.fill([pairs[i][0] for i in live])
+        # without waiting, as on a GPU: the reader waits until the child's ``answered`` word reaches the batch
+        at, need = mirrored.table.fill([pairs[i][0] for i in live], wait=False)
+        assert need == (masks._sent if any(i < 3 for i in live) else 0)
+        deadline = time.monotonic() + 10
+        while mirrored.table.answered[0] < need and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert mirrored.table.answered[0] == need, "the child did not write its answered word"
         # the mirrored rows are read where the child wrote them (its slots); the fourth's in the engine's rows
         assert [a < masks.capacity for a in at] == [i < 3 for i in live]
         got = mirrored.table.host[at]
-        want = inline.table.host[inline.table.fill([pairs[i][1] for i in live])]
+        want = inline.table.host[inline.table.fill([pairs[i][1] for i in live])[0]]
         assert (got == want).all(), f"step {step}: the child's masks differ from the inline fill"
         for i in live:
             assert pairs[i][0].accept(walks[i][step]) and pairs[i][1].accept(walks[i][step])
@@ -335,8 +342,8 @@ def test_the_mask_process_fills_the_masks_the_matchers_fill_inline(spin, monkeyp
     again = mirrored.matcher(PERSON_SO)
     assert again.slot_in(masks) == slot  # the dropped matcher's slot, reused
     mirrored.flush()
-    got = mirrored.table.host[mirrored.table.fill([again])]
-    want = inline.table.host[inline.table.fill([inline.matcher(PERSON_SO)])]
+    got = mirrored.table.host[mirrored.table.fill([again])[0]]
+    want = inline.table.host[inline.table.fill([inline.matcher(PERSON_SO)])[0]]
     assert (got == want).all()
     mirrored.close()
 

@@ -269,6 +269,14 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
         else:
             keep = bits[m, :vocab].to(device)
             assert torch.equal(x[i][keep], before[i][keep]) and bool(torch.isneginf(x[i][~keep]).all()), i
+    # the wait for the grammar mask process's answer: it passes at once when the batch is answered, and gives up
+    # after its reads otherwise, flagging the batch it waited for
+    answered, want, flag = (torch.tensor([v], dtype=torch.int64, device=device) for v in (7, 7, 0))
+    tk.wait_masks(answered, want, flag, spins=100)
+    assert flag.item() == 0
+    want.fill_(8)
+    tk.wait_masks(answered, want, flag, spins=100)
+    assert flag.item() == 8
     if torch.device(device).type != "cuda":  # (the Triton interpreter on the CPU: no host memory to map)
         return
     # the sampler's way on CUDA: the masks and the rows' index in host memory that the kernels read in place
@@ -291,6 +299,35 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
     tk.apply_token_bitmask_(y, host_masks.tensor, host_rows.tensor)
     assert torch.equal(y, x)
     assert tk.masked_argmax(logits, host_masks.tensor, host_rows.tensor).tolist() == logits.float().argmax(-1).tolist()
+    # the wait on the device for a word of host memory that another thread writes later (as the mask process
+    # writes its answered batch): the kernels queued behind it start once it is there, and read what was written
+    # before it
+    import threading
+    import time
+
+    words = mapped(np.zeros(8, dtype=np.int32))  # [answered, want, flag] as int64, then padding
+    w64 = words.host.view(np.int64)
+    dev64 = words.tensor.view(torch.int64)
+    w64[:] = (3, 4, 0)
+    host_rows.host[:] = -1
+    late_rows = [0, 1, 2, 3, 0, 1, 2]
+
+    def answer() -> None:
+        time.sleep(0.2)
+        host_rows.host[:] = late_rows
+        w64[0] = 4
+
+    t = threading.Thread(target=answer)
+    start = time.monotonic()
+    t.start()
+    tk.wait_masks(dev64[0:1], dev64[1:2], dev64[2:3])
+    got = tk.masked_argmax(logits, host_masks.tensor, host_rows.tensor)
+    torch.cuda.synchronize()
+    waited = time.monotonic() - start
+    t.join()
+    assert int(w64[2]) == 0 and waited >= 0.2, (int(w64[2]), waited)
+    host_rows.host[:] = late_rows
+    assert got.tolist() == tk.masked_argmax(logits, host_masks.tensor, host_rows.tensor).tolist()
 
 
 def check_sampler_kernels(device: str) -> None:
