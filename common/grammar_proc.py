@@ -283,8 +283,8 @@ class MaskProcess:
         log.error("grammar mask process: %s; filling masks inline from now on", why)
         self.dead = True
         self._ops = []
+        self._closer()  # the child is gone after this (killed if it did not end): nothing writes ``answered`` now
         self.answered[0] = RELEASED  # a pick queued behind a wait for the child goes on, on stale rows
-        self._closer()
 
 
 def _close(proc: subprocess.Popen, mapped: mmap.mmap, fd: int, tokenizer_file: str) -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from common.engine import RequestError
+from common.grammar_proc import RELEASED
 from common.loader import load_tokenizer
 from common.sampler import Sampler, SampleRow
 from common.sampling import SamplingParams, StructuredOutput
@@ -417,7 +418,26 @@ def test_a_dead_mask_process_leaves_the_fills_inline(engine, make_engine):
             got[o.request_id] += o.new_token_ids
         steps += 1
     assert masks.dead and list(got.values()) == want
+    assert masks.answered[0] == RELEASED  # a pick waiting on a GPU for the dead child's answer goes on
     eng.close()
+
+
+def test_a_wait_that_gave_up_on_the_device_ends_the_mask_process():
+    """A pick's wait on the device for the child's answer that gave up (a hung child) flags it, and the child is
+    taken for dead: fills go inline and waits pass."""
+    tok = load_tokenizer()
+    mirrored = GrammarCompiler(tok.tk.to_str(), V, EOS, fill_process=True)
+    masks = mirrored.masks
+    assert masks is not None and masks.wait_ready()
+    m = mirrored.matcher(PERSON_SO)
+    mirrored.flush()
+    at, need = mirrored.table.fill([m], wait=False)
+    assert at == [m.slot_in(masks)] and need == masks._sent > 0
+    masks.hung()
+    assert masks.dead and masks.answered[0] == RELEASED
+    at, need = mirrored.table.fill([m], wait=False)
+    assert at[0] >= masks.capacity and need == 0  # filled inline, in the engine's rows: nothing to wait for
+    mirrored.close()
 
 
 def test_without_memfd_the_masks_are_filled_inline(monkeypatch):
