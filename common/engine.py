@@ -489,6 +489,7 @@ class LLMEngine:
             self.step_seconds += time.perf_counter() - t0
             return outputs
         if self._grammars is not None:
+            self._grammars.mirror_strays()
             self._grammars.flush()  # matchers made since the last step: their first masks fill beside the forward
         for it in out.prefills:
             seq = it.seq
@@ -524,6 +525,12 @@ class LLMEngine:
         self.step_prompt_tokens += out.num_tokens - len(out.decodes)
         self.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def grammar_mask_counts(self) -> dict[str, int]:
+        """The constrained rows' masks so far by where they came from (``GrammarCompiler.mask_counts``); empty
+        before the first constrained request."""
+        g = self._grammars
+        return g.mask_counts() if g is not None else {}
 
     def step_phases(self) -> dict[str, float]:
         """Seconds of the steps' host time by phase (STEP_PHASES), "other" the rest of ``step_seconds``."""

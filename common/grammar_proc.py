@@ -153,18 +153,19 @@ class MaskProcess:
         self._closer()
 
     # -- the engine's matchers ------------------------------------------------------------------------
-    def register(self, m: GrammarMatcher, text: str, prior: Sequence[int]) -> None:
-        """Mirror a new matcher (``prior``: the tokens it has accepted already) in the child, if it is ready and
-        a slot is free; otherwise the matcher stays inline."""
+    def register(self, m: GrammarMatcher, text: str, prior: Sequence[int]) -> bool:
+        """Mirror a matcher (``prior``: the tokens it has accepted already) in the child, if it is ready and a
+        slot is free (True); otherwise the matcher stays inline (False)."""
         with self._lock:
             if not self.ready:
                 self._poll()
             if not self.ready or not self._free:
-                return
+                return False
             slot = self._free.pop()
             self._ops.append((ADD, slot, text, [int(t) for t in prior]))
         m.mirror(self, slot)
         weakref.finalize(m, self._drop, slot)
+        return True
 
     def advance(self, slot: int, token: int) -> None:
         """The engine thread only (as ``flush``): no lock."""

@@ -14,6 +14,7 @@ import json
 import logging
 import mmap
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -110,6 +111,7 @@ class MaskTable:
     def __init__(self, words: int, inline: int, remote: MaskProcess | None, threads: int) -> None:
         self.remote, self.inline = remote, inline
         self.executor = _Executor(threads)
+        self.filled_here = 0  # masks filled by the engine's thread (rows the mask process does not serve), summed
         if remote is not None:
             self.shared, self.host, self.answered, self.base = remote.shared, remote.rows, remote.answered, remote.capacity
         else:
@@ -132,6 +134,7 @@ class MaskTable:
         for k, i in enumerate(todo):
             at[i] = self.base + k
         if todo:
+            self.filled_here += len(todo)
             compute_masks(self.executor, [(matchers[i].raw, at[i]) for i in todo], self.host.ctypes.data,
                           self.host.shape[1] * 4)
         return at, need
@@ -160,7 +163,7 @@ class GrammarMatcher:
     is complete, or that a token broke, masks every token but EOS (llguidance's mask for a stopped or failed
     matcher), so the sequence ends on the EOS its next pick takes."""
 
-    __slots__ = ("__weakref__", "_lag", "_m", "_remote", "_slot", "table")
+    __slots__ = ("__weakref__", "_lag", "_m", "_remote", "_slot", "stray", "table")
 
     def __init__(self, m: llg.LLMatcher, table: MaskTable) -> None:
         self._m = m
@@ -168,9 +171,13 @@ class GrammarMatcher:
         self._remote: MaskProcess | None = None
         self._slot = -1
         self._lag: list[int] = []  # tokens the mirror took and this matcher has not
+        # a matcher the mask process could not take when it was made (not ready yet, no slot free): its grammar's
+        # text and every token it has taken, to mirror it later (``GrammarCompiler.flush``)
+        self.stray: tuple[str, list[int]] | None = None
 
     def mirror(self, remote: MaskProcess, slot: int) -> None:
         self._remote, self._slot = remote, slot
+        self.stray = None
 
     def slot_in(self, remote: MaskProcess) -> int | None:
         return self._slot if self._remote is remote else None
@@ -179,7 +186,7 @@ class GrammarMatcher:
         """Advance by one token, checked here; False if the grammar does not allow it (the matcher is then
         broken)."""
         self.send(token)
-        return self._catch_up() and self._m.consume_token(token)
+        return self._own(token)
 
     def send(self, token: int) -> None:
         """The first half of ``consume``: the token to the mirror (sent at the next flush), if there is one."""
@@ -192,6 +199,12 @@ class GrammarMatcher:
         if self._remote is not None and not self._remote.dead:
             self._lag.append(token)
             return True
+        return self._own(token)
+
+    def _own(self, token: int) -> bool:
+        """This matcher's own advance (caught up first)."""
+        if self.stray is not None:
+            self.stray[1].append(token)
         return self._catch_up() and self._m.consume_token(token)
 
     def _catch_up(self) -> bool:
@@ -236,6 +249,16 @@ class GrammarCompiler:
         self._cache: OrderedDict[StructuredOutput, llg.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        # matchers made while the mask process could not take them, mirrored at a flush once it can
+        self._strays: weakref.WeakSet[GrammarMatcher] = weakref.WeakSet()
+
+    def mask_counts(self) -> dict[str, int]:
+        """The constrained rows' masks so far, by where they came from (``/metrics``: tokenmill:grammar_masks):
+        the mask process's cache of masks by place, llguidance in the mask process, the engine's own thread."""
+        m = self.masks
+        cached = m.cached_rows if m is not None else 0
+        return {"cache": cached, "process": (m.remote_rows - cached) if m is not None else 0,
+                "inline": self.table.filled_here}
 
     def compile(self, so: StructuredOutput) -> llg.LLMatcher:
         """The constraint's initial matcher (shared: copy it). Raises GrammarError naming the problem."""
@@ -263,8 +286,9 @@ class GrammarCompiler:
             if not m.accept(int(t)):
                 raise GrammarError(f"output token {i} ({t}) does not follow the {so.kind.replace('_', ' ')} "
                                    f"constraint")
-        if self.masks is not None:
-            self.masks.register(m, grammar_text(so), prior)
+        if self.masks is not None and not self.masks.register(m, text := grammar_text(so), prior):
+            m.stray = (text, [int(t) for t in prior])
+            self._strays.add(m)
         return m
 
     def flush(self) -> None:
@@ -272,6 +296,19 @@ class GrammarCompiler:
         before each forward and right after each pick, so the next masks fill while it goes on."""
         if self.masks is not None:
             self.masks.flush()
+
+    def mirror_strays(self) -> None:
+        """Mirror the matchers the mask process could not take when they were made (a burst of requests before it
+        was ready, no slot free), with every token they have taken, where it can now. Only where no matcher is
+        between ``send`` and ``consume`` of a token (the engine: before a step's flush)."""
+        if self.masks is None or not self._strays or self.masks.dead:
+            return
+        for m in list(self._strays):
+            assert m.stray is not None
+            text, taken = m.stray
+            if not self.masks.register(m, text, taken):
+                return
+            self._strays.discard(m)
 
     def close(self) -> None:
         if self.masks is not None:

@@ -93,6 +93,10 @@ class WorkerMetrics:
         self.loop_seconds = Gauge("tokenmill:engine_loop_seconds", "Seconds of the engine thread's work between "
                                   "steps, by part, summed (commands, tick: KV pulls and leases, before, outputs, "
                                   "after: common/engine_loop.py, LOOP_PARTS)", ["part"], registry=r)
+        self.grammar_masks = Gauge("tokenmill:grammar_masks", "Constrained rows' grammar masks, summed, by where "
+                                   "they came from (cache: the grammar mask process's cache of masks by place; "
+                                   "process: llguidance in that process; inline: the engine's own thread)",
+                                   ["source"], registry=r)
         self.idle_seconds = Gauge("tokenmill:engine_idle_seconds", "Seconds the engine thread waited for work with "
                                   "no sequence to run", registry=r)
         self.cpu_seconds = Gauge("tokenmill:engine_thread_cpu_seconds", "CPU seconds of the engine thread since the "
@@ -135,11 +139,16 @@ class WorkerMetrics:
             self.step_phase_seconds.labels(phase).set_function(read(f"phase_{phase}"))
         for part in LOOP_PARTS:
             self.loop_seconds.labels(part).set_function(read(f"loop_{part}"))
+        for source in GRAMMAR_MASK_SOURCES:
+            self.grammar_masks.labels(source).set_function(read(f"grammar_masks_{source}"))
         for klass in PriorityClass:
             label = klass.name.lower()
             self.class_waiting.labels(label).set_function(read(f"waiting_{label}"))
             self.class_running.labels(label).set_function(read(f"running_{label}"))
 
+
+# where a constrained row's mask came from (GrammarCompiler.mask_counts, tokenmill:grammar_masks)
+GRAMMAR_MASK_SOURCES = ("cache", "process", "inline")
 
 # the gauges ``WorkerMetrics.bind`` reads from the engine core's counters, by attribute (= the counter's key)
 STATS_GAUGES = ("steps", "step_seconds", "step_decode_rows", "step_prompt_tokens", "idle_seconds", "cpu_seconds",

@@ -397,6 +397,36 @@ def test_mirrored_matchers_leave_the_advance_to_the_mask_process(engine, make_en
     eng.close()
 
 
+def test_matchers_made_before_the_mask_process_was_ready_are_mirrored_once_it_is():
+    """A burst of constrained requests right after the compiler is made finds its mask process still loading: their
+    matchers start inline, and the first flush after it is ready mirrors them with the tokens they took, so every
+    later mask comes from the child, equal to the inline fill's."""
+    tok = load_tokenizer()
+    inline = GrammarCompiler(tok.tk.to_str(), V, EOS)
+    mirrored = GrammarCompiler(tok.tk.to_str(), V, EOS, fill_process=True)
+    masks = mirrored.masks
+    assert masks is not None and not masks.ready  # still loading its tokenizer
+    walk = tok.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)
+    early, ref = mirrored.matcher(PERSON_SO), inline.matcher(PERSON_SO)
+    assert early.slot_in(masks) is None and early.stray is not None
+    for t in walk[:3]:
+        assert early.accept(t) and ref.accept(t)
+    mirrored.mirror_strays()
+    assert early.stray is not None  # not ready yet: still inline
+    assert masks.wait_ready()
+    mirrored.mirror_strays()  # mirrored now, with the three tokens it took
+    mirrored.flush()
+    assert early.slot_in(masks) is not None and early.stray is None
+    for t in walk[3:]:
+        at = mirrored.table.fill([early])
+        assert at[0] < masks.capacity  # the child's row
+        assert (mirrored.table.host[at] == inline.table.host[inline.table.fill([ref])]).all()
+        assert early.accept(t) and ref.accept(t)
+        mirrored.flush()
+    assert masks.remote_rows == len(walk) - 3
+    mirrored.close()
+
+
 def test_a_dead_mask_process_leaves_the_fills_inline(engine, make_engine):
     """The child killed in the middle of a batch: the engine fills inline from then on, with the same outputs."""
     import os

@@ -82,14 +82,24 @@ def test_json_schema_outputs_always_validate(cluster, temperature):
             r = await c.chat.completions.create(model="smollm2", messages=messages(prompt), max_tokens=MAX_TOKENS,
                                                 temperature=temperature, seed=seed,
                                                 response_format=schema_format(name))
-            return name, r.choices[0].message.content, r.choices[0].finish_reason
+            return name, r.choices[0].message.content, r.choices[0].finish_reason, r.usage.completion_tokens
 
         return await asyncio.gather(*(one(p, n, i) for i, p in enumerate(PROMPTS) for n in SCHEMAS))
 
+    def masks() -> dict[str, float]:
+        return {src: role_metric(cluster, "decode", "tokenmill:grammar_masks", f'source="{src}"')
+                for src in ("cache", "process", "inline")}
+
+    before = masks()
     results = asyncio.run(body())
     assert len(results) == 100
+    # every output token was picked under a mask, counted by where it came from; the five schemas' 100 outputs
+    # share places, so the mask process's cache served some
+    got = {src: n - before[src] for src, n in masks().items()}
+    tokens = sum(n for *_, n in results)
+    assert sum(got.values()) >= tokens and got["cache"] > 0 and got["process"] > 0, (got, tokens)
     failures = []
-    for name, text, finish in results:
+    for name, text, finish, _ in results:
         try:
             assert finish == "stop", finish
             jsonschema.validate(json.loads(text), SCHEMAS[name])
