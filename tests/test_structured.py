@@ -418,9 +418,9 @@ def test_matchers_made_before_the_mask_process_was_ready_are_mirrored_once_it_is
     mirrored.flush()
     assert early.slot_in(masks) is not None and early.stray is None
     for t in walk[3:]:
-        at = mirrored.table.fill([early])
+        at, _ = mirrored.table.fill([early])
         assert at[0] < masks.capacity  # the child's row
-        assert (mirrored.table.host[at] == inline.table.host[inline.table.fill([ref])]).all()
+        assert (mirrored.table.host[at] == inline.table.host[inline.table.fill([ref])[0]]).all()
         assert early.accept(t) and ref.accept(t)
         mirrored.flush()
     assert masks.remote_rows == len(walk) - 3
