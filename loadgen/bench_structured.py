@@ -204,7 +204,8 @@ def _long_schema(s: dict[str, Any]) -> str:
 
 def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, device: str = "cpu",
                  model: str | None = None, grammar_process: bool = False, threads: int = 0,
-                 constrained_pick: str = "default", time_advance: bool = False) -> dict[str, Any]:
+                 constrained_pick: str = "default", time_advance: bool = False,
+                 tokenizer: str = "smollm2") -> dict[str, Any]:
     import torch
 
     from common import sampler as sampler_mod
@@ -220,8 +221,8 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
                        grammar_process=grammar_process, grammar_threads=threads,
                        async_scheduling=True if constrained_pick == "deferred" else None,
                        async_constrained={"default": None, "deferred": True, "sync": False}[constrained_pick])
-    # a dummy (random weights at a real size) samples SmolLM2's ids under SmolLM2's tokenizer, as the grammars do
-    eng = LLMEngine(load_model_source(model, "smollm2" if model and model.startswith("dummy:") else None), cfg)
+    # a dummy (random weights at a real size) samples the tokenizer's ids (SmolLM2's by default), as the grammars do
+    eng = LLMEngine(load_model_source(model, tokenizer if model and model.startswith("dummy:") else None), cfg)
     deferred = eng.async_scheduling and cfg.async_constrained is not False
     print(f"  engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     tok = eng.tokenizer
@@ -432,18 +433,19 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
 
 
 def run(a: argparse.Namespace) -> int:
-    from common.loader import load_model_source
+    from common.loader import load_tokenizer
     from common.machine import default_dtype
 
     # as a decode worker runs its engine: the GIL switch interval of the workers (common/worker.py)
     sys.setswitchinterval(a.switch_interval_ms / 1000)
-    src = load_model_source(None)
-    tok = src.tokenizer
-    assert tok is not None
-    vocab, eos = tok.vocab_size, src.config.eos_token_ids[0]
+    tok = load_tokenizer(a.tokenizer)
+    eos = tok.tk.token_to_id(tok.eos_token) if tok.eos_token else None
+    if eos is None:
+        raise SystemExit(f"the tokenizer {a.tokenizer!r} names no EOS token")
+    vocab = tok.vocab_size
     libs = [bench_llguidance(tok, vocab, eos)]
     xg = None if a.skip_libraries else bench_xgrammar(tok, vocab, eos)
-    print(f"SmolLM2 tokenizer: {vocab} tokens; {os.cpu_count()} cores ({platform.processor() or platform.machine()})")
+    print(f"tokenizer {a.tokenizer}: {vocab} tokens; {os.cpu_count()} cores ({platform.processor() or platform.machine()})")
     print()
     print("| library | tokenizer info ms | compile ms: " + " / ".join(SCHEMAS) + " | total | fill µs/row mean | "
           f"p50 | max | parallel fill µs/row | the same beside a Python thread ({a.switch_interval_ms:g} ms switch) |")
@@ -466,7 +468,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"  masks filled {'in the grammar mask process' if mode else 'inline'}", flush=True)
         runs.append(bench_engine(dtype, a.steps, a.rounds, a.temperature, a.device, a.model, grammar_process=mode,
                                  threads=a.grammar_threads, constrained_pick=a.constrained_pick,
-                                 time_advance=a.time_advance))
+                                 time_advance=a.time_advance, tokenizer=a.tokenizer))
     print()
     print("| batch | dtype | temperature | masks filled | pick | step ms: none constrained | all constrained | "
           "update ms (sample + stop checks): none | all | mask fill (or wait and copy) ms | advance (and send) ms | "
@@ -515,6 +517,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="the engine's device (default cpu)")
     p.add_argument("--model", default=None, help="the engine's model (default: SmolLM2; dummy:NAME for random weights "
                    "at a real size, e.g. dummy:llama-3.2-1b, under SmolLM2's tokenizer)")
+    p.add_argument("--tokenizer", default="smollm2",
+                   help="the tokenizer the grammars are compiled for, and a dummy model's: SmolLM2's (default), a "
+                        "GGUF or a Hugging Face directory with tokenizer.json")
     p.add_argument("--skip-libraries", action="store_true", help="leave out the xgrammar comparison")
     p.add_argument("--fill", choices=["inline", "process", "both"], default="both",
                    help="where the engine fills the masks: inline, in the grammar mask process "
