@@ -172,7 +172,7 @@ class GrammarMatcher:
         self._slot = -1
         self._lag: list[int] = []  # tokens the mirror took and this matcher has not
         # a matcher the mask process could not take when it was made (not ready yet, no slot free): its grammar's
-        # text and every token it has taken, to mirror it later (``GrammarCompiler.flush``)
+        # text and every token it has taken, to mirror it later (``GrammarCompiler.mirror_strays``)
         self.stray: tuple[str, list[int]] | None = None
 
     def mirror(self, remote: MaskProcess, slot: int) -> None:
@@ -249,7 +249,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[StructuredOutput, llg.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = self.misses = 0
-        # matchers made while the mask process could not take them, mirrored at a flush once it can
+        # matchers made while the mask process could not take them, mirrored once it can (``mirror_strays``)
         self._strays: weakref.WeakSet[GrammarMatcher] = weakref.WeakSet()
 
     def mask_counts(self) -> dict[str, int]:
