@@ -853,6 +853,7 @@ class _DeviceMasks(NamedTuple):
     table: torch.Tensor
     rows: torch.Tensor
     wait: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    mapped: tuple[_Mapped, _Mapped]  # held: the memory stays registered while these tensors are in use
 
     @classmethod
     def of(cls, table: MaskTable, shared: _Mapped, index: _Mapped) -> _DeviceMasks:
@@ -860,7 +861,7 @@ class _DeviceMasks(NamedTuple):
         answered = t[t.shape[0] - READY_BYTES // 4 :].view(torch.int64)[:1]  # the end of the memory (MaskTable)
         waits = index.tensor[_GRAPH_MAX_ROWS:].view(torch.int64)
         return cls(t[: table.host.size].view(table.host.shape), index.tensor[:_GRAPH_MAX_ROWS],
-                   (answered, waits[:1], waits[1:]))
+                   (answered, waits[:1], waits[1:]), (shared, index))
 
     def padded(self, rows: int) -> _DeviceMasks:
         return self._replace(rows=self.rows[:rows])
