@@ -273,10 +273,10 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
     # after its reads otherwise, flagging the batch it waited for
     answered, want, flag = (torch.tensor([v], dtype=torch.int64, device=device) for v in (7, 7, 0))
     tk.wait_masks(answered, want, flag, spins=100)
-    assert flag.item() == 0
+    assert flag.item() == 0, "a wait for an answered batch gave up"
     want.fill_(8)
     tk.wait_masks(answered, want, flag, spins=100)
-    assert flag.item() == 8
+    assert flag.item() == 8, f"a wait for a batch never answered did not flag it ({flag.item()})"
     if torch.device(device).type != "cuda":  # (the Triton interpreter on the CPU: no host memory to map)
         return
     # the sampler's way on CUDA: the masks and the rows' index in host memory that the kernels read in place
@@ -325,9 +325,11 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
     torch.cuda.synchronize()
     waited = time.monotonic() - start
     t.join()
-    assert int(w64[2]) == 0 and waited >= 0.2, (int(w64[2]), waited)
+    assert int(w64[2]) == 0, "the wait gave up: it never saw the word the host wrote"
+    assert waited >= 0.2, f"the kernels did not wait for the word ({waited:.3f} s)"
     host_rows.host[:] = late_rows
-    assert got.tolist() == tk.masked_argmax(logits, host_masks.tensor, host_rows.tensor).tolist()
+    want_late = tk.masked_argmax(logits, host_masks.tensor, host_rows.tensor).tolist()
+    assert got.tolist() == want_late, "the kernel behind the wait read the rows from before the host wrote them"
 
 
 def check_sampler_kernels(device: str) -> None:
