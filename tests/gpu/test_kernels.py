@@ -271,11 +271,11 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
             assert torch.equal(x[i][keep], before[i][keep]) and bool(torch.isneginf(x[i][~keep]).all()), i
     # the wait for the grammar mask process's answer: it passes at once when the batch is answered, and gives up
     # after its reads otherwise, flagging the batch it waited for
-    answered, want, flag = (torch.tensor([v], dtype=torch.int64, device=device) for v in (7, 7, 0))
-    tk.wait_masks(answered, want, flag, spins=100)
+    answered, needed, flag = (torch.tensor([v], dtype=torch.int64, device=device) for v in (7, 7, 0))
+    tk.wait_masks(answered, needed, flag, spins=100)
     assert flag.item() == 0, "a wait for an answered batch gave up"
-    want.fill_(8)
-    tk.wait_masks(answered, want, flag, spins=100)
+    needed.fill_(8)
+    tk.wait_masks(answered, needed, flag, spins=100)
     assert flag.item() == 8, f"a wait for a batch never answered did not flag it ({flag.item()})"
     if torch.device(device).type != "cuda":  # (the Triton interpreter on the CPU: no host memory to map)
         return
