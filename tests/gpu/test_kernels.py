@@ -308,7 +308,7 @@ def check_grammar_mask_kernels(device: str, dtype: torch.dtype = torch.bfloat16)
     words = mapped(np.zeros(8, dtype=np.int32))  # [answered, want, flag] as int64, then padding
     w64 = words.host.view(np.int64)
     dev64 = words.tensor.view(torch.int64)
-    w64[:] = (3, 4, 0)
+    w64[:3] = (3, 4, 0)
     host_rows.host[:] = -1
     late_rows = [0, 1, 2, 3, 0, 1, 2]
 
