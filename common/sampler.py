@@ -618,8 +618,9 @@ class Sampler:
         self._static = _Statics()
         self.vocab_size = vocab_size
         self._byte_bias: torch.Tensor | None = None  # [256, 8] float32: a bitmask byte's 8 tokens as 0 / -inf
-        # CUDA: the grammar masks' table as the device reads it in place (None: not mapped yet; False: it could not
-        # be, masks go up as a -inf bias), each row's row of it (int32, -1: none), and the event after the last
+        # CUDA: the grammar masks' table and what the device reads beside it (_DeviceMasks; None: not mapped yet;
+        # False: it could not be, masks go up as a -inf bias); the registered index (each row's row of the table,
+        # int32, -1: none; then the batch the pick waits for and the flag, int64), and the event after the last
         # pick that read them
         self._table: tuple[MaskTable, _DeviceMasks] | bool | None = None
         self._index: _Mapped | None = None
