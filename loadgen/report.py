@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.metrics import stats
-from loadgen.server_metrics import ENGINE_LOOP_PARTS, ENGINE_STEP_PHASES
+from loadgen.server_metrics import ENGINE_LOOP_PARTS, ENGINE_STEP_PHASES, GRAMMAR_MASK_SOURCES
 
 _LAT = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 
@@ -94,7 +94,8 @@ def format_run(run: dict[str, Any], backend: str, where: str) -> str:
 def engine_line(d: dict[str, Any]) -> str:
     """A worker's engine thread over the run, a step on average: its rows, its host phases
     (``tokenmill:engine_step_phase_seconds``), the work between steps (``tokenmill:engine_loop_seconds``), and the
-    share of that busy time its thread ran on a CPU (``tokenmill:engine_thread_cpu_seconds``)."""
+    share of that busy time its thread ran on a CPU (``tokenmill:engine_thread_cpu_seconds``); with constrained
+    rows, where their grammar masks came from (``tokenmill:grammar_masks``)."""
     n = d["engine_steps"]
 
     def ms(key: str) -> str:
@@ -105,9 +106,13 @@ def engine_line(d: dict[str, Any]) -> str:
     busy = d.get("engine_step_seconds", 0.0) + sum(d.get(f"engine_loop_{p}", 0.0) for p in ENGINE_LOOP_PARTS)
     on_cpu = (f"; its thread on a CPU {100 * d['engine_cpu_seconds'] / busy:.0f}% of that time"
               if busy > 0 and "engine_cpu_seconds" in d else "")
+    masks = {s: d.get(f"grammar_masks_{s}", 0.0) for s in GRAMMAR_MASK_SOURCES}
+    total = sum(masks.values())
+    constrained = ("; constrained rows' masks: " + ", ".join(f"{100 * v / total:.0f}% {s}" for s, v in masks.items())
+                   + f" of {total:.0f}" if total > 0 else "")
     return (f"engine {n:.0f} steps, {d.get('engine_step_decode_rows', 0.0) / n:.1f} decode rows + "
             f"{d.get('engine_step_prompt_tokens', 0.0) / n:.1f} prompt tokens a step; ms a step: "
-            f"{ms('engine_step_seconds')} in the step ({phases}); between steps: {loop}{on_cpu}")
+            f"{ms('engine_step_seconds')} in the step ({phases}); between steps: {loop}{on_cpu}{constrained}")
 
 
 def format_sweep(runs: list[dict[str, Any]]) -> str:

@@ -5,8 +5,8 @@ Reported: prefix-cache hit rate (hits / queries over the run, in prompt tokens, 
 prefilled remotely is looked up on the prefill worker and again on the decode worker; ``by_endpoint`` has each
 process's own figures), KV usage peak (the highest ``kv_cache_usage_perc`` any worker showed while sampled), NIXL
 bytes, seconds and failures (counted by the side that pulls, the decode worker), the engines' steps (how many, their
-seconds, decode rows and prompt tokens, the engine thread's work between steps by part, and the seconds an engine
-waited with nothing to run), and the gateway's mean TTFT and e2e
+seconds, decode rows and prompt tokens, the engine thread's work between steps by part, the seconds an engine
+waited with nothing to run, and where its constrained rows' grammar masks came from), and the gateway's mean TTFT and e2e
 from its histograms (the server's view: the client's figures should be a little above them; the gap is what the
 client and the network add). Counters and gauges of the same name are summed over the endpoints; a name no endpoint
 exports is left out (a vLLM server's ``vllm:`` names are read too where they mean the same).
@@ -32,6 +32,8 @@ Sample = dict[str, float]  # metric sample name (labels folded in) → value, su
 ENGINE_STEP_PHASES = ("schedule", "launch", "wait", "outputs", "sample", "other")
 # the engine thread's work between steps: common/engine_loop.py's LOOP_PARTS
 ENGINE_LOOP_PARTS = ("commands", "tick", "before", "outputs", "after")
+# where a constrained row's mask came from: common/worker.py's GRAMMAR_MASK_SOURCES
+GRAMMAR_MASK_SOURCES = ("cache", "process", "inline")
 
 # (report key, sample names that mean it in Tokenmill and in vLLM)
 _COUNTERS = {
@@ -49,6 +51,7 @@ _COUNTERS = {
     "engine_cpu_seconds": ("tokenmill:engine_thread_cpu_seconds",),
     **{f"engine_phase_{p}": (f'tokenmill:engine_step_phase_seconds{{"phase": "{p}"}}',) for p in ENGINE_STEP_PHASES},
     **{f"engine_loop_{p}": (f'tokenmill:engine_loop_seconds{{"part": "{p}"}}',) for p in ENGINE_LOOP_PARTS},
+    **{f"grammar_masks_{s}": (f'tokenmill:grammar_masks{{"source": "{s}"}}',) for s in GRAMMAR_MASK_SOURCES},
     # the workers' engines: arrival to the first prompt step, and to a first token computed there
     "engine_queue_sum": ("tokenmill:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_sum"),
     "engine_queue_count": ("tokenmill:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count"),

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from loadgen.metrics import RequestRecord, Slo, stats, summarize
-from loadgen.report import format_compare, format_run
-from loadgen.server_metrics import MetricsWatcher, endpoints_from_state, parse
+from loadgen.report import engine_line, format_compare, format_run
+from loadgen.server_metrics import GRAMMAR_MASK_SOURCES, MetricsWatcher, endpoints_from_state, parse
 from tests.services.harness import free_port
 
 approx = pytest.approx
@@ -111,6 +111,8 @@ def test_server_metrics_deltas_and_peaks_from_real_endpoints(tmp_path):
         g = {n: Gauge(f"tokenmill:{n}", n, registry=r) for n in
              ("prefix_cache_queries", "prefix_cache_hits", "kv_cache_usage_perc", "nixl_xfer_bytes")}
         c = Counter("tokenmill:prompt_tokens", "p", registry=r)
+        g["engine_steps"] = Gauge("tokenmill:engine_steps", "steps", registry=r)
+        g["grammar_masks"] = Gauge("tokenmill:grammar_masks", "masks", ["source"], registry=r)
         port = free_port()
         srv, _ = start_http_server(port, "127.0.0.1", registry=r)
         regs.append((g, c))
@@ -131,6 +133,9 @@ def test_server_metrics_deltas_and_peaks_from_real_endpoints(tmp_path):
         g0["prefix_cache_queries"].set(300)
         g0["prefix_cache_hits"].set(110)
         g1["nixl_xfer_bytes"].set(4096 + 5)
+        g0["engine_steps"].set(10)
+        for src, n in (("cache", 30), ("process", 10)):  # GRAMMAR_MASK_SOURCES: "inline" not exported here
+            g0["grammar_masks"].labels(src).set(n)
         c0.inc(7)
         await w.stop()
         return w
@@ -144,6 +149,14 @@ def test_server_metrics_deltas_and_peaks_from_real_endpoints(tmp_path):
     assert (rep["prefix_cache_queries"], rep["prefix_cache_hits"]) == (200, 100)
     assert rep["prefix_cache_hit_rate"] == 0.5 and rep["nixl_bytes"] == 4096 and rep["kv_usage_peak"] == 0.75
     assert rep["by_endpoint"][urls[0]]["prefix_cache_hit_rate"] == 0.5
+    # the worker's constrained rows' masks by source, named as the workers export them
+    from common.worker import GRAMMAR_MASK_SOURCES as WORKER_SOURCES
+
+    assert GRAMMAR_MASK_SOURCES == WORKER_SOURCES
+    line = engine_line(rep["by_endpoint"][urls[0]])
+    assert line.startswith("engine 10 steps") and line.endswith("constrained rows' masks: 75% cache, 25% process, "
+                                                                 "0% inline of 40"), line
+    assert "constrained" not in engine_line({"engine_steps": 10.0})
     state = tmp_path / "s.json"
     state.write_text(json.dumps({"processes": [{"address": "127.0.0.1:20300", "metrics_port": 21300}]}))
     assert endpoints_from_state(state) == ["http://127.0.0.1:21300/metrics"]
