@@ -136,7 +136,13 @@ def local_cluster_endpoints(grpc_address: str) -> list[str]:
         st = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    if not any(p.get("role") == "gateway" and p.get("address") == grpc_address for p in st.get("processes", [])):
+    host, _, port = grpc_address.rpartition(":")
+
+    def serves(p: dict[str, Any]) -> bool:  # its own address, or the public port that gateways share
+        own = p.get("address", "")
+        return own == grpc_address or (own.rpartition(":")[0] == host and str(p.get("public_grpc_port")) == port)
+
+    if not any(p.get("role") == "gateway" and serves(p) for p in st.get("processes", [])):
         return []
     return endpoints_from_state(path)
 

@@ -174,6 +174,13 @@ def test_the_local_cluster_is_found_from_its_default_state_file(tmp_path, monkey
     assert local_cluster_endpoints("127.0.0.1:50051") == ["http://127.0.0.1:21400/metrics",
                                                           "http://127.0.0.1:21300/metrics"]
     assert local_cluster_endpoints("127.0.0.1:50052") == []  # another cluster's gateway
+    # gateways sharing the public port (what `tokenmill up --device cuda` starts): each has its own address
+    (tmp_path / "tokenmill" / "cluster.json").write_text(json.dumps({"processes": [
+        {"role": "gateway", "address": f"127.0.0.1:2040{i}", "public_grpc_port": 50051, "metrics_port": 21400 + i}
+        for i in range(2)]}))
+    assert local_cluster_endpoints("127.0.0.1:50051") == ["http://127.0.0.1:21400/metrics",
+                                                          "http://127.0.0.1:21401/metrics"]
+    assert local_cluster_endpoints("127.0.0.1:50052") == local_cluster_endpoints("10.0.0.1:50051") == []
 
 
 def test_result_json_is_strict_and_records_are_compact():
