@@ -72,7 +72,8 @@ class SchemaPlaces:
 
     def place(self, frames: tuple) -> tuple[int, bool] | None:
         """``frames`` (:meth:`JsonCursor.place`) as a place of this schema: a number for the frames with array
-        indices past ``minItems`` of an array with no ``maxItems`` made one (what may follow them is the same),
+        indices past ``minItems`` (and past the first item) of an array with no ``maxItems`` made one (what may
+        follow them is the same),
         unique over every schema, and whether the member being written is a plain string's value; None where a
         container on the way is not plain (memoized)."""
         if frames in self._memo:
@@ -89,8 +90,8 @@ class SchemaPlaces:
         return self._memo[frames]
 
     def resolve(self, frames: tuple) -> tuple[tuple, bool] | None:
-        """What :meth:`place` numbers: (the frames made one where items past ``minItems`` are, whether the member
-        is a plain string's value), or None."""
+        """What :meth:`place` numbers: (the frames made one where items past ``minItems`` and the first are,
+        whether the member is a plain string's value), or None."""
         node: Any = self.schema
         extra = _ROOT_KEYS
         out: list = []
@@ -102,7 +103,8 @@ class SchemaPlaces:
                 lo = node.get("minItems", 0)
                 if node.get("type") != "array" or not isinstance(lo, int) or not isinstance(node.get("items", {}), dict):
                     return None  # items as a list (an old draft's tuple): each index has a schema of its own
-                out.append((kind, at if "maxItems" in node else min(at, lo), phase))
+                # index 0 is a place of its own: an array's start may close it, a comma must be followed by an item
+                out.append((kind, at if "maxItems" in node else min(at, max(lo, 1)), phase))
                 node = node.get("items", {})
             else:
                 props = node.get("properties", {})

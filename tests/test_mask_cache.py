@@ -26,6 +26,9 @@ NESTED = {"type": "object", "properties": {
                                                "y": {"type": "string", "maxLength": 3}}, "required": ["x"]},
     "notes": {"type": "array", "minItems": 2, "items": {"type": "string", "maxLength": 4}}},
     "required": ["tags", "inner", "notes"], "additionalProperties": False}
+LISTS = {"type": "object", "properties": {"nums": {"type": "array", "items": {"type": "integer"}},
+                                          "words": {"type": "array", "items": {"type": "string", "maxLength": 5}}},
+         "required": ["nums", "words"], "additionalProperties": False}
 
 
 def grammar(schema: dict) -> str:
@@ -106,6 +109,13 @@ def test_plain_strings_are_placed_by_length_the_rest_by_bytes_and_items_past_min
     notes = ['{"tags": ["ab"], "inner": {"x": "q"}, "notes": [' + ", ".join(['"n"'] * i + ['"a']) for i in range(5)]
     # minItems 2 and no maxItems: the third item on is one place; tags has maxItems, each index its own
     assert [place(NESTED, t)[0][-1] for t in notes] == [("a", i, 1) for i in (0, 1, 2, 2, 2)]
+    # no minItems and no maxItems: the first item is a place of its own (``]`` may end the list there, and a
+    # comma's item comes after a space), the rest are one
+    nums = ['{"nums": [' + ", ".join(["1"] * i) + (", " if i else "") for i in range(4)]
+    assert [place(LISTS, t) for t in nums] == [((("o", ("nums",), 1), ("a", i, 0)), tail)
+                                               for i, tail in ((0, b""), (1, b" "), (1, b" "), (1, b" "))]
+    assert place(LISTS, '{"nums": [1,') == ((("o", ("nums",), 1), ("a", 1, 0)), b"")
+    assert place(LISTS, '{"nums": [') != place(LISTS, '{"nums": [1,')
     assert place(NESTED, '{"tags": ["ab", "c')[0][-1] == ("a", 1, 1)
     assert place(NESTED, '{"tags": ["ab", "cd", "e')[0][-1] == ("a", 2, 1)
 
@@ -134,7 +144,7 @@ def test_a_cached_mask_is_the_mask_llguidance_makes_at_that_place():
     cache, keys = MaskCache(words), PlaceKeys(token_bytes)
     rng = random.Random(7)
     checked = 0
-    for schema in [*SCHEMAS.values(), NESTED]:
+    for schema in [*SCHEMAS.values(), NESTED, LISTS]:
         text = grammar(schema)
         start = llg.LLMatcher(tok, text)
         for _ in range(10):

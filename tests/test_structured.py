@@ -378,6 +378,29 @@ def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_e
     eng.close()
 
 
+# lists with no maxItems, the first with no minItems either (what pydantic makes of ``list[int]``)
+LISTS = {"type": "object", "properties": {"numbers": {"type": "array", "items": {"type": "integer"}},
+                                          "tags": {"type": "array", "minItems": 1, "items": {"type": "string"}}},
+         "required": ["numbers", "tags"], "additionalProperties": False}
+
+
+def test_items_of_an_unbounded_list_take_the_masks_of_their_own_place(engine, make_engine):
+    """The mask process keeps masks by place: the place after a list's comma is not the place after its ``[``
+    (where ``]`` may follow, and no space), or every list of integers broke after its second item."""
+    prompts = [chat(engine, q) for q in ("Count to twelve as JSON.", "Some numbers and tags as JSON.")] * 2
+    params = [SamplingParams(max_tokens=64, temperature=t, seed=i, structured=StructuredOutput(
+        "json_schema", json.dumps(LISTS))) for i, t in enumerate((0.0, 0.0, 1.0, 1.0))]
+    want = [r.token_ids for r in make_engine(dtype="float32", grammar_process=False).generate(prompts, params)]
+    eng = _mirrored_engine(make_engine)
+    got = eng.generate(prompts, params)
+    assert [r.token_ids for r in got] == want
+    assert eng.grammars.masks.cached_rows > 0  # the cache served places of these lists
+    assert max(r.text.count(", ") for r in got) >= 3, [r.text for r in got]  # lists of several items
+    for r in got:
+        assert r.finish_reason == "length" or (jsonschema.validate(json.loads(r.text), LISTS) is None), r.text
+    eng.close()
+
+
 def test_mirrored_matchers_leave_the_advance_to_the_mask_process(engine, make_engine):
     """The engine thread does not advance a mirrored matcher (it keeps the tokens, to catch up only if needed): the
     child's masks alone steer the row, and the completed grammar ends the request on the EOS it then allows."""
