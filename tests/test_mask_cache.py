@@ -175,6 +175,81 @@ def test_a_cached_mask_is_the_mask_llguidance_makes_at_that_place():
     assert checked > 300, checked  # most places came back: the check had cases
 
 
+def _random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """A JSON schema of the kinds the places know: objects with optional members, lists with and without
+    minItems / maxItems, bounded strings, numbers, booleans and nulls, nested up to three deep."""
+    kind = rng.choice(["integer", "string", "boolean", "array", "object", "number", "null"] if depth < 3
+                      else ["integer", "string", "boolean"])
+    s: dict = {"type": kind}
+    if kind == "integer" and rng.random() < 0.5:
+        s.update(minimum=-5, maximum=rng.choice([9, 120]))
+    elif kind == "string":
+        if rng.random() < 0.6:
+            s["maxLength"] = rng.choice([1, 3, 8, 20])
+        if rng.random() < 0.3:
+            s["minLength"] = 1
+    elif kind == "array":
+        s["items"] = _random_schema(rng, depth + 1)
+        if rng.random() < 0.5:
+            s["minItems"] = rng.choice([0, 1, 2])
+        if rng.random() < 0.5:
+            s["maxItems"] = max(rng.choice([1, 2, 3, 5]), s.get("minItems", 0))
+    elif kind == "object":
+        props = {f"k{i}": _random_schema(rng, depth + 1) for i in range(rng.randint(0, 3))}
+        s.update(properties=props, required=[p for p in props if rng.random() < 0.6], additionalProperties=False)
+    return s
+
+
+def test_cached_masks_equal_llguidances_on_random_schemas():
+    """25 random schemas (``_random_schema``), six random walks each sharing one cache: wherever the cache has a
+    mask, it is llguidance's for the walk's own matcher, bit for bit."""
+    tok = make_tokenizer(load_tokenizer().tk.to_str(), V, [EOS])
+    words = (V + 31) // 32
+    tb: dict[int, bytes] = {}
+
+    def token_bytes(t: int) -> bytes:
+        if t not in tb:
+            tb[t] = tok.decode_bytes([t])
+        return tb[t]
+
+    rng = random.Random(5)
+    row = np.zeros(words, dtype=np.int32)
+    checked = 0
+    for _ in range(25):
+        schema = {"type": "object", "properties": {"a": _random_schema(rng), "b": _random_schema(rng)},
+                  "required": ["a", "b"], "additionalProperties": False}
+        text = grammar(schema)
+        start = llg.LLMatcher(tok, text)
+        assert not start.is_error(), json.dumps(schema)
+        cache, keys = MaskCache(words), PlaceKeys(token_bytes)
+        for _ in range(6):
+            m, out = start.deep_copy(), b""
+            keys.add(0, text, [])
+            for _ in range(70):
+                m.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
+                key = keys.key(0)
+                if key is not None:
+                    kept = cache.get(key)
+                    if kept is None:
+                        cache.put(key, row)
+                    else:
+                        assert np.array_equal(kept, row), f"{json.dumps(schema)} after {out!r}: the kept mask differs"
+                        checked += 1
+                allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V])
+                allowed = allowed[allowed != EOS]
+                if m.is_stopped() or not len(allowed):
+                    break
+                pick = [int(t) for t in rng.sample(list(allowed), min(8, len(allowed)))]
+                short = [t for t in pick if all(32 <= c < 127 for c in token_bytes(t))]
+                t = min(short or pick, key=lambda t: (len(token_bytes(t)), rng.random())) if rng.random() < 0.8 \
+                    else pick[0]
+                assert m.consume_token(t)
+                keys.advance(0, t, True)
+                out += token_bytes(t)
+            keys.drop(0)
+    assert checked > 1000, checked
+
+
 def test_the_mask_process_takes_a_second_row_at_a_place_from_the_cache():
     """Two matchers of one schema write different names of one length, one after the other: inside the second's
     name every mask comes from the first's places, and each equals the matcher's own inline fill."""
