@@ -532,6 +532,11 @@ class LLMEngine:
         g = self._grammars
         return g.mask_counts() if g is not None else {}
 
+    def grammar_fill_stats(self) -> dict[str, float]:
+        """The grammar mask process's batches and fill time (``GrammarCompiler.fill_stats``); empty without it."""
+        g = self._grammars
+        return g.fill_stats() if g is not None else {}
+
     def step_phases(self) -> dict[str, float]:
         """Seconds of the steps' host time by phase (STEP_PHASES), "other" the rest of ``step_seconds``."""
         timed = self.step_phase_seconds

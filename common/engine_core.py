@@ -186,6 +186,7 @@ class WorkerCore:
             **{f"phase_{k}": v for k, v in e.step_phases().items()},
             **{f"loop_{k}": v for k, v in (self.loop.loop_seconds.items() if self.loop else ())},
             **{f"grammar_masks_{k}": v for k, v in e.grammar_mask_counts().items()},
+            **{f"grammar_mask_{k}": v for k, v in e.grammar_fill_stats().items()},
         }
         for klass in PriorityClass:
             waiting, running = e.num_by_class(klass)

@@ -84,6 +84,10 @@ _COMPILED_CAPACITY = 256  # the child's compiled grammars, by text (LRU)
 PLACE_CACHE_MB = int(os.environ.get("TOKENMILL_GRAMMAR_PLACE_CACHE_MB", "32"))
 
 
+# a batch whose fill took longer than this is "slow" (tokenmill:grammar_mask_slow_batches): about a small model's
+# decode step on a GPU, which the fill has to fit in for the pick not to wait
+SLOW_FILL_S = 0.001
+
 class MaskProcess:
     """The engine side: the slots, the ops not sent yet, and the child's answers. Thread-safe (a matcher's
     finalizer may run on any thread); the engine thread does everything else."""
@@ -137,6 +141,9 @@ class MaskProcess:
         # per answered batch: (seconds from sending it to the child having read it, seconds the child then took to
         # advance its matchers and fill the masks), the latest ones, for the benchmark
         self.batch_times: deque[tuple[float, float]] = deque(maxlen=4096)
+        # every answered batch: how many, the child's seconds to advance and fill them, those over SLOW_FILL_S
+        self.batches = self.slow_batches = 0
+        self.fill_seconds = 0.0
         self._closer = weakref.finalize(self, _close, self._proc, self._map, self._fd, f.name)
 
     @property
@@ -263,9 +270,14 @@ class MaskProcess:
         for k in range(n):
             self._done, read_ns, filled_ns, cached = _ANSWER.unpack_from(data, k * _ANSWER.size)
             self.cached_rows += cached
+            fill = (filled_ns - read_ns) * 1e-9
+            if self._done > 0:  # batch 0: the child's word that it is ready
+                self.batches += 1
+                self.fill_seconds += fill
+                self.slow_batches += fill > SLOW_FILL_S
             sent = self._sent_at.pop(self._done, None)
             if sent is not None:
-                self.batch_times.append(((read_ns - sent) * 1e-9, (filled_ns - read_ns) * 1e-9))
+                self.batch_times.append(((read_ns - sent) * 1e-9, fill))
         self._pending = data[n * _ANSWER.size:]
         return True
 

@@ -263,6 +263,14 @@ class GrammarCompiler:
         return {"cache": cached, "process": (m.remote_rows - cached) if m is not None else 0,
                 "inline": self.table.filled_here}
 
+    def fill_stats(self) -> dict[str, float]:
+        """The mask process's answered batches, the seconds it took to advance and fill them, summed, and those
+        that took over ``grammar_proc.SLOW_FILL_S`` (``/metrics``: tokenmill:grammar_mask_*); empty without it."""
+        m = self.masks
+        if m is None:
+            return {}
+        return {"batches": m.batches, "fill_seconds": m.fill_seconds, "slow_batches": m.slow_batches}
+
     def compile(self, so: StructuredOutput) -> llg.LLMatcher:
         """The constraint's initial matcher (shared: copy it). Raises GrammarError naming the problem."""
         with self._lock:

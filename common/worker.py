@@ -97,6 +97,15 @@ class WorkerMetrics:
                                    "they came from (cache: the grammar mask process's cache of masks by place; "
                                    "process: llguidance in that process; inline: the engine's own thread)",
                                    ["source"], registry=r)
+        self.grammar_mask_batches = Gauge("tokenmill:grammar_mask_batches", "Batches of constrained rows' masks the "
+                                          "grammar mask process answered", registry=r)
+        self.grammar_mask_fill_seconds = Gauge("tokenmill:grammar_mask_fill_seconds", "Seconds the grammar mask "
+                                               "process took to advance its matchers and fill their masks, summed "
+                                               "over its batches", registry=r)
+        self.grammar_mask_slow_batches = Gauge("tokenmill:grammar_mask_slow_batches", "The grammar mask process's "
+                                               "batches whose fill took over 1 ms (common/grammar_proc.py, "
+                                               "SLOW_FILL_S): a small model's step, which the pick waits past",
+                                               registry=r)
         self.idle_seconds = Gauge("tokenmill:engine_idle_seconds", "Seconds the engine thread waited for work with "
                                   "no sequence to run", registry=r)
         self.cpu_seconds = Gauge("tokenmill:engine_thread_cpu_seconds", "CPU seconds of the engine thread since the "
@@ -154,7 +163,8 @@ GRAMMAR_MASK_SOURCES = ("cache", "process", "inline")
 STATS_GAUGES = ("steps", "step_seconds", "step_decode_rows", "step_prompt_tokens", "idle_seconds", "cpu_seconds",
                 "running", "waiting", "kv_used", "kv_free", "kv_total", "prefix_queries", "prefix_hits",
                 "nixl_bytes", "nixl_seconds", "nixl_busy", "nixl_failures", "nixl_reads", "nixl_descriptors",
-                "nixl_post", "nixl_warmups")
+                "nixl_post", "nixl_warmups", "grammar_mask_batches", "grammar_mask_fill_seconds",
+                "grammar_mask_slow_batches")
 
 
 def compat_proto(c: KvCompat) -> prefill_pb2.KvCompat:

@@ -95,7 +95,8 @@ def engine_line(d: dict[str, Any]) -> str:
     """A worker's engine thread over the run, a step on average: its rows, its host phases
     (``tokenmill:engine_step_phase_seconds``), the work between steps (``tokenmill:engine_loop_seconds``), and the
     share of that busy time its thread ran on a CPU (``tokenmill:engine_thread_cpu_seconds``); with constrained
-    rows, where their grammar masks came from (``tokenmill:grammar_masks``)."""
+    rows, where their grammar masks came from (``tokenmill:grammar_masks``) and the mask process's fill time a batch
+    (``tokenmill:grammar_mask_*``)."""
     n = d["engine_steps"]
 
     def ms(key: str) -> str:
@@ -110,6 +111,10 @@ def engine_line(d: dict[str, Any]) -> str:
     total = sum(masks.values())
     constrained = ("; constrained rows' masks: " + ", ".join(f"{100 * v / total:.0f}% {s}" for s, v in masks.items())
                    + f" of {total:.0f}" if total > 0 else "")
+    if batches := d.get("grammar_mask_batches", 0.0):
+        constrained += (f"; the mask process's fill {1e3 * d.get('grammar_mask_fill_seconds', 0.0) / batches:.3f} ms a "
+                        f"batch, {100 * d.get('grammar_mask_slow_batches', 0.0) / batches:.0f}% of {batches:.0f} "
+                        f"over 1 ms")
     return (f"engine {n:.0f} steps, {d.get('engine_step_decode_rows', 0.0) / n:.1f} decode rows + "
             f"{d.get('engine_step_prompt_tokens', 0.0) / n:.1f} prompt tokens a step; ms a step: "
             f"{ms('engine_step_seconds')} in the step ({phases}); between steps: {loop}{on_cpu}{constrained}")

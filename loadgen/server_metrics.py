@@ -6,7 +6,8 @@ prefilled remotely is looked up on the prefill worker and again on the decode wo
 process's own figures), KV usage peak (the highest ``kv_cache_usage_perc`` any worker showed while sampled), NIXL
 bytes, seconds and failures (counted by the side that pulls, the decode worker), the engines' steps (how many, their
 seconds, decode rows and prompt tokens, the engine thread's work between steps by part, the seconds an engine
-waited with nothing to run, and where its constrained rows' grammar masks came from), and the gateway's mean TTFT and e2e
+waited with nothing to run, where its constrained rows' grammar masks came from, and how long the grammar mask
+process took to fill them), and the gateway's mean TTFT and e2e
 from its histograms (the server's view: the client's figures should be a little above them; the gap is what the
 client and the network add). Counters and gauges of the same name are summed over the endpoints; a name no endpoint
 exports is left out (a vLLM server's ``vllm:`` names are read too where they mean the same).
@@ -52,6 +53,8 @@ _COUNTERS = {
     **{f"engine_phase_{p}": (f'tokenmill:engine_step_phase_seconds{{"phase": "{p}"}}',) for p in ENGINE_STEP_PHASES},
     **{f"engine_loop_{p}": (f'tokenmill:engine_loop_seconds{{"part": "{p}"}}',) for p in ENGINE_LOOP_PARTS},
     **{f"grammar_masks_{s}": (f'tokenmill:grammar_masks{{"source": "{s}"}}',) for s in GRAMMAR_MASK_SOURCES},
+    # the grammar mask process's batches, their fill seconds summed, and those over 1 ms
+    **{f"grammar_mask_{k}": (f"tokenmill:grammar_mask_{k}",) for k in ("batches", "fill_seconds", "slow_batches")},
     # the workers' engines: arrival to the first prompt step, and to a first token computed there
     "engine_queue_sum": ("tokenmill:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_sum"),
     "engine_queue_count": ("tokenmill:request_queue_time_seconds_count", "vllm:request_queue_time_seconds_count"),

@@ -375,6 +375,9 @@ def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_e
     assert got == want
     masks = eng.grammars.masks
     assert masks.remote_rows > 0 and masks.inline_rows == 0  # each first mask too: sent before the forward
+    fills = eng.grammars.fill_stats()  # every batch answered was timed (the ready word is not a batch)
+    assert 0 < fills["batches"] <= masks.remote_rows and fills["fill_seconds"] > 0, fills
+    assert 0 <= fills["slow_batches"] <= fills["batches"], fills
     eng.close()
 
 

@@ -113,6 +113,8 @@ def test_server_metrics_deltas_and_peaks_from_real_endpoints(tmp_path):
         c = Counter("tokenmill:prompt_tokens", "p", registry=r)
         g["engine_steps"] = Gauge("tokenmill:engine_steps", "steps", registry=r)
         g["grammar_masks"] = Gauge("tokenmill:grammar_masks", "masks", ["source"], registry=r)
+        for k in ("batches", "fill_seconds", "slow_batches"):
+            g[k] = Gauge(f"tokenmill:grammar_mask_{k}", k, registry=r)
         port = free_port()
         srv, _ = start_http_server(port, "127.0.0.1", registry=r)
         regs.append((g, c))
@@ -136,6 +138,9 @@ def test_server_metrics_deltas_and_peaks_from_real_endpoints(tmp_path):
         g0["engine_steps"].set(10)
         for src, n in (("cache", 30), ("process", 10)):  # GRAMMAR_MASK_SOURCES: "inline" not exported here
             g0["grammar_masks"].labels(src).set(n)
+        g0["batches"].set(8)
+        g0["fill_seconds"].set(0.006)
+        g0["slow_batches"].set(2)
         c0.inc(7)
         await w.stop()
         return w
@@ -154,8 +159,9 @@ def test_server_metrics_deltas_and_peaks_from_real_endpoints(tmp_path):
 
     assert GRAMMAR_MASK_SOURCES == WORKER_SOURCES
     line = engine_line(rep["by_endpoint"][urls[0]])
-    assert line.startswith("engine 10 steps") and line.endswith("constrained rows' masks: 75% cache, 25% process, "
-                                                                 "0% inline of 40"), line
+    assert line.startswith("engine 10 steps") and line.endswith(
+        "constrained rows' masks: 75% cache, 25% process, 0% inline of 40; the mask process's fill 0.750 ms a batch, "
+        "25% of 8 over 1 ms"), line
     assert "constrained" not in engine_line({"engine_steps": 10.0})
     state = tmp_path / "s.json"
     state.write_text(json.dumps({"processes": [{"address": "127.0.0.1:20300", "metrics_port": 21300}]}))

@@ -87,8 +87,10 @@ def test_json_schema_outputs_always_validate(cluster, temperature):
         return await asyncio.gather(*(one(p, n, i) for i, p in enumerate(PROMPTS) for n in SCHEMAS))
 
     def masks() -> dict[str, float]:
-        return {src: role_metric(cluster, "decode", "tokenmill:grammar_masks", f'source="{src}"')
-                for src in ("cache", "process", "inline")}
+        return {**{src: role_metric(cluster, "decode", "tokenmill:grammar_masks", f'source="{src}"')
+                   for src in ("cache", "process", "inline")},
+                **{k: role_metric(cluster, "decode", f"tokenmill:grammar_mask_{k}")
+                   for k in ("batches", "fill_seconds", "slow_batches")}}
 
     before = masks()
     results = asyncio.run(body())
@@ -97,7 +99,11 @@ def test_json_schema_outputs_always_validate(cluster, temperature):
     # share places, so the mask process's cache served some
     got = {src: n - before[src] for src, n in masks().items()}
     tokens = sum(n for *_, n in results)
-    assert sum(got.values()) >= tokens and got["cache"] > 0 and got["process"] > 0, (got, tokens)
+    by_source = got["cache"] + got["process"] + got["inline"]
+    assert by_source >= tokens and got["cache"] > 0 and got["process"] > 0, (got, tokens)
+    # the mask process answered in batches (a step's rows each), timed
+    assert 0 < got["batches"] <= got["cache"] + got["process"] and got["fill_seconds"] > 0, got
+    assert 0 <= got["slow_batches"] <= got["batches"], got
     failures = []
     for name, text, finish, _ in results:
         try:
