@@ -127,52 +127,64 @@ def test_grammars_other_than_one_json_schema_with_the_engines_options_have_no_pl
     assert SchemaPlaces.from_grammar(llg.LLMatcher.grammar_from_lark('start: "x"')) is None
 
 
-def test_a_cached_mask_is_the_mask_llguidance_makes_at_that_place():
-    """Walks through the five benchmark schemas and one with nested bounded strings, each a different output (random
-    allowed tokens, most of them short printable ones, some escapes), sharing one cache: at every step of every walk
-    where the cache has a mask, it equals the mask llguidance computes for the walk's own matcher."""
-    tok = make_tokenizer(load_tokenizer().tk.to_str(), V, [EOS])
-    words = (V + 31) // 32
-    tb: dict[int, bytes] = {}
+class _Walker:
+    """Random walks through grammars (random allowed tokens, most of them short printable ones, some escapes) that
+    share one cache of masks by place: at every step where the cache has a mask, it must equal the mask llguidance
+    computes for the walk's own matcher. ``checked``: how many did."""
 
-    def token_bytes(t: int) -> bytes:
-        if t not in tb:
-            tb[t] = tok.decode_bytes([t])
-        return tb[t]
+    def __init__(self, seed: int) -> None:
+        self.tok = make_tokenizer(load_tokenizer().tk.to_str(), V, [EOS])
+        self.words = (V + 31) // 32
+        self._bytes: dict[int, bytes] = {}
+        self.rng = random.Random(seed)
+        self.row = np.zeros(self.words, dtype=np.int32)
+        self.checked = 0
 
-    row = np.zeros(words, dtype=np.int32)
-    cache, keys = MaskCache(words), PlaceKeys(token_bytes)
-    rng = random.Random(7)
-    checked = 0
-    for schema in [*SCHEMAS.values(), NESTED, LISTS]:
-        text = grammar(schema)
-        start = llg.LLMatcher(tok, text)
-        for _ in range(10):
-            m = start.deep_copy()
+    def token_bytes(self, t: int) -> bytes:
+        if t not in self._bytes:
+            self._bytes[t] = self.tok.decode_bytes([t])
+        return self._bytes[t]
+
+    def walk(self, schema: dict, walks: int, steps: int, cache: MaskCache, keys: PlaceKeys) -> None:
+        text, rng, row = grammar(schema), self.rng, self.row
+        start = llg.LLMatcher(self.tok, text)
+        assert not start.is_error(), json.dumps(schema)
+        for _ in range(walks):
+            m, out = start.deep_copy(), b""
             keys.add(0, text, [])
-            for _ in range(90):
-                m.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
+            for _ in range(steps):
+                m.unsafe_compute_mask_ptr(row.ctypes.data, self.words * 4)
                 key = keys.key(0)
                 if key is not None:
                     kept = cache.get(key)
                     if kept is None:
                         cache.put(key, row)
                     else:
-                        assert np.array_equal(kept, row), f"the mask kept at {key[1:]} differs from llguidance's"
-                        checked += 1
+                        assert np.array_equal(kept, row), \
+                            f"{json.dumps(schema)} after {out!r}: the mask kept at {key[1:]} differs from llguidance's"
+                        self.checked += 1
                 allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V])
                 allowed = allowed[allowed != EOS]
                 if m.is_stopped() or not len(allowed):
                     break
                 pick = [int(t) for t in rng.sample(list(allowed), min(8, len(allowed)))]
-                short = [t for t in pick if all(32 <= c < 127 for c in token_bytes(t))]
-                t = min(short or pick, key=lambda t: (len(token_bytes(t)), rng.random())) if rng.random() < 0.8 \
-                    else pick[0]
-                ok = m.consume_token(t)
-                keys.advance(0, t, ok)
-                assert ok
+                short = [t for t in pick if all(32 <= c < 127 for c in self.token_bytes(t))]
+                t = min(short or pick, key=lambda t: (len(self.token_bytes(t)), rng.random())) \
+                    if rng.random() < 0.8 else pick[0]
+                assert m.consume_token(t)
+                keys.advance(0, t, True)
+                out += self.token_bytes(t)
             keys.drop(0)
-    assert checked > 300, checked  # most places came back: the check had cases
+
+
+def test_a_cached_mask_is_the_mask_llguidance_makes_at_that_place():
+    """Ten walks through each of the five benchmark schemas, one with nested bounded strings and one with
+    unbounded lists, all sharing one cache."""
+    w = _Walker(7)
+    cache, keys = MaskCache(w.words), PlaceKeys(w.token_bytes)
+    for schema in [*SCHEMAS.values(), NESTED, LISTS]:
+        w.walk(schema, 10, 90, cache, keys)
+    assert w.checked > 300, w.checked  # most places came back: the check had cases
 
 
 def _random_schema(rng: random.Random, depth: int = 0) -> dict:
@@ -201,53 +213,13 @@ def _random_schema(rng: random.Random, depth: int = 0) -> dict:
 
 
 def test_cached_masks_equal_llguidances_on_random_schemas():
-    """25 random schemas (``_random_schema``), six random walks each sharing one cache: wherever the cache has a
-    mask, it is llguidance's for the walk's own matcher, bit for bit."""
-    tok = make_tokenizer(load_tokenizer().tk.to_str(), V, [EOS])
-    words = (V + 31) // 32
-    tb: dict[int, bytes] = {}
-
-    def token_bytes(t: int) -> bytes:
-        if t not in tb:
-            tb[t] = tok.decode_bytes([t])
-        return tb[t]
-
-    rng = random.Random(5)
-    row = np.zeros(words, dtype=np.int32)
-    checked = 0
+    """25 random schemas (``_random_schema``), six walks each sharing a cache of their own."""
+    w = _Walker(5)
     for _ in range(25):
-        schema = {"type": "object", "properties": {"a": _random_schema(rng), "b": _random_schema(rng)},
+        schema = {"type": "object", "properties": {"a": _random_schema(w.rng), "b": _random_schema(w.rng)},
                   "required": ["a", "b"], "additionalProperties": False}
-        text = grammar(schema)
-        start = llg.LLMatcher(tok, text)
-        assert not start.is_error(), json.dumps(schema)
-        cache, keys = MaskCache(words), PlaceKeys(token_bytes)
-        for _ in range(6):
-            m, out = start.deep_copy(), b""
-            keys.add(0, text, [])
-            for _ in range(70):
-                m.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
-                key = keys.key(0)
-                if key is not None:
-                    kept = cache.get(key)
-                    if kept is None:
-                        cache.put(key, row)
-                    else:
-                        assert np.array_equal(kept, row), f"{json.dumps(schema)} after {out!r}: the kept mask differs"
-                        checked += 1
-                allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:V])
-                allowed = allowed[allowed != EOS]
-                if m.is_stopped() or not len(allowed):
-                    break
-                pick = [int(t) for t in rng.sample(list(allowed), min(8, len(allowed)))]
-                short = [t for t in pick if all(32 <= c < 127 for c in token_bytes(t))]
-                t = min(short or pick, key=lambda t: (len(token_bytes(t)), rng.random())) if rng.random() < 0.8 \
-                    else pick[0]
-                assert m.consume_token(t)
-                keys.advance(0, t, True)
-                out += token_bytes(t)
-            keys.drop(0)
-    assert checked > 1000, checked
+        w.walk(schema, 6, 70, MaskCache(w.words), PlaceKeys(w.token_bytes))
+    assert w.checked > 1000, w.checked
 
 
 def test_the_mask_process_takes_a_second_row_at_a_place_from_the_cache():
