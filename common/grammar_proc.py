@@ -88,6 +88,7 @@ PLACE_CACHE_MB = int(os.environ.get("TOKENMILL_GRAMMAR_PLACE_CACHE_MB", "32"))
 # decode step on a GPU, which the fill has to fit in for the pick not to wait
 SLOW_FILL_S = 0.001
 
+
 class MaskProcess:
     """The engine side: the slots, the ops not sent yet, and the child's answers. Thread-safe (a matcher's
     finalizer may run on any thread); the engine thread does everything else."""

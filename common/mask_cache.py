@@ -73,9 +73,8 @@ class SchemaPlaces:
     def place(self, frames: tuple) -> tuple[int, bool] | None:
         """``frames`` (:meth:`JsonCursor.place`) as a place of this schema: a number for the frames with array
         indices past ``minItems`` (and past the first item) of an array with no ``maxItems`` made one (what may
-        follow them is the same),
-        unique over every schema, and whether the member being written is a plain string's value; None where a
-        container on the way is not plain (memoized)."""
+        follow them is the same), unique over every schema, and whether the member being written is a plain
+        string's value; None where a container on the way is not plain (memoized)."""
         if frames in self._memo:
             return self._memo[frames]
         got = self.resolve(frames)
