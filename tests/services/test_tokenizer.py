@@ -34,7 +34,9 @@ TEXTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (i 
 def test_concurrent_tokenize_is_batched_and_exact(tok):
     async def body():
         port = free_port()
-        cfg = cluster(**{"tokenizer.port": port, "tokenizer.batch_wait_ms": 5})
+        # a window wide enough that a slow or busy machine still sends the 200 requests within a few of them (at 5 ms,
+        # a CI run took 59 batches)
+        cfg = cluster(**{"tokenizer.port": port, "tokenizer.batch_wait_ms": 20})
         app = TokenizerService(cfg.service("tokenizer", 0), tokenizer=tok)
         async with serving(app, cfg, "tokenizer", port), grpc.aio.insecure_channel(f"{HOST}:{port}") as ch:
             stub = tokenizer_pb2_grpc.TokenizerStub(ch)
