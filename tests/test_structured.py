@@ -388,8 +388,8 @@ LISTS = {"type": "object", "properties": {"numbers": {"type": "array", "items": 
 
 
 def test_items_of_an_unbounded_list_take_the_masks_of_their_own_place(engine, make_engine):
-    """The mask process keeps masks by place: the place after a list's comma is not the place after its ``[``
-    (where ``]`` may follow, and no space), or every list of integers broke after its second item."""
+    """The mask process keeps masks by place: the place after a list's comma (a space and an item must follow) is
+    not the place after its ``[`` (where ``]`` may follow, and no space)."""
     prompts = [chat(engine, q) for q in ("Count to twelve as JSON.", "Some numbers and tags as JSON.")] * 2
     params = [SamplingParams(max_tokens=64, temperature=t, seed=i, structured=StructuredOutput(
         "json_schema", json.dumps(LISTS))) for i, t in enumerate((0.0, 0.0, 1.0, 1.0))]

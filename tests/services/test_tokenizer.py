@@ -34,8 +34,7 @@ TEXTS = [f"Request {i}: " + "the quick brown fox jumps over the lazy dog " * (i 
 def test_concurrent_tokenize_is_batched_and_exact(tok):
     async def body():
         port = free_port()
-        # a window wide enough that a slow or busy machine still sends the 200 requests within a few of them (at 5 ms,
-        # a CI run took 59 batches)
+        # a window wide enough that a slow or busy machine still sends the 200 requests within a few of them
         cfg = cluster(**{"tokenizer.port": port, "tokenizer.batch_wait_ms": 20})
         app = TokenizerService(cfg.service("tokenizer", 0), tokenizer=tok)
         async with serving(app, cfg, "tokenizer", port), grpc.aio.insecure_channel(f"{HOST}:{port}") as ch:
