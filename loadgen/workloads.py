@@ -9,6 +9,7 @@ see the same number of input tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator, Sequence
@@ -218,17 +219,26 @@ def build_requests(cfg: WorkloadConfig, builder: PromptBuilder, n: int, tenants:
 
 def structured_output_valid(constraint: dict[str, Any], text: str) -> bool:
     """Whether ``text`` is what ``constraint`` (``RequestSpec.structured``) asked for: a JSON object for
-    ``json_object``; for ``json_schema``, JSON that validates against the schema."""
+    ``json_object``; for ``json_schema``, JSON that validates against the schema. Runs on the client's event loop at
+    each constrained request's end, so a schema's validator is built once (:func:`_validator`)."""
     try:
         value = json.loads(text)
     except ValueError:
         return False
     if constraint["type"] == "json_object":
         return isinstance(value, dict)
+    return _validator(json.dumps(constraint["schema"], sort_keys=True)).is_valid(value)
+
+
+@functools.lru_cache(maxsize=64)
+def _validator(schema: str) -> Any:
+    """A schema's validator, by its JSON text (a ``jsonschema.SchemaError`` for a schema that is not one).
+    Checking the schema and building its validator takes 2-4 ms for the five schemas of ``--structured schemas``
+    on the 2-core VM, the validation alone 0.04-0.11 ms: built per request, at a few hundred requests a second, it
+    would stall every stream the client reads."""
     import jsonschema
 
-    try:
-        jsonschema.validate(value, constraint["schema"])
-    except jsonschema.ValidationError:
-        return False
-    return True
+    s = json.loads(schema)
+    cls = jsonschema.validators.validator_for(s)
+    cls.check_schema(s)
+    return cls(s)

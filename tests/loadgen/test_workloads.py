@@ -154,3 +154,20 @@ def test_constrained_requests_keep_the_free_streams_prompts_and_cycle_their_cons
 ])
 def test_an_output_is_valid_when_it_parses_and_follows_its_schema(constraint, text, valid):
     assert structured_output_valid(constraint, text) is valid
+
+
+def test_a_schemas_validator_is_built_once_for_all_its_outputs():
+    """The client checks every constrained output on its event loop: a schema's validator (milliseconds to build)
+    is made once, and a schema that is not one is an error, not an invalid output."""
+    import jsonschema
+
+    from loadgen import workloads
+
+    schema = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3}}, "required": ["k"]}
+    built = workloads._validator.cache_info().misses
+    results = [structured_output_valid({"type": "json_schema", "schema": dict(schema)}, f'{{"k": "{k}"}}')
+               for k in ("a", "abc", "abcd", "b")]
+    assert results == [True, True, False, True]
+    assert workloads._validator.cache_info().misses == built + 1
+    with pytest.raises(jsonschema.SchemaError):
+        structured_output_valid({"type": "json_schema", "schema": {"type": "no-such-type"}}, "{}")
