@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.mask_cache import MaskCache, PlaceKeys
+from common.mask_cache import MaskCache, PlaceKeys, token_reach
 
 if TYPE_CHECKING:
     from common.structured import GrammarMatcher
@@ -400,7 +400,7 @@ def main(argv: list[str]) -> int:
     rows = np.frombuffer(mapped, dtype=np.int32, count=capacity * words).reshape(capacity, words)
     token_bytes = functools.lru_cache(maxsize=None)(lambda t: tok.decode_bytes([t]))
     # where each sequence is in the JSON it writes, and the masks kept by place
-    places = PlaceKeys(token_bytes) if PLACE_CACHE_MB > 0 else None
+    places = PlaceKeys(token_bytes, token_reach(token_bytes, vocab)) if PLACE_CACHE_MB > 0 else None
     cache = MaskCache(words, PLACE_CACHE_MB << 20)
     stdin = _Reader(0)
     os.write(1, _ANSWER.pack(0, 0, 0, 0))  # ready

@@ -7,10 +7,10 @@ outputs"). A decode step's fill of 32 rows waits for its slowest row.
 
 What a mask allows depends only on what may still follow. Inside objects and arrays that are plain (no ``anyOf``,
 ``$ref``, ``uniqueItems``, ``enum``... on a container: :class:`SchemaPlaces`), that is fixed by the place: for every
-container on the way down, the keys its object has had so far or its array item's index, and whether it waits for a
-key, is inside a member or has just ended one; and the bytes of the member being written since it began (a key's
-letters, a number's digits, ``: "`` and the string's characters so far). The values that were written before do not
-matter. Inside a plain string (no ``pattern``, ``format``, ``enum`` or ``const``) only the number of its characters
+container on the way down, the keys its object has had so far or its array item's class (:func:`item_class`), and
+whether it waits for a key, is inside a member or has just ended one; and the bytes of the member being written since
+it began (a key's letters, a number's digits, ``: "`` and the string's characters so far). The values that were
+written before do not matter. Inside a plain string (no ``pattern``, ``format``, ``enum`` or ``const``) only the number of its characters
 does, so rows writing different names share the places of their names' lengths. The mask process
 (``common/grammar_proc.py``) follows each sequence's output through the JSON (:class:`JsonCursor`), and a mask made
 at a place is kept (:class:`MaskCache`, LRU by bytes) for every later sequence of the same grammar at that place:
@@ -39,6 +39,24 @@ _STRING_KEYS = {"type", "minLength", "maxLength", *_NOTES}
 _ROOT_KEYS = {"$schema", "x-guidance"}
 MAX_MEMBER = 256  # bytes of a member a place may hold
 _PLACE_IDS = itertools.count()  # places of every schema, numbered
+_ITEM_SEPARATOR = b", "
+
+
+def token_reach(token_bytes: Any, vocab_size: int) -> int:
+    """How many of an array's item boundaries one token can cross: one more than the most item separators (``, ``)
+    any token holds (SmolLM2's: none, so 1: a token may end an item and hold the comma after it, never more)."""
+    return 1 + max((token_bytes(t).count(_ITEM_SEPARATOR) for t in range(vocab_size)), default=0)
+
+
+def item_class(at: int, min_items: int, max_items: int | None, reach: int) -> tuple[bool, int, int]:
+    """Which items of an array take the same masks: what may follow item ``at`` within ``reach`` boundaries
+    (:func:`token_reach`), that is whether it is the first (it follows ``[``, where ``]`` may come instead; the
+    others follow a comma, after which an item must), how many more items must follow it and how many may, each
+    counted up to ``reach``. A token starting in or before item ``at`` sees no farther: with a reach of 1 the items
+    between the first and the last few of a long list share one place."""
+    must = min(max(min_items - at - 1, 0), reach)
+    may = reach if max_items is None else min(max(max_items - at - 1, 0), reach)
+    return at == 0, must, may
 # the JSON options of every json_schema grammar the engine makes (common/structured.py): fixed separators, no free
 # whitespace, so a place has one spelling
 _OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -47,13 +65,14 @@ _OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 class SchemaPlaces:
     """One grammar's JSON schema, and the places of its documents: where every container on the way down is plain."""
 
-    def __init__(self, schema: dict[str, Any]) -> None:
+    def __init__(self, schema: dict[str, Any], reach: int = 1) -> None:
         self.schema = schema
+        self.reach = reach  # item boundaries one token can cross (:func:`token_reach`)
         self._memo: dict[tuple, tuple[int, bool] | None] = {}
         self._ids: dict[tuple, int] = {}
 
     @classmethod
-    def from_grammar(cls, text: str) -> SchemaPlaces | None:
+    def from_grammar(cls, text: str, reach: int = 1) -> SchemaPlaces | None:
         """The places of an llguidance grammar (its JSON form) made from one JSON schema with the engine's options;
         None for any other grammar."""
         if '"json_schema"' not in text:
@@ -68,13 +87,13 @@ class SchemaPlaces:
             return None
         if schema.get("x-guidance") != _OPTIONS:
             return None
-        return cls(schema)
+        return cls(schema, reach)
 
     def place(self, frames: tuple) -> tuple[int, bool] | None:
-        """``frames`` (:meth:`JsonCursor.place`) as a place of this schema: a number for the frames with array
-        indices past ``minItems`` (and past the first item) of an array with no ``maxItems`` made one (what may
-        follow them is the same), unique over every schema, and whether the member being written is a plain
-        string's value; None where a container on the way is not plain (memoized)."""
+        """``frames`` (:meth:`JsonCursor.place`) as a place of this schema: a number for the frames with each array
+        index made its class (:func:`item_class`: items of one class take the same masks), unique over every
+        schema, and whether the member being written is a plain string's value; None where a container on the way
+        is not plain (memoized)."""
         if frames in self._memo:
             return self._memo[frames]
         got = self.resolve(frames)
@@ -89,8 +108,8 @@ class SchemaPlaces:
         return self._memo[frames]
 
     def resolve(self, frames: tuple) -> tuple[tuple, bool] | None:
-        """What :meth:`place` numbers: (the frames made one where items past ``minItems`` and the first are,
-        whether the member is a plain string's value), or None."""
+        """What :meth:`place` numbers: (the frames with each array index made its class, whether the member is a
+        plain string's value), or None."""
         node: Any = self.schema
         extra = _ROOT_KEYS
         out: list = []
@@ -99,11 +118,11 @@ class SchemaPlaces:
                 return None
             extra = set()
             if kind == "a":
-                lo = node.get("minItems", 0)
-                if node.get("type") != "array" or not isinstance(lo, int) or not isinstance(node.get("items", {}), dict):
+                lo, hi = node.get("minItems", 0), node.get("maxItems")
+                if (node.get("type") != "array" or not isinstance(lo, int) or not isinstance(hi, int | None)
+                        or not isinstance(node.get("items", {}), dict)):
                     return None  # items as a list (an old draft's tuple): each index has a schema of its own
-                # index 0 is a place of its own: an array's start may close it, a comma must be followed by an item
-                out.append((kind, at if "maxItems" in node else min(at, max(lo, 1)), phase))
+                out.append((kind, item_class(at, lo, hi, self.reach), phase))
                 node = node.get("items", {})
             else:
                 props = node.get("properties", {})
@@ -254,10 +273,12 @@ class MaskCache:
 class PlaceKeys:
     """The child's side: each slot's cursor and grammar, and the cache key of its next mask (None: not cacheable).
 
-    ``token_bytes(t)``: a token's bytes, as the grammar reads them."""
+    ``token_bytes(t)``: a token's bytes, as the grammar reads them; ``reach``: :func:`token_reach` of the
+    tokenizer."""
 
-    def __init__(self, token_bytes: Any) -> None:
+    def __init__(self, token_bytes: Any, reach: int) -> None:
         self._bytes = token_bytes
+        self.reach = reach
         self._places: dict[str, SchemaPlaces | None] = {}  # by grammar text
         # by slot: [its grammar's places, its cursor, the frames it had at the last key, their place]
         self._slots: dict[int, list] = {}
@@ -266,7 +287,7 @@ class PlaceKeys:
         if text in self._places:
             places = self._places[text]
         else:
-            places = self._places[text] = SchemaPlaces.from_grammar(text)
+            places = self._places[text] = SchemaPlaces.from_grammar(text, self.reach)
             if len(self._places) > 1024:  # grammars seen: forget the oldest
                 self._places.pop(next(iter(self._places)))
         if places is None:

@@ -12,7 +12,7 @@ import pytest
 
 from common.grammar_proc import make_tokenizer
 from common.loader import load_tokenizer
-from common.mask_cache import JsonCursor, MaskCache, PlaceKeys, SchemaPlaces
+from common.mask_cache import JsonCursor, MaskCache, PlaceKeys, SchemaPlaces, item_class, token_reach
 from common.sampling import StructuredOutput
 from common.structured import _JSON_OPTIONS, GrammarCompiler
 from loadgen.bench_structured import SCHEMAS
@@ -29,6 +29,15 @@ NESTED = {"type": "object", "properties": {
 LISTS = {"type": "object", "properties": {"nums": {"type": "array", "items": {"type": "integer"}},
                                           "words": {"type": "array", "items": {"type": "string", "maxLength": 5}}},
          "required": ["nums", "words"], "additionalProperties": False}
+
+# long lists with both bounds: their middle items share a class (common.mask_cache.item_class)
+LONG = {"type": "object", "properties": {
+    "ids": {"type": "array", "minItems": 3, "maxItems": 12, "items": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "rows": {"type": "array", "minItems": 2, "maxItems": 9, "items": {"type": "object", "properties": {
+        "k": {"type": "string", "maxLength": 4}, "v": {"type": "array", "maxItems": 6, "items": {"type": "boolean"}}},
+        "required": ["k", "v"], "additionalProperties": False}},
+    "tags": {"type": "array", "minItems": 1, "items": {"type": "string", "maxLength": 3}}},
+    "required": ["ids", "rows", "tags"], "additionalProperties": False}
 
 
 def grammar(schema: dict) -> str:
@@ -49,7 +58,7 @@ def place(schema: dict, text: str):
 
 
 def test_rows_at_one_place_share_a_key_and_rows_elsewhere_do_not():
-    keys = PlaceKeys(lambda t: bytes([t]))
+    keys = PlaceKeys(lambda t: bytes([t]), 1)
     text = grammar(SCHEMAS["person"])
     for slot, doc in enumerate(['{"name": "Ada Lo', '{"name": "Bob Xy', '{"name": "Bob X', '{"name": "Ada", "age": 3']):
         keys.add(slot, text, list(doc.encode()))
@@ -98,7 +107,7 @@ def test_places_are_left_alone_where_a_container_decides_more_than_the_place(sch
     assert place(schema, text) is None
 
 
-def test_plain_strings_are_placed_by_length_the_rest_by_bytes_and_items_past_min_items_share_one():
+def test_plain_strings_are_placed_by_length_the_rest_by_bytes_and_items_by_their_class():
     assert place(SCHEMAS["person"], '{"name": "Ada Lo') == ((("o", ("name",), 1),), 6)
     assert place(SCHEMAS["person"], '{"name": "Bob X", "age": 7, "email": "b@') == ((("o", ("name", "age", "email"), 1),), 2)
     assert place(SCHEMAS["person"], '{"name": "Bob X", "age": 7') == ((("o", ("name", "age"), 1),), b' "age": 7')
@@ -107,17 +116,36 @@ def test_plain_strings_are_placed_by_length_the_rest_by_bytes_and_items_past_min
     assert place(SCHEMAS["event"], '{"title": "L", "date": "2026-11-27", "attendees": [], "location": "Pa')[1] == \
         b' "location": "Pa'
     notes = ['{"tags": ["ab"], "inner": {"x": "q"}, "notes": [' + ", ".join(['"n"'] * i + ['"a']) for i in range(5)]
-    # minItems 2 and no maxItems: the third item on is one place; tags has maxItems, each index its own
-    assert [place(NESTED, t)[0][-1] for t in notes] == [("a", i, 1) for i in (0, 1, 2, 2, 2)]
+    # minItems 2, no maxItems: the first item; then every item after which ``]`` may come, and more may follow
+    assert [place(NESTED, t)[0][-1] for t in notes] == [("a", c, 1) for c in
+                                                         ((True, 1, 1), (False, 0, 1), (False, 0, 1), (False, 0, 1),
+                                                          (False, 0, 1))]
     # no minItems and no maxItems: the first item is a place of its own (``]`` may end the list there, and a
     # comma's item comes after a space), the rest are one
     nums = ['{"nums": [' + ", ".join(["1"] * i) + (", " if i else "") for i in range(4)]
-    assert [place(LISTS, t) for t in nums] == [((("o", ("nums",), 1), ("a", i, 0)), tail)
-                                               for i, tail in ((0, b""), (1, b" "), (1, b" "), (1, b" "))]
-    assert place(LISTS, '{"nums": [1,') == ((("o", ("nums",), 1), ("a", 1, 0)), b"")
+    first, rest = (True, 0, 1), (False, 0, 1)
+    assert [place(LISTS, t) for t in nums] == [((("o", ("nums",), 1), ("a", c, 0)), tail)
+                                               for c, tail in ((first, b""), (rest, b" "), (rest, b" "), (rest, b" "))]
+    assert place(LISTS, '{"nums": [1,') == ((("o", ("nums",), 1), ("a", rest, 0)), b"")
     assert place(LISTS, '{"nums": [') != place(LISTS, '{"nums": [1,')
-    assert place(NESTED, '{"tags": ["ab", "c')[0][-1] == ("a", 1, 1)
-    assert place(NESTED, '{"tags": ["ab", "cd", "e')[0][-1] == ("a", 2, 1)
+    # maxItems 3: the last item (no comma may follow it) is a place of its own
+    assert place(NESTED, '{"tags": ["ab", "c')[0][-1] == ("a", (False, 0, 1), 1)
+    assert place(NESTED, '{"tags": ["ab", "cd", "e')[0][-1] == ("a", (False, 0, 0), 1)
+
+
+def test_items_of_a_long_list_share_a_class_but_its_ends_do_not():
+    """minItems 3, maxItems 8, a token reaching one boundary: the first item, the one before the last that must
+    come, then the items that may end the list, and the last one allowed, are told apart; the rest share."""
+    classes = [item_class(i, 3, 8, 1) for i in range(8)]
+    assert classes == [(True, 1, 1), (False, 1, 1), (False, 0, 1), (False, 0, 1), (False, 0, 1), (False, 0, 1),
+                       (False, 0, 1), (False, 0, 0)]
+    # a tokenizer whose tokens hold an item separator reaches two boundaries: two more items are told apart
+    assert [item_class(i, 3, 8, 2)[1:] for i in range(8)] == [(2, 2), (1, 2), (0, 2), (0, 2), (0, 2), (0, 2),
+                                                              (0, 1), (0, 0)]
+    assert item_class(5, 0, None, 1) == item_class(50, 0, None, 1) == (False, 0, 1)
+    toks = [b"a", b", ", b"], [1, "]  # the last holds two separators
+    assert token_reach(toks.__getitem__, 3) == 3
+    assert token_reach(lambda t: bytes([t]), 256) == 1
 
 
 def test_grammars_other_than_one_json_schema_with_the_engines_options_have_no_places():
@@ -139,6 +167,7 @@ class _Walker:
         self.rng = random.Random(seed)
         self.row = np.zeros(self.words, dtype=np.int32)
         self.checked = 0
+        self.reach = token_reach(self.token_bytes, V)
 
     def token_bytes(self, t: int) -> bytes:
         if t not in self._bytes:
@@ -178,12 +207,13 @@ class _Walker:
 
 
 def test_a_cached_mask_is_the_mask_llguidance_makes_at_that_place():
-    """Ten walks through each of the five benchmark schemas, one with nested bounded strings and one with
-    unbounded lists, all sharing one cache."""
+    """Ten walks through each of the five benchmark schemas, one with nested bounded strings, one with unbounded
+    lists and one with long bounded lists, all sharing one cache."""
     w = _Walker(7)
-    cache, keys = MaskCache(w.words), PlaceKeys(w.token_bytes)
+    cache, keys = MaskCache(w.words), PlaceKeys(w.token_bytes, w.reach)
     for schema in [*SCHEMAS.values(), NESTED, LISTS]:
         w.walk(schema, 10, 90, cache, keys)
+    w.walk(LONG, 10, 200, cache, keys)
     assert w.checked > 300, w.checked  # most places came back: the check had cases
 
 
@@ -203,9 +233,9 @@ def _random_schema(rng: random.Random, depth: int = 0) -> dict:
     elif kind == "array":
         s["items"] = _random_schema(rng, depth + 1)
         if rng.random() < 0.5:
-            s["minItems"] = rng.choice([0, 1, 2])
+            s["minItems"] = rng.choice([0, 1, 2, 4])
         if rng.random() < 0.5:
-            s["maxItems"] = max(rng.choice([1, 2, 3, 5]), s.get("minItems", 0))
+            s["maxItems"] = max(rng.choice([1, 2, 3, 5, 8]), s.get("minItems", 0))
     elif kind == "object":
         props = {f"k{i}": _random_schema(rng, depth + 1) for i in range(rng.randint(0, 3))}
         s.update(properties=props, required=[p for p in props if rng.random() < 0.6], additionalProperties=False)
@@ -218,7 +248,7 @@ def test_cached_masks_equal_llguidances_on_random_schemas():
     for _ in range(25):
         schema = {"type": "object", "properties": {"a": _random_schema(w.rng), "b": _random_schema(w.rng)},
                   "required": ["a", "b"], "additionalProperties": False}
-        w.walk(schema, 6, 70, MaskCache(w.words), PlaceKeys(w.token_bytes))
+        w.walk(schema, 6, 70, MaskCache(w.words), PlaceKeys(w.token_bytes, w.reach))
     assert w.checked > 1000, w.checked
 
 
