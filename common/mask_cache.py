@@ -6,7 +6,8 @@ mask walks the token trie for it. The other masks of a JSON schema cost 10-50 µ
 outputs"). A decode step's fill of 32 rows waits for its slowest row.
 
 What a mask allows depends only on what may still follow. Inside objects and arrays that are plain (no ``anyOf``,
-``$ref``, ``uniqueItems``, ``enum``... on a container: :class:`SchemaPlaces`), that is fixed by the place: for every
+``$ref``, ``uniqueItems``, ``enum``... on a container: :class:`SchemaPlaces`; an ``anyOf`` of branches of distinct
+types, as pydantic makes ``Optional[X]``, is its branch once a value has begun), that is fixed by the place: for every
 container on the way down, the keys its object has had so far or its array item's class (:func:`item_class`), and
 whether it waits for a key, is inside a member or has just ended one; and the bytes of the member being written since
 it began (a key's letters, a number's digits, ``: "`` and the string's characters so far). The values that were
@@ -114,6 +115,8 @@ class SchemaPlaces:
         extra = _ROOT_KEYS
         out: list = []
         for depth, (kind, at, phase) in enumerate(frames):
+            if depth:
+                node = _branch(node, "object" if kind == "o" else "array")
             if not isinstance(node, dict) or not node.keys() <= (_OBJECT_KEYS if kind == "o" else _ARRAY_KEYS) | extra:
                 return None
             extra = set()
@@ -133,9 +136,24 @@ class SchemaPlaces:
             if node is None and depth < len(frames) - 1:  # a member the schema does not name holds a container
                 return None
         top_member = frames and frames[-1][2] == 1
+        node = _branch(node, "string")
         plain = (top_member and isinstance(node, dict) and node.get("type") == "string"
                  and node.keys() <= _STRING_KEYS)
         return tuple(out), bool(plain)
+
+
+def _branch(node: Any, kind: str) -> Any:
+    """Inside a value of JSON type ``kind`` (begun with its first byte), the one branch of an ``anyOf`` of typed
+    branches (pydantic's ``Optional[X]``: X or null) that takes it: every branch names one type, and only one names
+    ``kind``, so the value's first byte has ruled out the others. ``node`` itself for anything else."""
+    if not isinstance(node, dict) or "anyOf" not in node or not node.keys() <= {"anyOf", *_NOTES}:
+        return node
+    branches = node["anyOf"]
+    if not isinstance(branches, list) or not all(isinstance(b, dict) and isinstance(b.get("type"), str)
+                                                 for b in branches):
+        return node
+    hits = [b for b in branches if b["type"] == kind]
+    return hits[0] if len(hits) == 1 else node
 
 
 class JsonCursor:

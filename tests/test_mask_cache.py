@@ -39,6 +39,15 @@ LONG = {"type": "object", "properties": {
     "tags": {"type": "array", "minItems": 1, "items": {"type": "string", "maxLength": 3}}},
     "required": ["ids", "rows", "tags"], "additionalProperties": False}
 
+# pydantic's Optional[X] (anyOf X or null, in either order) around a string, an object and a list
+NULLABLE = {"type": "object", "properties": {
+    "a": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 6}], "default": None},
+    "b": {"anyOf": [{"type": "object", "properties": {"x": {"type": "string", "maxLength": 4}},
+                     "required": ["x"], "additionalProperties": False}, {"type": "null"}]},
+    "c": {"anyOf": [{"type": "integer"}, {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 3}},
+                    {"type": "null"}]}},
+    "required": ["a", "b", "c"], "additionalProperties": False}
+
 
 def grammar(schema: dict) -> str:
     return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
@@ -96,6 +105,11 @@ def test_a_string_with_a_unicode_escape_or_non_ascii_byte_is_placed_by_its_bytes
 
 @pytest.mark.parametrize("schema, text", [
     ({"anyOf": [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "array"}]}, '{"a": "x'),
+    # two branches of one type: the first byte does not decide between them
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object", "properties": {"b": {"type": "string"}}},
+                                                         {"type": "object", "properties": {"c": {"type": "string"}}}]}}},
+     '{"a": {"b": "x'),
+    ({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"}, {"enum": ["x"]}]}}}, '{"a": {"b'),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/o"}},
       "$defs": {"o": {"type": "object", "properties": {"b": {"type": "string"}}}}}, '{"a": {"b": "x'),
     ({"type": "array", "uniqueItems": True, "items": {"type": "string"}}, '["x'),
@@ -111,10 +125,14 @@ def test_plain_strings_are_placed_by_length_the_rest_by_bytes_and_items_by_their
     assert place(SCHEMAS["person"], '{"name": "Ada Lo') == ((("o", ("name",), 1),), 6)
     assert place(SCHEMAS["person"], '{"name": "Bob X", "age": 7, "email": "b@') == ((("o", ("name", "age", "email"), 1),), 2)
     assert place(SCHEMAS["person"], '{"name": "Bob X", "age": 7') == ((("o", ("name", "age"), 1),), b' "age": 7')
-    # an enum's string, a pattern's, an anyOf member's: what was written matters, so the bytes are the place
+    # an enum's string, a pattern's: what was written matters, so the bytes are the place
     assert place(SCHEMAS["weather"], '{"city": "Paris", "unit": "cel')[1] == b' "unit": "cel'
-    assert place(SCHEMAS["event"], '{"title": "L", "date": "2026-11-27", "attendees": [], "location": "Pa')[1] == \
-        b' "location": "Pa'
+    assert place(SCHEMAS["event"], '{"title": "L", "date": "2026-1')[1] == b' "date": "2026-1'
+    # a nullable string (anyOf string or null): once the string has begun, a plain string, placed by its length;
+    # before, by its bytes
+    event = '{"title": "L", "date": "2026-11-27", "attendees": [], "location": '
+    assert place(SCHEMAS["event"], event + '"Pa')[1] == 2
+    assert place(SCHEMAS["event"], event + 'nu')[1] == b' "location": nu'
     notes = ['{"tags": ["ab"], "inner": {"x": "q"}, "notes": [' + ", ".join(['"n"'] * i + ['"a']) for i in range(5)]
     # minItems 2, no maxItems: the first item; then every item after which ``]`` may come, and more may follow
     assert [place(NESTED, t)[0][-1] for t in notes] == [("a", c, 1) for c in
@@ -208,10 +226,10 @@ class _Walker:
 
 def test_a_cached_mask_is_the_mask_llguidance_makes_at_that_place():
     """Ten walks through each of the five benchmark schemas, one with nested bounded strings, one with unbounded
-    lists and one with long bounded lists, all sharing one cache."""
+    lists, one with long bounded lists and one of nullable members, all sharing one cache."""
     w = _Walker(7)
     cache, keys = MaskCache(w.words), PlaceKeys(w.token_bytes, w.reach)
-    for schema in [*SCHEMAS.values(), NESTED, LISTS]:
+    for schema in [*SCHEMAS.values(), NESTED, LISTS, NULLABLE]:
         w.walk(schema, 10, 90, cache, keys)
     w.walk(LONG, 10, 200, cache, keys)
     assert w.checked > 300, w.checked  # most places came back: the check had cases
@@ -219,9 +237,14 @@ def test_a_cached_mask_is_the_mask_llguidance_makes_at_that_place():
 
 def _random_schema(rng: random.Random, depth: int = 0) -> dict:
     """A JSON schema of the kinds the places know: objects with optional members, lists with and without
-    minItems / maxItems, bounded strings, numbers, booleans and nulls, nested up to three deep."""
-    kind = rng.choice(["integer", "string", "boolean", "array", "object", "number", "null"] if depth < 3
+    minItems / maxItems, bounded strings, numbers, booleans and nulls, nullable ones (anyOf X or null), nested up
+    to three deep."""
+    kind = rng.choice(["integer", "string", "boolean", "array", "object", "number", "null", "nullable"] if depth < 3
                       else ["integer", "string", "boolean"])
+    if kind == "nullable":  # pydantic's Optional[X], in either order, or X, an integer or null
+        branches = [_random_schema(rng, depth), {"type": "null"}, *([{"type": "integer"}] if rng.random() < 0.3 else [])]
+        rng.shuffle(branches)
+        return {"anyOf": branches}
     s: dict = {"type": kind}
     if kind == "integer" and rng.random() < 0.5:
         s.update(minimum=-5, maximum=rng.choice([9, 120]))
