@@ -299,3 +299,35 @@ def test_the_mask_process_takes_a_second_row_at_a_place_from_the_cache():
         del m
     assert served[0] == 0 and served[1] > 0, served
     mirrored.close()
+
+
+def test_the_middle_items_of_a_long_list_take_their_masks_from_the_cache():
+    """A list of up to 20 objects written item by item, the same item each time: the middle items share one class,
+    so from the third item on their masks are the second item's, from the cache, each equal to the matcher's own
+    inline fill."""
+    tok = load_tokenizer()
+    inline = GrammarCompiler(tok.tk.to_str(), V, (EOS,))
+    mirrored = GrammarCompiler(tok.tk.to_str(), V, (EOS,), fill_process=True)
+    masks = mirrored.masks
+    assert masks is not None and masks.wait_ready()
+    schema = {"type": "array", "minItems": 1, "maxItems": 20, "items": {
+        "type": "object", "properties": {"k": {"type": "string", "maxLength": 5}}, "required": ["k"],
+        "additionalProperties": False}}
+    so = StructuredOutput("json_schema", json.dumps(schema))
+    item = tok.encode(', {"k": "abc"}', add_special_tokens=False)
+    walk = [*tok.encode('[{"k": "abc"}', add_special_tokens=False), *item * 6]
+    m, ref = mirrored.matcher(so), inline.matcher(so)
+    cached = []
+    for t in walk:
+        mirrored.flush()
+        before = masks.cached_rows
+        got = mirrored.table.host[mirrored.table.fill([m])[0]]
+        want = inline.table.host[inline.table.fill([ref])[0]]
+        assert (got == want).all()
+        cached.append(masks.cached_rows - before)
+        assert m.accept(t) and ref.accept(t)
+    # the masks before each of the six ", {...}" spans' tokens: the second item's are all new; the third's too,
+    # but only where the second ended (the first item's end is a place of its own); from the fourth on, all kept
+    per_item = [sum(cached[len(walk) - len(item) * (6 - i):][: len(item)]) for i in range(6)]
+    assert per_item == [0, len(item) - 1, *[len(item)] * 4], (per_item, len(item))
+    mirrored.close()
