@@ -25,10 +25,12 @@ Run: ``tokenmill bench structured [--steps 32] [--rounds 2] [--dtype bfloat16] [
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import threading
@@ -159,6 +161,68 @@ def bench_llguidance(tok: Any, vocab: int, eos: int) -> dict[str, Any]:
             "fill_us_mean": statistics.mean(serial) * 1e6, "fill_us_p50": statistics.median(serial) * 1e6,
             "fill_us_max": max(serial) * 1e6, "fill_par_us_mean": statistics.mean(par) * 1e6,
             "fill_par_busy_us_mean": statistics.mean(contended) * 1e6, "switch_interval_ms": sys.getswitchinterval() * 1e3}
+
+
+# documents of long lists (an extraction's output): a list of up to 50 records, 8-30 in each document
+PEOPLE = {"type": "object", "properties": {"people": {"type": "array", "minItems": 1, "maxItems": 50, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                     "city": {"type": "string", "maxLength": 20}},
+    "required": ["name", "age", "city"], "additionalProperties": False}}},
+    "required": ["people"], "additionalProperties": False}
+_NAMES = ("Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov", "Donald Knuth",
+          "Ken Thompson", "Dennis Ritchie", "Margaret Hamilton", "John Backus", "Frances Allen", "Tim Berners-Lee")
+_CITIES = ("London", "Paris", "New York", "Zurich", "Berlin", "Austin", "Boston", "Oslo", "Kyoto", "Lima")
+
+
+def bench_places(tok: Any, vocab: int, eos: int, documents: int = 16) -> dict[str, Any]:
+    """The mask process's cache of masks by place (``common/mask_cache.py``) against llguidance alone, one row
+    walking ``documents`` seeded documents of :data:`PEOPLE` token by token: each mask from the cache where it has
+    one, else llguidance's (kept for later rows); and every mask llguidance's."""
+    import llguidance as llg
+    import numpy as np
+
+    from common.grammar_proc import make_tokenizer
+    from common.mask_cache import MaskCache, PlaceKeys, token_reach
+    from common.structured import _JSON_OPTIONS
+
+    words = (vocab + 31) // 32
+    lltok = make_tokenizer(tok.tk.to_str(), vocab, [eos])
+    token_bytes = functools.lru_cache(maxsize=None)(lambda t: lltok.decode_bytes([t]))
+    text = llg.LLMatcher.grammar_from_json_schema(PEOPLE, defaults=_JSON_OPTIONS)
+    rng = random.Random(1)
+    docs = [tok.encode(json.dumps({"people": [{"name": rng.choice(_NAMES), "age": rng.randint(18, 99),
+                                               "city": rng.choice(_CITIES)} for _ in range(rng.randint(8, 30))]},
+                                  separators=(", ", ": ")), add_special_tokens=False) for _ in range(documents)]
+    row = np.zeros(words, dtype=np.int32)
+    base = llg.LLMatcher(lltok, text)
+    cache, keys = MaskCache(words), PlaceKeys(token_bytes, token_reach(token_bytes, vocab))
+    seconds = {"cache": 0.0, "llguidance": 0.0}
+    hits = 0
+    for ids in docs:
+        cached, alone = base.deep_copy(), base.deep_copy()
+        keys.add(0, text, [])
+        for t in ids:
+            t0 = time.perf_counter()
+            key = keys.key(0)
+            kept = cache.get(key) if key is not None else None
+            if kept is not None:
+                row[:] = kept
+                hits += 1
+            else:
+                cached.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
+                if key is not None:
+                    cache.put(key, row)
+            t1 = time.perf_counter()
+            alone.unsafe_compute_mask_ptr(row.ctypes.data, words * 4)
+            seconds["llguidance"] += time.perf_counter() - t1
+            seconds["cache"] += t1 - t0
+            assert cached.consume_token(t) and alone.consume_token(t)
+            keys.advance(0, t, True)
+        keys.drop(0)
+    masks = sum(map(len, docs))
+    return {"documents": documents, "masks": masks, "cached_share": hits / masks,
+            "ms_cache": seconds["cache"] * 1e3, "ms_llguidance": seconds["llguidance"] * 1e3}
 
 
 def bench_xgrammar(tok: Any, vocab: int, eos: int) -> dict[str, Any] | None:
@@ -458,6 +522,12 @@ def run(a: argparse.Namespace) -> int:
               f" | {r['fill_us_mean']:.1f} | {r['fill_us_p50']:.1f} | {r['fill_us_max']:.0f} | {par} | {busy} |")
     if xg is None:
         print("(xgrammar left out: " + ("--skip-libraries)" if a.skip_libraries else "not installed)"))
+    places = None
+    if not a.skip_libraries:
+        places = bench_places(tok, vocab, eos)
+        print(f"\nmasks by place, one row through {places['documents']} documents of long lists (8-30 records): "
+              f"{places['masks']} masks, {places['cached_share'] * 100:.0f}% from the cache; the cache and "
+              f"llguidance {places['ms_cache']:.0f} ms, llguidance alone {places['ms_llguidance']:.0f} ms")
     dtype = a.dtype or default_dtype(a.device)
     print(f"\nengine step at batch {BATCH} on {a.device} ({a.model or 'SmolLM2-135M-Instruct'}, {dtype}, temperature {a.temperature}, {a.steps} steps × "
           f"{a.rounds} "
@@ -498,8 +568,8 @@ def run(a: argparse.Namespace) -> int:
           f"{e['end_to_end'] * 100:+.1f}% longer (medians of {e['steps']} steps each; the update alone grew by "
           f"{e['overhead'] * 100:.1f}% of the step)")
     if a.output:
-        Path(a.output).write_text(json.dumps({"libraries": [*libs, *([xg] if xg else [])], "engine": runs},
-                                             indent=1))
+        Path(a.output).write_text(json.dumps({"libraries": [*libs, *([xg] if xg else [])], "places": places,
+                                              "engine": runs}, indent=1))
     return 0
 
 

@@ -21,3 +21,16 @@ def test_the_constrained_step_is_timed_each_way(pick):
         assert {"schedule", "launch", "pick queued", "tokens handed out", "step"} <= phases.keys()
         assert 0 < phases["schedule"] < phases["step"]
     assert r["phases_ms"]["constrained"]["mask fill (or wait and copy)"] > 0
+
+
+def test_the_cache_of_masks_by_place_serves_most_masks_of_long_lists():
+    """The libraries section's walk through documents of long lists: every token accepted, most masks from the
+    cache (the records' places repeat), both ways timed."""
+    from common.loader import load_tokenizer
+    from loadgen.bench_structured import bench_places
+
+    tok = load_tokenizer()
+    r = bench_places(tok, tok.vocab_size, tok.tk.token_to_id(tok.eos_token), documents=4)
+    assert r["documents"] == 4 and r["masks"] > 4 * 8 * 10  # at least 8 records of ~10 tokens a document
+    assert r["cached_share"] > 0.8, r
+    assert r["ms_cache"] > 0 and r["ms_llguidance"] > 0
