@@ -11,11 +11,11 @@ types, as pydantic makes ``Optional[X]``, is its branch once a value has begun),
 container on the way down, the keys its object has had so far or its array item's class (:func:`item_class`), and
 whether it waits for a key, is inside a member or has just ended one; and the bytes of the member being written since
 it began (a key's letters, a number's digits, ``: "`` and the string's characters so far). The values that were
-written before do not matter. Inside a plain string (no ``pattern``, ``format``, ``enum`` or ``const``) only the number of its characters
-does, so rows writing different names share the places of their names' lengths. The mask process
-(``common/grammar_proc.py``) follows each sequence's output through the JSON (:class:`JsonCursor`), and a mask made
-at a place is kept (:class:`MaskCache`, LRU by bytes) for every later sequence of the same grammar at that place:
-rows of requests that share a schema take it without llguidance.
+written before do not matter. Inside a plain string (no ``pattern``, ``format``, ``enum`` or ``const``) only the
+number of its characters does, so rows writing different names share the places of their names' lengths. The mask
+process (``common/grammar_proc.py``) follows each sequence's output through the JSON (:class:`JsonCursor`), and a
+mask made at a place is kept (:class:`MaskCache`, LRU by bytes) for every later sequence of the same grammar at that
+place: rows of requests that share a schema take it without llguidance.
 
 A string that has had a ``\\u`` escape or a non-ASCII byte is placed by its bytes, not its length (how the grammar
 counts those is llguidance's business). Anywhere else (under a container that is not plain, a grammar that is not
@@ -40,6 +40,9 @@ _STRING_KEYS = {"type", "minLength", "maxLength", *_NOTES}
 _ROOT_KEYS = {"$schema", "x-guidance"}
 MAX_MEMBER = 256  # bytes of a member a place may hold
 _PLACE_IDS = itertools.count()  # places of every schema, numbered
+# the JSON options of every json_schema grammar the engine makes (common/structured.py): fixed separators, no free
+# whitespace, so a place has one spelling
+_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ITEM_SEPARATOR = b", "
 
 
@@ -58,9 +61,6 @@ def item_class(at: int, min_items: int, max_items: int | None, reach: int) -> tu
     must = min(max(min_items - at - 1, 0), reach)
     may = reach if max_items is None else min(max(max_items - at - 1, 0), reach)
     return at == 0, must, may
-# the JSON options of every json_schema grammar the engine makes (common/structured.py): fixed separators, no free
-# whitespace, so a place has one spelling
-_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class SchemaPlaces:
