@@ -29,7 +29,6 @@ spends hundreds of µs on a mask near the end of a string bounded by ``maxLength
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import mmap
@@ -50,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.mask_cache import MaskCache, PlaceKeys, token_reach
+from common.mask_cache import MaskCache, PlaceKeys, token_bytes_of, token_reach
 
 if TYPE_CHECKING:
     from common.structured import GrammarMatcher
@@ -398,7 +397,7 @@ def main(argv: list[str]) -> int:
     compiled: OrderedDict[str, Any] = OrderedDict()
     matchers: dict[int, Any] = {}
     rows = np.frombuffer(mapped, dtype=np.int32, count=capacity * words).reshape(capacity, words)
-    token_bytes = functools.lru_cache(maxsize=None)(lambda t: tok.decode_bytes([t]))
+    token_bytes = token_bytes_of(tok)
     # where each sequence is in the JSON it writes, and the masks kept by place
     places = PlaceKeys(token_bytes, token_reach(token_bytes, vocab)) if PLACE_CACHE_MB > 0 else None
     cache = MaskCache(words, PLACE_CACHE_MB << 20)
@@ -446,12 +445,11 @@ def main(argv: list[str]) -> int:
         # a stopped (complete) or failed matcher's mask allows EOS only: the engine ends its sequence on it
         fill, keep = [], []
         for s, m in touched.items():
-            key = places.key(s) if places is not None else None
+            key, row = places.cached(s, cache) if places is not None else (None, None)
+            if row is not None:
+                rows[s] = row
+                continue
             if key is not None:
-                row = cache.get(key)
-                if row is not None:
-                    rows[s] = row
-                    continue
                 keep.append((s, key))
             fill.append((m, s))
         compute_masks(executor, fill, base, words * 4)

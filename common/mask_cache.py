@@ -24,6 +24,7 @@ one JSON schema with the engine's options, a member longer than ``MAX_MEMBER`` b
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections import OrderedDict
@@ -44,6 +45,11 @@ _PLACE_IDS = itertools.count()  # places of every schema, numbered
 # whitespace, so a place has one spelling
 _OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ITEM_SEPARATOR = b", "
+
+
+def token_bytes_of(lltok: Any) -> Any:
+    """llguidance tokenizer ``lltok``'s bytes of a token (as its grammars read them), each token decoded once."""
+    return functools.lru_cache(maxsize=None)(lambda t: lltok.decode_bytes([t]))
 
 
 def token_reach(token_bytes: Any, vocab_size: int) -> int:
@@ -326,6 +332,12 @@ class PlaceKeys:
                 entry[1].feed(self._bytes(token))
             else:
                 entry[1].broken = True
+
+    def cached(self, slot: int, cache: MaskCache) -> tuple[tuple | None, np.ndarray | None]:
+        """The slot's next mask from ``cache``: (its key, None: not cacheable; the kept mask, None: not kept yet,
+        llguidance makes it and the caller keeps it under the key)."""
+        key = self.key(slot)
+        return key, cache.get(key) if key is not None else None
 
     def key(self, slot: int) -> tuple[int, int | bytes] | None:
         """(the place's number, the plain string's characters so far or the member's bytes)."""

@@ -25,7 +25,6 @@ Run: ``tokenmill bench structured [--steps 32] [--rounds 2] [--dtype bfloat16] [
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 import os
@@ -183,12 +182,12 @@ def bench_places(tok: Any, vocab: int, eos: int, documents: int = 16) -> dict[st
     import numpy as np
 
     from common.grammar_proc import make_tokenizer
-    from common.mask_cache import MaskCache, PlaceKeys, token_reach
+    from common.mask_cache import MaskCache, PlaceKeys, token_bytes_of, token_reach
     from common.structured import _JSON_OPTIONS
 
     words = (vocab + 31) // 32
     lltok = make_tokenizer(tok.tk.to_str(), vocab, [eos])
-    token_bytes = functools.lru_cache(maxsize=None)(lambda t: lltok.decode_bytes([t]))
+    token_bytes = token_bytes_of(lltok)
     text = llg.LLMatcher.grammar_from_json_schema(PEOPLE, defaults=_JSON_OPTIONS)
     rng = random.Random(1)
     docs = [tok.encode(json.dumps({"people": [{"name": rng.choice(_NAMES), "age": rng.randint(18, 99),
@@ -204,8 +203,7 @@ def bench_places(tok: Any, vocab: int, eos: int, documents: int = 16) -> dict[st
         keys.add(0, text, [])
         for t in ids:
             t0 = time.perf_counter()
-            key = keys.key(0)
-            kept = cache.get(key) if key is not None else None
+            key, kept = keys.cached(0, cache)
             if kept is not None:
                 row[:] = kept
                 hits += 1

@@ -32,5 +32,5 @@ def test_the_cache_of_masks_by_place_serves_most_masks_of_long_lists():
     tok = load_tokenizer()
     r = bench_places(tok, tok.vocab_size, tok.tk.token_to_id(tok.eos_token), documents=4)
     assert r["documents"] == 4 and r["masks"] > 4 * 8 * 10  # at least 8 records of ~10 tokens a document
-    assert r["cached_share"] > 0.8, r
+    assert r["cached_share"] > 0.8, r  # with a place per item index: 0.47
     assert r["ms_cache"] > 0 and r["ms_llguidance"] > 0
