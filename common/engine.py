@@ -651,9 +651,7 @@ class LLMEngine:
     def _send_tokens(self, seqs: list[Sequence], toks: list[int]) -> None:
         """The constrained rows' tokens to the grammar mask process, which starts on their next masks."""
         if self._grammars is not None and self._grammars.masks is not None:
-            for s, tok in zip(seqs, toks):
-                if s.matcher is not None:
-                    s.matcher.send(tok)
+            GrammarMatcher.send_all([s.matcher for s in seqs], toks, self._grammars.masks)
             self._grammars.flush()
 
     def _live(self, s: Sequence) -> bool:

@@ -86,6 +86,10 @@ PLACE_CACHE_MB = int(os.environ.get("TOKENMILL_GRAMMAR_PLACE_CACHE_MB", "32"))
 # a batch whose fill took longer than this is "slow" (tokenmill:grammar_mask_slow_batches): about a small model's
 # decode step on a GPU, which the fill has to fit in for the pick not to wait
 SLOW_FILL_S = 0.001
+# A pick that does not wait for its masks on the host (a GPU's) leaves the child's answers in the pipe until this
+# many batches are unanswered as far as the engine has read: a read is a system call, 5-10 µs on a step's path in
+# a virtual machine; 256 answers are 8 KiB of the pipe's 64.
+ANSWERS_UNREAD = 256
 
 
 class MaskProcess:
@@ -178,6 +182,10 @@ class MaskProcess:
         """The engine thread only (as ``flush``): no lock."""
         self._ops.append(slot << 32 | token)
 
+    def advance_all(self, ops: list[int]) -> None:
+        """``advance`` for a step's rows at once, each op ``slot << 32 | token``. The engine thread only."""
+        self._ops += ops
+
     def _drop(self, slot: int) -> None:
         with self._lock:
             if self.dead:
@@ -205,9 +213,9 @@ class MaskProcess:
             except OSError as e:
                 self._die(f"could not write to it ({e})")
                 return
-            batch = self._slot_batch
+            batch, sent = self._slot_batch, self._sent
             for op in ops:
-                batch[op >> 32 if type(op) is int else op[1]] = self._sent
+                batch[op >> 32 if type(op) is int else op[1]] = sent
 
     def locate(self, matchers: Sequence[GrammarMatcher], wait: bool = True) -> tuple[list[int], int]:
         """The slot (row of ``rows``) with each matcher's next mask, -1 where the engine fills it (not mirrored,
@@ -233,7 +241,8 @@ class MaskProcess:
             need = max(map(self._slot_batch.__getitem__, served)) if served else 0
             if need > self._done:
                 if not wait:
-                    self._poll()  # the answers read as they come (they would fill the pipe), not waited for
+                    if self._sent - self._done > ANSWERS_UNREAD:
+                        self._poll()  # read in bulk (unread, they would fill the pipe), not waited for
                 elif not self._wait(need, REPLY_TIMEOUT_S):
                     if not self.dead:
                         self._die(f"no answer in {REPLY_TIMEOUT_S:g} s")
@@ -245,6 +254,12 @@ class MaskProcess:
             self.remote_rows += len(served)
             self.inline_rows += len(matchers) - len(served)
             return at, need
+
+    def read_answers(self) -> None:
+        """Read the answers the child has written (the counters above are up to date after it)."""
+        with self._lock:
+            if not self.dead:
+                self._poll()
 
     def hung(self) -> None:
         """A wait on the device for an answer gave up (``triton_ops.MASK_WAIT_SPINS``): fill inline from now on."""

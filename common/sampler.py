@@ -523,7 +523,7 @@ class _PickGraphs:
             src = self.sampler._device_masks(constrained, key.rows)
             if src is None:
                 return None
-            if self.mask_src is None or src.table.data_ptr() != self.mask_src.table.data_ptr():
+            if self.mask_src is None or src.table is not self.mask_src.table:  # one tensor for every row count
                 self.graphs = {k: g for k, g in self.graphs.items() if not k.masked}  # they read the old ones
                 assert not isinstance(self.sampler._table, bool) and self.sampler._table is not None
                 self.mask_src = self.sampler._table[1]
@@ -624,7 +624,11 @@ class Sampler:
         # pick that read them
         self._table: tuple[MaskTable, _DeviceMasks] | bool | None = None
         self._index: _Mapped | None = None
+        self._waits = np.zeros(2, np.int64)  # the index's last 16 bytes: the batch the pick waits for, the flag
         self._indexed: tuple[list[int] | None, list[int], int] = (None, [], 0)  # what the index holds: (at, idx, padded)
+        self._padded: dict[int, _DeviceMasks] = {}  # the mapped masks with the index cut to a graph's rows
+        self._grammars_of: tuple[list[GrammarMatcher | None], tuple[list[int], list[GrammarMatcher], MaskTable]
+                                 ] | None = None  # the last _table_of: its rows' matchers and what it found
         self._read: torch.cuda.Event | None = None
         self._readback = _Readback()
         # CUDA: the processed pick as graphs (``cuda_graphs=False``: eager, as on the CPU)
@@ -757,15 +761,23 @@ class Sampler:
 
     def _table_of(self, rows: list[SampleRow]) -> tuple[list[int], list[GrammarMatcher], MaskTable] | None:
         """The constrained rows' indices, their matchers and the mask table they fill (one compiler's); None
-        without any."""
-        idx = [i for i, r in enumerate(rows) if r.grammar is not None]
-        if not idx:
-            return None
-        matchers = [g for g in (rows[i].grammar for i in idx) if g is not None]
-        table = matchers[0].table
-        if any(g.table is not table for g in matchers):
-            raise ValueError("a step's constrained rows come from different grammar compilers")
-        return idx, matchers, table
+        without any. The rows' matchers as the last call's (a decode batch, step after step): the same lists back."""
+        grammars = [r.grammar for r in rows]
+        last = self._grammars_of
+        if last is not None and last[0] == grammars:  # identities: a matcher has no __eq__
+            return last[1]
+        idx = [i for i, g in enumerate(grammars) if g is not None]
+        found: tuple[list[int], list[GrammarMatcher], MaskTable] | None = None
+        if idx:
+            matchers = [g for g in grammars if g is not None]
+            table = matchers[0].table
+            if any(g.table is not table for g in matchers):
+                raise ValueError("a step's constrained rows come from different grammar compilers")
+            found = (idx, matchers, table)
+        # held until the next call with other rows, as MaskProcess.locate holds them: a finished row's slot is
+        # freed a pick late
+        self._grammars_of = (grammars, found) if found is not None else None
+        return found
 
     def _fill(self, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor] | None:
         """The constrained rows' indices and their masks as one host bitmask [M, words] (int32, bit ``t % 32`` of
@@ -792,7 +804,9 @@ class Sampler:
                 if self._index is None:  # each row's row of the table, then the batch it waits for and the flag
                     self._index = _Mapped(np.frombuffer(mmap.mmap(-1, 4 * _GRAPH_MAX_ROWS + 16), np.int32),
                                           self._ws.device)
+                    self._waits = self._index.host[_GRAPH_MAX_ROWS:].view(np.int64)
                 self._table = (table, _DeviceMasks.of(table, _Mapped.of(table.shared, self._ws.device), self._index))
+                self._padded = {}
             except RuntimeError as e:
                 log.warning("sampler: the grammar mask table cannot be mapped into the device (%s); masks go up as "
                             "a bias, slower", e)
@@ -802,7 +816,7 @@ class Sampler:
         assert not isinstance(self._table, bool) and self._index is not None
         if self._read is not None:
             self._read.synchronize()  # the last pick that read the table and the index (done by now: its tokens were read)
-        waits = self._index.host[_GRAPH_MAX_ROWS:].view(np.int64)  # [the batch the pick waits for, the flag]
+        waits = self._waits  # [the batch the pick waits for, the flag]
         if waits[1]:  # the last wait gave up: the mask process hangs
             waits[1] = 0
             if table.remote is not None:
@@ -813,8 +827,10 @@ class Sampler:
             index[:padded] = -1
             index[idx] = at
             self._indexed = (at, idx, padded)
-        masks = self._table[1]
-        return masks if padded == _GRAPH_MAX_ROWS else masks.padded(padded)
+        masks = self._padded.get(padded)
+        if masks is None:
+            masks = self._padded[padded] = self._table[1].padded(padded)
+        return masks
 
     def _masks_read(self) -> None:
         """Mark the end of the kernels queued to read the mask table and index: the next fill waits for it."""

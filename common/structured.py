@@ -130,6 +130,8 @@ class MaskTable:
         parallel without the GIL; and the batch of the mask process's that those rows need, 0 for none. With
         ``wait`` it has been answered already; without, the reader waits until ``answered`` reaches it."""
         at, need = self.remote.locate(matchers, wait) if self.remote is not None else ([-1] * len(matchers), 0)
+        if not at or min(at) >= 0:  # every row the mask process's (a decode batch's steady state)
+            return at, need
         todo = [i for i, a in enumerate(at) if a < 0]
         if len(todo) > self.inline:
             raise ValueError(f"{len(todo)} constrained rows in one pick; the mask table has {self.inline} rows "
@@ -196,6 +198,12 @@ class GrammarMatcher:
         if self._remote is not None:
             self._remote.advance(self._slot, token)
 
+    @staticmethod
+    def send_all(matchers: Sequence[GrammarMatcher | None], tokens: Sequence[int], remote: MaskProcess) -> None:
+        """``send`` for a step's rows at once (None: a row without a constraint), in one pass: the matchers
+        mirrored in ``remote``, their compiler's mask process, the only one they can be mirrored in."""
+        remote.advance_all([m._slot << 32 | t for m, t in zip(matchers, tokens) if m is not None and m._remote is remote])
+
     def consume(self, token: int) -> bool:
         """The second half: this matcher's own advance, left to a live mirror (True), else done here (False: the
         grammar does not allow the token)."""
@@ -259,6 +267,8 @@ class GrammarCompiler:
         """The constrained rows' masks so far, by where they came from (``/metrics``: tokenmill:grammar_masks):
         the mask process's cache of masks by place, llguidance in the mask process, the engine's own thread."""
         m = self.masks
+        if m is not None:
+            m.read_answers()
         cached = m.cached_rows if m is not None else 0
         return {"cache": cached, "process": (m.remote_rows - cached) if m is not None else 0,
                 "inline": self.table.filled_here}
@@ -269,6 +279,7 @@ class GrammarCompiler:
         m = self.masks
         if m is None:
             return {}
+        m.read_answers()
         return {"batches": m.batches, "fill_seconds": m.fill_seconds, "slow_batches": m.slow_batches}
 
     def compile(self, so: StructuredOutput) -> llg.LLMatcher:

@@ -404,6 +404,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         fill_s.clear()
         advance_s.clear()
         if masks is not None:
+            masks.read_answers()  # the last window's, left out
             masks.batch_times.clear()
         gpu_marks.clear()
         for _ in range(n):
@@ -426,6 +427,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
             masked_fill.extend(fill_s)
             masked_advance.extend(advance_s)
             if masks is not None:
+                masks.read_answers()
                 child_times.extend(masks.batch_times)
         print(f"  {tag}: median step {statistics.median(times) * 1e3:.1f} ms", flush=True)
         for i in range(BATCH):
@@ -443,6 +445,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
             masks = eng.grammars.masks
             if masks is not None:  # matchers made before the child was ready stay inline: time the ones after
                 assert masks.wait_ready(), "the grammar mask process did not start"
+                masks.read_answers()
                 masks.remote_rows = masks.inline_rows = masks.cached_rows = 0
             masked_fill.clear()
             masked_advance.clear()
@@ -472,6 +475,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         phases["constrained" if c else "none"] = {k: med(r.get(k, 0.0) for r in rows) * 1e3 for k in keys}
     if masks is not None:
         assert masks.remote_rows and not masks.inline_rows, (masks.remote_rows, masks.inline_rows)
+        masks.read_answers()
     eng.close()
     return {"model": model or "SmolLM2-135M-Instruct", "dtype": dtype, "temperature": temperature, "batch": BATCH,
             "fill": "process" if masks is not None else "inline", "steps": len(plain),

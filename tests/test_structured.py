@@ -496,6 +496,31 @@ def test_a_wait_that_gave_up_on_the_device_ends_the_mask_process():
     mirrored.close()
 
 
+def test_answers_a_pick_did_not_wait_for_are_read_in_bulk_and_counted():
+    """Picks that do not wait on the host (a GPU's) leave the child's answers in the pipe (a read is a system call
+    on the step's path); the counters behind /metrics read them first, so every answered batch is counted."""
+    tok = load_tokenizer()
+    mirrored = GrammarCompiler(tok.tk.to_str(), V, EOS, fill_process=True)
+    masks = mirrored.masks
+    assert masks is not None and masks.wait_ready()
+    m = mirrored.matcher(PERSON_SO)
+    walk = tok.encode(json.dumps({"name": "Ada", "age": 36}), add_special_tokens=False)
+    for t in walk:
+        mirrored.flush()
+        mirrored.table.fill([m], wait=False)
+        m.send(t)
+        assert m.consume(t)
+    mirrored.flush()
+    deadline = time.monotonic() + 10
+    while masks.answered[0] < masks._sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert masks.answered[0] == masks._sent == len(walk) + 1
+    assert masks._done < masks._sent  # not read on the way
+    assert mirrored.fill_stats()["batches"] == len(walk) + 1
+    assert sum(mirrored.mask_counts().values()) == len(walk)
+    mirrored.close()
+
+
 def test_without_memfd_the_masks_are_filled_inline(monkeypatch):
     """Where the mask process cannot start (no memfd_create off Linux), the compiler fills inline and says so."""
     import os
