@@ -4,6 +4,7 @@ ended (the runs that sent a flood its client never got out read as 'cancelled', 
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,30 @@ def test_a_result_names_its_commit_and_the_code_files_that_differ_from_it(tmp_pa
     (tmp_path / "common/c.py").write_text("x = 4\n")
     assert _source_state(tmp_path)["uncommitted_sha1"] != got["uncommitted_sha1"]
     assert _source_state(tmp_path / "nowhere") == {"commit": "unknown"}
+
+
+def test_a_target_inside_the_sampling_interval_is_said_to_be_not_resolved():
+    from loadgen.bench_tenants import _verdict
+
+    assert _verdict(1.05, 1.10, (0.98, 1.12)).startswith("met, not resolved: 90% interval from sampling -2% … +12%")
+    assert _verdict(1.05, 1.10, (0.98, 1.08)).startswith("met; ")
+    assert _verdict(1.32, 1.20, (1.23, 1.38)).startswith("MISSED; ")
+    assert _verdict(1.32, 1.20, (1.10, 1.38)).startswith("MISSED, not resolved")
+    assert _verdict(1.32, 1.20, None) == "MISSED"
+    assert _verdict(1.0, 1.20, (math.nan, math.nan)) == "met"
+
+
+def test_the_targets_line_carries_each_ratios_sampling_interval():
+    """A stored result of a GPU run (docs/results), with the intervals this run would have computed."""
+    import json
+
+    from loadgen.bench_tenants import format_result
+
+    root = Path(__file__).resolve().parents[2]
+    r = json.loads((root / "docs/results/tenants-noisy-neighbour-h200-cap16.json").read_text())
+    r["ratio_interval_90"] = {"ttft_p99": [1.23, 1.38], "tpot_p99": [0.9, 1.12]}
+    assert format_result(r).splitlines()[-1] == (
+        "targets: TTFT p99 moved +32% (< +20%: MISSED; 90% interval from sampling +23% … +38%), TPOT p99 moved -2% "
+        "(< +10%: met, not resolved: 90% interval from sampling -10% … +12%)")
+    del r["ratio_interval_90"]  # a result from before the intervals
+    assert format_result(r).splitlines()[-1].endswith("(< +10%: met)")

@@ -222,3 +222,24 @@ def test_histogram_tail_counts_the_observations_above_a_bound_between_two_scrape
     h.labels("0").observe(5.0)  # past the last finite bound
     assert histogram_tail(after, parse(generate_latest(reg).decode()), "t:pause_seconds", 0.05) == (1.0, 1.0, math.inf)
     assert histogram_tail({}, {}, "t:absent_seconds", 0.05) == (0.0, 0.0, None)
+
+
+def test_a_ratio_of_percentiles_comes_with_how_far_sampling_alone_moves_it():
+    """The bootstrap interval of a p99 ratio: it holds the true ratio, narrows as the samples grow, is the same for
+    the same seed, and is NaN without samples on a side."""
+    import numpy as np
+
+    from loadgen.metrics import ratio_interval
+
+    rng = np.random.default_rng(1)
+    small_a, small_b = rng.lognormal(0, 0.5, 160), 1.5 * rng.lognormal(0, 0.5, 160)
+    big_a, big_b = rng.lognormal(0, 0.5, 20000), 1.5 * rng.lognormal(0, 0.5, 20000)
+    lo, hi = ratio_interval(small_a, small_b, 99)
+    blo, bhi = ratio_interval(big_a, big_b, 99, resamples=400)
+    assert lo < 1.5 < hi and blo < 1.5 < bhi
+    assert bhi - blo < (hi - lo) / 3  # 125x the samples: a much narrower interval
+    assert hi - lo > 0.3  # 160 requests' p99 is their second-worst: it moves a lot
+    assert ratio_interval(small_a, small_b, 99) == (lo, hi)
+    assert all(math.isnan(x) for x in ratio_interval([], small_b, 99))
+    mlo, mhi = ratio_interval(small_a, small_b, 50)
+    assert mhi - mlo < hi - lo  # the median's ratio is far steadier than the p99's
