@@ -87,8 +87,8 @@ PLACE_CACHE_MB = int(os.environ.get("TOKENMILL_GRAMMAR_PLACE_CACHE_MB", "32"))
 # decode step on a GPU, which the fill has to fit in for the pick not to wait
 SLOW_FILL_S = 0.001
 # A pick that does not wait for its masks on the host (a GPU's) leaves the child's answers in the pipe until this
-# many batches are unanswered as far as the engine has read: a read is a system call, 5-10 µs on a step's path in
-# a virtual machine; 256 answers are 8 KiB of the pipe's 64.
+# many batches are unanswered as far as the engine has read: each read is a system call on the step's path, and
+# 256 answers are 8 KiB of the pipe's 64.
 ANSWERS_UNREAD = 256
 
 

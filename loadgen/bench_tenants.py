@@ -356,10 +356,10 @@ def _measured(records: list[RequestRecord], key: str) -> list[float]:
     return [r.tpot for r in done if r.tpot is not None and r.output_tokens > 1]
 
 
-def _verdict(ratio: float, target: float, interval: list[float] | tuple[float, float] | None) -> str:
+def _verdict(ratio: float, target: float, interval: Any) -> str:
     """"met" / "MISSED" by the ratio, and whether the requests measured could tell (the interval's side)."""
     said = "met" if ratio < target else "MISSED"
-    if interval is None or any(math.isnan(x) for x in interval):
+    if interval is None or any(x is None or math.isnan(x) for x in interval):  # no requests on a side
         return said
     lo, hi = interval
     span = f"90% interval from sampling {100 * (lo - 1):+.0f}% … {100 * (hi - 1):+.0f}%"

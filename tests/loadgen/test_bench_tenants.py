@@ -100,6 +100,7 @@ def test_a_target_inside_the_sampling_interval_is_said_to_be_not_resolved():
     assert _verdict(1.32, 1.20, (1.10, 1.38)).startswith("MISSED, not resolved")
     assert _verdict(1.32, 1.20, None) == "MISSED"
     assert _verdict(1.0, 1.20, (math.nan, math.nan)) == "met"
+    assert _verdict(1.0, 1.20, [None, None]) == "met"  # NaN as the result file writes it
 
 
 def test_the_targets_line_carries_each_ratios_sampling_interval():
