@@ -11,9 +11,10 @@ The engine side is a ``WorkerCore`` (its subclasses: services/decode/core.py, se
 calls its methods by name (``CoreHandle.call``); each runs on the engine thread between two steps, and a call, once
 made, runs even if its caller stops waiting. The core tells the front what happened through events
 (``WorkerCore.emit(kind, *args)``), which the front's ``on_core_event`` takes: ``outputs`` (a step's outputs),
-``stats`` (the engine's counters, after every loop iteration: what ``/metrics`` reads) and the role's own (a KV
-pull's first token, a lease to give back, a transfer's figures). ``validate`` is the one call that runs off the
-engine thread, on a thread of its own (it reads only the engine's configuration, and may compile a grammar).
+``stats`` (the engine's counters, every ``STATS_INTERVAL_S`` while it works and at once when it is idle: what
+``/metrics`` reads) and the role's own (a KV pull's first token, a lease to give back, a transfer's figures).
+``validate`` is the one call that runs off the engine thread, on a thread of its own (it reads only the engine's
+configuration, and may compile a grammar).
 
 Two handles, one interface:
 - ``ProcessCore`` (``worker_engine_process``, the default): the core in a spawned child process, its calls and
@@ -126,6 +127,12 @@ class CoreInfo:
     tokenizer: TokenizerParts | None
 
 
+# While the engine works its counters go to the front at most this often: a report is ~60 counters gathered and
+# pickled on the engine thread (the grammar mask process's answers read for them), which every loop iteration
+# paid before. /metrics is read every few seconds; an engine with nothing left to do reports at once.
+STATS_INTERVAL_S = 0.05
+
+
 class WorkerCore:
     """The engine side of a worker: the engine, its NIXL agent, and the methods the front calls by name (on the
     engine thread). Subclasses add their role's calls and hooks."""
@@ -137,6 +144,7 @@ class WorkerCore:
         self.agent: KvTransferAgent | None = None
         self.loop: EngineLoop | None = None
         self.profiler = EngineProfiler(cfg.cluster.profile_dir, cfg.name)
+        self._stats_at = -STATS_INTERVAL_S  # when the counters last went to the front (monotonic s)
 
     def setup(self) -> LLMEngine:
         """Build the engine and the agent (on the engine thread: the process's only torch thread)."""
@@ -163,13 +171,19 @@ class WorkerCore:
 
     def after(self, end: bool) -> None:
         """Before a step (``end`` False) and at the end of each loop iteration: the front's view of the counters
-        is renewed at the end."""
-        if end:
-            assert self.engine is not None
-            queued, first = self.engine.drain_latencies()
-            if queued or first:
-                self.emit("latencies", queued, first)
-            self.emit("stats", self.stats())
+        (and the requests' queue times and TTFTs for its histograms) is renewed at the end, every
+        ``STATS_INTERVAL_S`` while the engine works and at once when it has nothing left to do."""
+        if not end:
+            return
+        assert self.engine is not None
+        now = time.monotonic()
+        if now - self._stats_at < STATS_INTERVAL_S and (self.engine.has_unfinished() or self.busy()):
+            return
+        self._stats_at = now
+        queued, first = self.engine.drain_latencies()
+        if queued or first:
+            self.emit("latencies", queued, first)
+        self.emit("stats", self.stats())
 
     def stats(self) -> dict[str, float]:
         """The numbers ``/metrics`` shows of the engine and the agent (``WorkerMetrics.bind``, ``STATS_GAUGES``)."""

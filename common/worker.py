@@ -137,8 +137,9 @@ class WorkerMetrics:
 
     def bind(self, stats: Callable[[], dict[str, float]]) -> None:
         """Read the engine's and the agent's counters at scrape time from ``stats()``: the engine core's last
-        report, renewed after every loop iteration (``WorkerCore.stats``: a key per gauge of ``STATS_GAUGES``, named
-        as the gauge's attribute here, and the priority classes' ``waiting_CLASS`` / ``running_CLASS``)."""
+        report, renewed every ``STATS_INTERVAL_S`` while it works and when it goes idle (``WorkerCore.stats``: a
+        key per gauge of ``STATS_GAUGES``, named as the gauge's attribute here, and the priority classes'
+        ``waiting_CLASS`` / ``running_CLASS``)."""
         def read(key: str) -> Callable[[], float]:
             return lambda: stats().get(key, 0.0)
 

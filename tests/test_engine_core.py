@@ -153,6 +153,26 @@ def test_calls_results_errors_and_events_cross_to_the_core(handle: type[ProcessC
         assert "stats" in front.kinds[front.kinds.index("outputs"):] and not front.failures  # counters after a step
 
 
+def test_counters_go_to_the_front_at_intervals_while_busy_and_at_once_when_idle(monkeypatch) -> None:
+    """A long request's steps do not each carry the engine's counters (STATS_INTERVAL_S apart at most once
+    busy); the iteration that finds the engine idle sends them, current."""
+    import common.engine_core as engine_core
+
+    monkeypatch.setattr(engine_core, "STATS_INTERVAL_S", 3600.0)
+    with _running(ThreadCore) as r:
+        core, front = r.core, r.front
+        long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        core.call("admit", "a", _request("a"), long, Tenancy(), None).result(timeout=30)
+        assert front.done("a").wait(120) and len(front.tokens["a"]) == 40
+        deadline = time.monotonic() + 30
+        while front.stats.get("running", 1) != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first, last = front.kinds.index("outputs"), len(front.kinds) - front.kinds[::-1].index("outputs")
+        assert front.kinds.count("outputs") >= 20  # the steps of one request
+        assert front.kinds[first:last].count("stats") <= 1  # the engine's first report at most, in its steps
+        assert front.stats["running"] == 0 and front.stats["steps"] >= 40  # then the idle iteration's, current
+
+
 def test_a_core_process_that_dies_fails_its_calls_and_the_front() -> None:
     with _running() as r:
         core, front = r.core, r.front
