@@ -179,12 +179,14 @@ class MaskProcess:
         return True
 
     def advance(self, slot: int, token: int) -> None:
-        """The engine thread only (as ``flush``): no lock."""
-        self._ops.append(slot << 32 | token)
+        """The engine thread only (as ``flush``): no lock. Nothing once the child is gone (nothing sends it)."""
+        if not self.dead:
+            self._ops.append(slot << 32 | token)
 
     def advance_all(self, ops: list[int]) -> None:
         """``advance`` for a step's rows at once, each op ``slot << 32 | token``. The engine thread only."""
-        self._ops += ops
+        if not self.dead:
+            self._ops += ops
 
     def _drop(self, slot: int) -> None:
         with self._lock:

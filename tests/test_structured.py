@@ -493,6 +493,10 @@ def test_a_wait_that_gave_up_on_the_device_ends_the_mask_process():
     assert masks.dead and masks.answered[0] == RELEASED
     at, need = mirrored.table.fill([m], wait=False)
     assert at[0] >= masks.capacity and need == 0  # filled inline, in the engine's rows: nothing to wait for
+    t = load_tokenizer().encode("{", add_special_tokens=False)[0]
+    m.send(t)
+    type(m).send_all([m, None], [t, t], masks)
+    assert masks._ops == []  # the tokens of a mirror that is gone are not kept for a flush that never comes
     mirrored.close()
 
 
