@@ -128,8 +128,8 @@ class CoreInfo:
 
 
 # While the engine works its counters go to the front at most this often: a report is ~60 counters gathered and
-# pickled on the engine thread (the grammar mask process's answers read for them), which every loop iteration
-# paid before. /metrics is read every few seconds; an engine with nothing left to do reports at once.
+# pickled on the engine thread (the grammar mask process's answers read for them), too much for every step, and
+# /metrics is read every few seconds. An engine with nothing left to do reports at once.
 STATS_INTERVAL_S = 0.05
 
 
