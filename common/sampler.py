@@ -766,18 +766,18 @@ class Sampler:
         last = self._grammars_of
         if last is not None and last[0] == grammars:  # identities: a matcher has no __eq__
             return last[1]
+        self._grammars_of = None
+        if not any(grammars):  # no constrained row (the CPU's plain batches ask every step)
+            return None
         idx = [i for i, g in enumerate(grammars) if g is not None]
-        found: tuple[list[int], list[GrammarMatcher], MaskTable] | None = None
-        if idx:
-            matchers = [g for g in grammars if g is not None]
-            table = matchers[0].table
-            if any(g.table is not table for g in matchers):
-                raise ValueError("a step's constrained rows come from different grammar compilers")
-            found = (idx, matchers, table)
+        matchers = [g for g in grammars if g is not None]
+        table = matchers[0].table
+        if any(g.table is not table for g in matchers):
+            raise ValueError("a step's constrained rows come from different grammar compilers")
         # held until the next call with other rows, as MaskProcess.locate holds them: a finished row's slot is
         # freed a pick late
-        self._grammars_of = (grammars, found) if found is not None else None
-        return found
+        self._grammars_of = (grammars, (idx, matchers, table))
+        return idx, matchers, table
 
     def _fill(self, rows: list[SampleRow]) -> tuple[list[int], torch.Tensor] | None:
         """The constrained rows' indices and their masks as one host bitmask [M, words] (int32, bit ``t % 32`` of
