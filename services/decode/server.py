@@ -41,7 +41,7 @@ from common.engine import RequestOutput, TokenLogprob
 from common.output_filter import OutputPolicy, PolicySet
 from common.output_processor import OutputProcessor, TextDelta
 from common.sampling import SamplingParams
-from common.sequence import Tenancy
+from common.sequence import PriorityClass, Tenancy
 from common.wire import sampling_params_from_proto, tenancy_from_meta
 from common.worker import FINISH_TO_PROTO, WorkerBase, logprob_proto
 from services.decode.core import DecodeCore
@@ -67,6 +67,7 @@ class _Add:
     params: SamplingParams
     prior_output_ids: list[int]
     policy: OutputPolicy | None
+    batch_class: bool  # its outputs wait for every other class's in a step (``_turns``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +272,8 @@ class DecodeWorker(WorkerBase):
             self._trace[r.rid] = telemetry.context_with(r.span)
             self.peers.warm(r.lease.kv)  # the link to the prefill worker wakes while the claim and admission run
             await self.peers.claim(r.lease)  # before the first token; no claim: the prompt is recomputed here
-        self._detok_q.put(_Add(r.rid, r.prompt, r.params, r.prior, self.policies.for_request(r.request.meta.tenant_id)))
+        self._detok_q.put(_Add(r.rid, r.prompt, r.params, r.prior, self.policies.for_request(r.request.meta.tenant_id),
+                                 r.tenancy.klass is PriorityClass.BATCH))
         r.admitted = True
         await self.call("admit", r.rid, r.request, r.params, r.tenancy, r.lease)
 
@@ -293,7 +295,9 @@ class DecodeWorker(WorkerBase):
 
     # -- detokenizer thread ------------------------------------------------------------------------------
     def _detok_run(self, proc: OutputProcessor) -> None:
-        """Drain everything queued, turn it into text, and wake the asyncio loop once per drain."""
+        """Drain everything queued, turn it into text, and wake the asyncio loop once per drain (and between a
+        step's turns)."""
+        batch_rids: set[str] = set()  # the streams of the batch class
         while True:
             batch = [self._detok_q.get()]
             while not self._detok_q.empty():
@@ -303,29 +307,31 @@ class DecodeWorker(WorkerBase):
                 match msg:
                     case _Stop():
                         return
-                    case _Add(rid, prompt, params, prior, policy):
+                    case _Add(rid, prompt, params, prior, policy, batch_class):
                         proc.add(rid, prompt, params, prior, policy)
+                        if batch_class:
+                            batch_rids.add(rid)
                     case _Discard(rid):
                         proc.discard(rid)
+                        batch_rids.discard(rid)
                     case _Out(o):
                         self._detok_one(proc, o, ready)
                     case _Outs(outs):
-                        # a request's first tokens first, handed over at once (they make its TTFT); the others
+                        # in turns (``_turns``), each handed over before the next; the later outputs of a turn
                         # in chunks, giving the GIL up between them (see the constant)
-                        later = []
-                        for o in outs:
-                            if o.num_output_tokens <= len(o.new_token_ids):
-                                self._detok_one(proc, o, ready)
-                            else:
-                                later.append(o)
-                        if ready and later:
-                            self.call_in_aio(self._deliver_many, ready)
-                            ready = []
                         every = self._detok_yield_every
-                        for i, o in enumerate(later, 1):
-                            self._detok_one(proc, o, ready)
-                            if every and i % every == 0:
-                                time.sleep(0)
+                        for k, (first, turn) in enumerate(_turns(outs, batch_rids)):
+                            if k and ready:
+                                self.call_in_aio(self._deliver_many, ready)
+                                ready = []
+                            for i, o in enumerate(turn, 1):
+                                self._detok_one(proc, o, ready)
+                                if every and not first and i % every == 0:
+                                    time.sleep(0)
+                        if batch_rids:
+                            for o in outs:
+                                if o.finished:
+                                    batch_rids.discard(o.request_id)
             if ready:
                 self.call_in_aio(self._deliver_many, ready)
 
@@ -348,6 +354,25 @@ class DecodeWorker(WorkerBase):
         q = self.streams.get(rid)
         if q is not None:
             q.put_nowait(item)
+
+
+def _turns(outs: list[RequestOutput], batch_rids: set[str]) -> list[tuple[bool, list[RequestOutput]]]:
+    """A step's outputs in the order the detokenizer takes them, each turn handed to the asyncio loop before the
+    next (and flagged when it holds first tokens): first tokens, which make a request's TTFT, then the others; and
+    the batch class's after every other class's, so a batch tenant's stream of tokens does not hold up an
+    interactive one's in this process."""
+    groups = [outs]
+    if batch_rids:
+        urgent = [o for o in outs if o.request_id not in batch_rids]
+        if len(urgent) < len(outs):
+            groups = [urgent, [o for o in outs if o.request_id in batch_rids]]
+    turns = []
+    for group in groups:
+        first = [o for o in group if o.num_output_tokens <= len(o.new_token_ids)]
+        rest = [o for o in group if o.num_output_tokens > len(o.new_token_ids)] if first else group
+        turns += [(True, first)] if first else []
+        turns += [(False, rest)] if rest else []
+    return turns
 
 
 def _merge(items: list[_Item], request_id: str = "") -> decode_pb2.TokenDelta:

@@ -9,7 +9,8 @@ import asyncio
 import grpc
 from tokenmill.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
-from services.decode.server import DecodeWorker
+from common.engine import FinishReason, RequestOutput
+from services.decode.server import DecodeWorker, _turns
 from tests.services.harness import HOST, cluster, free_port, serving
 
 PROMPTS = {"a": [1, 2, 3, 4, 5], "b": [9, 8, 7, 6, 5, 4, 3], "c": [42] * 20}
@@ -57,10 +58,14 @@ def test_many_requests_share_one_decode_stream():
                 want[rid] = [t async for d in stub.Decode(_req(f"ref-{rid}", p).request) for t in d.token_ids]
                 assert len(want[rid]) == 8
 
-            # the same three, a bad one and a duplicate id on one stream
+            # the same three ("c" in the batch class: its outputs take the detokenizer's later turn), a bad one and
+            # a duplicate id on one stream
             call = stub.DecodeStream()
             for rid, p in PROMPTS.items():
-                await call.write(_req(rid, p))
+                req = _req(rid, p)
+                if rid == "c":
+                    req.request.meta.priority_class = common_pb2.PRIORITY_CLASS_BATCH
+                await call.write(req)
             await call.write(_req("bad", [1, 2], temperature=-1.0))
             await call.write(_req("a", [1, 2]))  # "a" is still streaming: refused, "a" itself goes on
             got: dict[str, list[int]] = {rid: [] for rid in PROMPTS}
@@ -106,6 +111,19 @@ def test_many_requests_share_one_decode_stream():
             await _all_free(worker)
 
     asyncio.run(body())
+
+
+def test_a_step_is_detokenized_first_tokens_first_and_the_batch_class_last():
+    def out(rid: str, n: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput(rid, [7], None, finished, FinishReason.LENGTH if finished else None, 4, n, 0)
+
+    i1, i2, b1, b2, f = out("i1", 3), out("i2", 1), out("b1", 1), out("b2", 5, True), out("f", 1)
+    ids = lambda turns: [(first, [o.request_id for o in t]) for first, t in turns]  # noqa: E731
+    assert ids(_turns([b2, i1, b1, i2, f], {"b1", "b2"})) == [
+        (True, ["i2", "f"]), (False, ["i1"]), (True, ["b1"]), (False, ["b2"])]
+    assert ids(_turns([b2, i1, b1], set())) == [(True, ["b1"]), (False, ["b2", "i1"])]
+    assert ids(_turns([b2, b1], {"b1", "b2"})) == [(True, ["b1"]), (False, ["b2"])]
+    assert ids(_turns([i1], {"b1"})) == [(False, ["i1"])] and _turns([], {"b1"}) == []
 
 
 def test_a_request_behind_gets_its_waiting_deltas_in_one_message():
