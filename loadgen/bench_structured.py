@@ -306,12 +306,17 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
     phase_steps: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     gpu_marks: list[tuple[Any, Any]] = []
     cuda = eng.runner.device.type == "cuda"
-    patched: list[tuple[Any, str, Any]] = []  # (object, attribute, what it was): put back at the end
+    # (object, attribute, what it was, the timed one): on in the windows that time the phases, off in those that
+    # time the steps end to end (each timer costs the host ~1 µs a call, and a constrained step makes more calls)
+    patched: list[tuple[Any, str, Any, Any]] = []
 
     def patch(obj: Any, name: str, wrap: Any) -> None:
         real = getattr(obj, name)
-        patched.append((obj, name, real))
-        setattr(obj, name, wrap(real))
+        patched.append((obj, name, real, wrap(real)))
+
+    def instrument(on: bool) -> None:
+        for obj, name, real, timed_fn in (patched if on else reversed(patched)):
+            setattr(obj, name, timed_fn if on else real)
 
     def into(acc: dict[str, float], name: str) -> Any:
         """A wrapper that adds its call's time to ``acc[name]``."""
@@ -390,7 +395,10 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
         patch(GrammarMatcher, "consume", into(parts, "advance"))
         patch(GrammarMatcher, "send", into(parts, "advance"))
 
-    def window(constrained: bool, tag: str, n: int) -> tuple[list[float], list[float]]:
+    def window(constrained: bool, tag: str, n: int, timed_phases: bool = True) -> tuple[list[float], list[float]]:
+        """``n`` steps of a batch of new requests; with ``timed_phases`` the phase timers are on (their steps' times
+        carry the timers' cost), without, the steps' times are the engine's own."""
+        instrument(timed_phases)
         w = next(windows)
         for i in range(BATCH):
             ids = tok.encode(f"JSON {names[i % 5]} records, batch {w * BATCH + i}:")
@@ -411,11 +419,13 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
             t = time.perf_counter()
             outs = eng.step()
             times.append(time.perf_counter() - t)
-            phase_steps[constrained].append({**phase, "step": times[-1], "mask fill (or wait and copy)": parts["fill"],
-                                             ("matchers' advance and send" if time_advance else
-                                              "send to the mask process"): parts["advance"]})
+            if timed_phases:
+                phase_steps[constrained].append({**phase, "step": times[-1], "mask fill (or wait and copy)":
+                                                 parts["fill"], ("matchers' advance and send" if time_advance else
+                                                                 "send to the mask process"): parts["advance"]})
             assert len(outs) == BATCH and not any(o.finished for o in outs), "a row left the batch"
-        if cuda:  # the GPU's forward, and the time from one forward's start to the next one's
+        instrument(False)
+        if cuda and timed_phases:  # the GPU's forward, and the time from one forward's start to the next one's
             torch.cuda.synchronize()
             for k, (a, b) in enumerate(gpu_marks):
                 phase_steps[constrained][k - len(gpu_marks)]["GPU: forward"] = a.elapsed_time(b) / 1e3
@@ -423,7 +433,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
                     phase_steps[constrained][k - len(gpu_marks)]["GPU: forward start to start"] = (
                         gpu_marks[k - 1][0].elapsed_time(a) / 1e3)
         upd = list(update_s)
-        if constrained:
+        if constrained and timed_phases:
             masked_fill.extend(fill_s)
             masked_advance.extend(advance_s)
             if masks is not None:
@@ -457,20 +467,23 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
             round_ratios: list[float] = []  # per round: its constrained window's median step ÷ its free window's
             for r in range(rounds):
                 got = {}
-                for constrained in ((False, True) if r % 2 == 0 else (True, False)):  # ABBA: drift cancels in pairs
-                    t, u = window(constrained, f"{'masked' if constrained else 'plain'}-{r}", steps)
+                # the end-to-end windows (no timers), ABBA so drift cancels in pairs; then the two with the phases
+                # timed
+                for constrained in ((False, True) if r % 2 == 0 else (True, False)):
+                    t, _ = window(constrained, f"{'masked' if constrained else 'plain'}-{r}", steps, False)
                     (masked if constrained else plain).extend(t)
-                    (masked_u if constrained else plain_u).extend(u)
                     got[constrained] = statistics.median(t)
                 round_ratios.append(got[True] / got[False] - 1.0)
+                for constrained in ((True, False) if r % 2 == 0 else (False, True)):
+                    _, u = window(constrained, f"{'masked' if constrained else 'plain'}-{r}-timed", steps)
+                    (masked_u if constrained else plain_u).extend(u)
     finally:
-        for obj, name, real in reversed(patched):
-            setattr(obj, name, real)
+        instrument(False)
     med = statistics.median
     extra = med(masked_u) - med(plain_u)  # the mask fill, its application and the matchers' advance
     phases = {}
     for c in (False, True):
-        rows = phase_steps[c][-len(plain):]  # the timed steps (the warm-up windows came first)
+        rows = phase_steps[c][-len(plain_u):]  # the timed steps (the warm-up windows came first)
         keys = dict.fromkeys(k for r in rows for k in r)
         phases["constrained" if c else "none"] = {k: med(r.get(k, 0.0) for r in rows) * 1e3 for k in keys}
     if masks is not None:
