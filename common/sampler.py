@@ -629,7 +629,10 @@ class Sampler:
         self._padded: dict[int, _DeviceMasks] = {}  # the mapped masks with the index cut to a graph's rows
         self._grammars_of: tuple[list[GrammarMatcher | None], tuple[list[int], list[GrammarMatcher], MaskTable]
                                  ] | None = None  # the last _table_of: its rows' matchers and what it found
+        # the end of the last pick that read the mask table and index (its token readback's event), and whether a
+        # pick queued since has read them and its readback is still to come
         self._read: torch.cuda.Event | None = None
+        self._reading = False
         self._readback = _Readback()
         # CUDA: the processed pick as graphs (``cuda_graphs=False``: eager, as on the CPU)
         self._graphs = _PickGraphs(self) if cuda_graphs and torch.device(device).type == "cuda" else None
@@ -696,12 +699,12 @@ class Sampler:
         for slot in spec.temp_slots:
             self._slots.drop(slot)
         flat, decode = _fetch(tok, spec.raw_lp, spec)
-        host, event = self._readback(flat)
+        host, event = self._read_back(flat)
         return PendingSample(tok, host, event, decode)
 
     def _tokens_only(self, tok: torch.Tensor) -> PendingSample:
         n = tok.shape[0]
-        host, event = self._readback(tok)
+        host, event = self._read_back(tok)
         return PendingSample(tok, host, event, lambda ids: SampleResult(ids, [None] * n))
 
     def processed_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -711,6 +714,10 @@ class Sampler:
         x, _ = self._process(logits, rows, spec)
         for slot in spec.temp_slots:
             self._slots.drop(slot)
+        if self._reading:  # no readback follows: the end of the masks' read gets an event of its own
+            self._reading = False
+            self._read = torch.cuda.Event()
+            record(self._read)
         return x.clone()
 
     def _spec(self, logits: torch.Tensor, rows: list[SampleRow]) -> _StepSpec:
@@ -833,10 +840,18 @@ class Sampler:
         return masks
 
     def _masks_read(self) -> None:
-        """Mark the end of the kernels queued to read the mask table and index: the next fill waits for it."""
-        if self._read is None:
-            self._read = torch.cuda.Event()
-        record(self._read)
+        """The kernels just queued read the mask table and index: the next fill waits for the pick's token
+        readback, queued after them (``_read_back``), which needs no event of its own."""
+        self._reading = True
+
+    def _read_back(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The pick's device→host copy (``_Readback``); after a pick that read the masks, its event is the one the
+        next fill waits for (``_read``: by then that copy is read, so the wait costs nothing; the event is
+        recorded again two readbacks later, at a point later still in the stream)."""
+        host, event = self._readback(flat)
+        if self._reading:
+            self._read, self._reading = event, False
+        return host, event
 
     def _masked_argmax(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> list[int]:
         """The argmax of ``logits[rows]`` over their masks' allowed tokens: one pass of the C++ kernel on the CPU
