@@ -90,14 +90,17 @@ def served_model_names(model: str, configured: tuple[str, ...]) -> list[str]:
     return names
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # json.dumps's, built once
+
+
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=json.dumps(obj, separators=(",", ":")).encode(), status=status,
+    return web.Response(body=_ENCODE(obj).encode(), status=status,
                         content_type="application/json", headers=headers)
 
 
 def _sse(obj: Any, event_id: int | None = None) -> bytes:
     head = b"" if event_id is None else b"id: %d\n" % event_id
-    return head + b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    return head + b"data: " + _ENCODE(obj).encode() + b"\n\n"
 
 
 HEARTBEAT = b": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see a live connection
@@ -150,6 +153,7 @@ class HttpFrontend:
         self._tokenizer_lock = asyncio.Lock()
         self.requests = Counter("tokenmill:http_requests", "HTTP API requests by endpoint and status code",
                                 ["endpoint", "status"], registry=gw.registry)
+        self._counted: dict[tuple[str, int], Any] = {}  # (endpoint, status) → its child of ``requests``
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._openapi: dict[str, Any] | None = None
@@ -224,7 +228,15 @@ class HttpFrontend:
             status = err.status
             return self._finish(request, _json(err.body(), err.status, err.headers))
         finally:
-            self.requests.labels(endpoint, str(status)).inc()
+            self._count(endpoint, status)
+
+    def _count(self, endpoint: str, status: int) -> None:
+        """One request in ``tokenmill:http_requests``: a dictionary probe, not prometheus_client's labels() (a lock
+        and a key built every time), as a flooding tenant's refusals come hundreds a second."""
+        child = self._counted.get((endpoint, status))
+        if child is None:
+            child = self._counted[(endpoint, status)] = self.requests.labels(endpoint, str(status))
+        child.inc()
 
     def _finish(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
         """OpenAI's ``x-ratelimit-*`` headers on every response to a tenant with quotas (a stream has them); while

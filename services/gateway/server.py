@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tokenmill.v1 import (
     common_pb2,
@@ -190,20 +191,19 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     @rpc.translate_errors
     async def Generate(self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
-        with telemetry.stream_span("generate"):  # the root of the request's trace (or a child of the client's)
-            tenant = self.app.identify(_metadata(context, "authorization"), _metadata(context, "x-tenant-id"),
-                                       request.request_id, request.model)
+        with telemetry.stream_span("generate") as span:  # the root of the request's trace (or the client's child)
+            tenant = self.app.identify(*_identity(context), request.request_id, request.model)
             try:
                 self.app.admit_in_flight(tenant, request.request_id, request.model)  # counted in flight from here
             except QuotaExceeded as e:
-                context.set_trailing_metadata(_grpc_headers(e.headers))
-                raise
+                _refuse(context, span, e)
+                return
             with self.app.in_flight(tenant, admitted=True):  # released however the call ends
                 try:
                     self.app.admit_request(tenant, request.request_id, request.model)
                 except QuotaExceeded as e:
-                    context.set_trailing_metadata(_grpc_headers(e.headers))
-                    raise
+                    _refuse(context, span, e)
+                    return
                 if tenant.has_quotas:  # OpenAI's x-ratelimit-* headers, as metadata
                     await context.send_initial_metadata(_grpc_headers(tenant.ratelimit_headers()))
                 left = context.time_remaining()
@@ -237,7 +237,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def Resume(self, request: frontend_pb2.ResumeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         streams = self.app.streams
-        tenant = self.app.tenancy.identify(_metadata(context, "authorization"), _metadata(context, "x-tenant-id"))
+        tenant = self.app.tenancy.identify(*_identity(context))
         if streams is None:
             raise StreamGone("resume is off on this gateway (gateway.resume_window_s is 0)")
         with self.app.in_flight(tenant):  # counted as HTTP's resumes are; admitted when it was first sent
@@ -689,6 +689,16 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+def _refuse(context: grpc.aio.ServicerContext, span: Span, e: QuotaExceeded) -> None:
+    """End a call refused at the door as ``rpc.translate_errors`` would end it (RESOURCE_EXHAUSTED, the message,
+    the refusal's headers as trailing metadata; the span failed), without raising through the call's layers and
+    ``context.abort``: a flooding tenant is refused hundreds of times a second."""
+    telemetry.fail(span, e)
+    context.set_trailing_metadata(_grpc_headers(e.headers))
+    context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    context.set_details(rpc.clip_message(str(e)))
+
+
 def _grpc_headers(headers: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """HTTP headers as gRPC metadata (keys in lower case)."""
     return tuple((k.lower(), v) for k, v in headers.items())
@@ -704,11 +714,15 @@ def _prompt_of(req: frontend_pb2.GenerateRequest) -> Any:
     return req.prompt
 
 
-def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
+def _identity(context: grpc.aio.ServicerContext) -> tuple[str, str]:
+    """The call's ``authorization`` and ``x-tenant-id`` metadata ("" where absent; the first of each), in one pass."""
+    auth = tenant = None
     for k, v in context.invocation_metadata() or ():
-        if k == key:
-            return str(v)
-    return ""
+        if k == "authorization":
+            auth = str(v) if auth is None else auth
+        elif k == "x-tenant-id":
+            tenant = str(v) if tenant is None else tenant
+    return auth or "", tenant or ""
 
 
 def serve(cfg: ServiceConfig) -> int:

@@ -149,6 +149,13 @@ class TokenBucket:
         with self._cell as c:
             return max(0.0, (self.capacity - self._refill(c)) / self.rate)
 
+    def level_and_reset_s(self) -> tuple[float, float]:
+        """``level()`` and ``reset_s()`` at one instant, under one lock (a refusal's headers: a shared cell's lock
+        is two system calls)."""
+        with self._cell as c:
+            level = self._refill(c)
+            return level, max(0.0, (self.capacity - level) / self.rate)
+
 
 def go_duration(seconds: float) -> str:
     """OpenAI's form of a reset time (Go's duration): ``250ms``, ``6s``, ``1m30s``."""
@@ -179,9 +186,10 @@ class Tenant:
         h = {}
         for what, b in (("requests", self.requests), ("tokens", self.tokens)):
             if b is not None:
+                level, reset = b.level_and_reset_s()
                 h[f"x-ratelimit-limit-{what}"] = str(int(b.capacity))
-                h[f"x-ratelimit-remaining-{what}"] = str(max(0, math.floor(b.level())))
-                h[f"x-ratelimit-reset-{what}"] = go_duration(b.reset_s())
+                h[f"x-ratelimit-remaining-{what}"] = str(max(0, math.floor(level)))
+                h[f"x-ratelimit-reset-{what}"] = go_duration(reset)
         return h
 
 

@@ -197,3 +197,72 @@ def test_in_flight_caps_hold_on_both_front_doors(tok):
             held.cancel()
 
     asyncio.run(body())
+
+
+def test_refusals_at_the_door_call_no_tokenizer(tok, tmp_path):
+    """A request over its tenant's in-flight cap or its requests quota is refused before the tokenizer pool (or the
+    router, or a worker) is called, on both front doors, with the same status, message and headers as ever; it is
+    counted and audited, and leaves nothing counted in flight or taken from a bucket (a flooding tenant is refused
+    hundreds of times a second: each refusal must stay cheap)."""
+    flood = [("authorization", "Bearer sk-flood")]
+    audit = tmp_path / "audit.jsonl"
+    limits = {"tenants.flood.keys_sha256": hash_key("sk-flood"), "tenants.flood.max_inflight": 1,
+              "tenants.flood.rpm": 1, "tenants.flood.rpm_burst": 1, "gateway.audit_log": str(audit)}
+
+    async def refused(stub) -> grpc.aio.AioRpcError:
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            [r async for r in stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"), metadata=flood)]
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return e.value
+
+    def rejected(gw, reason: str) -> float:
+        return gw.registry.get_sample_value("tokenmill:tenant_rejected_requests_total",
+                                            {"tenant": "flood", "reason": reason}) or 0.0
+
+    async def body():
+        async with (stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS, **limits) as st,
+                    grpc.aio.insecure_channel(st.gateway) as ch):
+            tokenized = []
+            pool_call = st.gw.tokenizers.call
+
+            async def counted(fn, what):
+                tokenized.append(what)
+                return await pool_call(fn, what)
+
+            st.gw.tokenizers.call = counted
+            stub = frontend_pb2_grpc.FrontendStub(ch)
+            held = stub.Generate(frontend_pb2.GenerateRequest(prompt="Hi"), metadata=flood)
+            await held.read()  # flood's one slot, and its one request of the minute
+            assert len(tokenized) == 1
+            for _ in range(3):  # over the in-flight cap
+                e = await refused(stub)
+                assert e.details() == ("tenant flood is over its quota of 1 requests in flight "
+                                       "(tenants.flood.max_inflight); retry after the Retry-After seconds")
+                assert dict(e.trailing_metadata())["retry-after"] == "1"
+            with pytest.raises(openai.RateLimitError) as h:
+                await client(st, "sk-flood").completions.create(model="smollm2", prompt="Hi", max_tokens=2)
+            assert h.value.body["code"] == "quota_exceeded" and h.value.response.headers["Retry-After"] == "1"
+            assert rejected(st.gw, "in_flight") == 4 and len(tokenized) == 1
+            assert st.gw.inflight == 1 and st.gw.tenant_inflight == {"flood": 1}
+            held.cancel()
+            for _ in range(100):
+                if st.gw.inflight == 0:
+                    break
+                await asyncio.sleep(0.05)
+            e = await refused(stub)  # a slot is free now, the request bucket is not
+            assert e.details().startswith("tenant flood is over its quota of 1 requests per minute (rpm, burst 1); "
+                                          "retry after ")
+            md = dict(e.trailing_metadata())
+            assert 1 <= int(md["retry-after"]) <= 60 and md["x-ratelimit-limit-requests"] == "1"
+            assert md["x-ratelimit-remaining-requests"] == "0" and "x-ratelimit-reset-requests" in md
+            with pytest.raises(openai.RateLimitError) as h:
+                await client(st, "sk-flood").completions.create(model="smollm2", prompt="Hi", max_tokens=2)
+            assert h.value.body["code"] == "rate_limit_exceeded"
+            assert h.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+            assert rejected(st.gw, "requests") == 2 and len(tokenized) == 1
+            assert st.gw.inflight == 0 and not st.gw.tenant_inflight  # refused by the quota: not left in flight
+        lines = [json.loads(x) for x in audit.read_text().splitlines()]
+        assert [r["reason"] for r in lines if r["status"] == "RESOURCE_EXHAUSTED"] == ["in_flight"] * 4 + [
+            "requests"] * 2
+
+    asyncio.run(body())
