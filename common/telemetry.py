@@ -1,10 +1,13 @@
 """OpenTelemetry tracing for every service: a tracer provider, W3C trace context over gRPC metadata, span helpers.
 
 - ``setup_tracing(service_name)`` (called once by ``common.rpc`` at service start-up) installs an SDK tracer
-  provider. By default it has **no exporter**: spans are created and their context is propagated, nothing leaves
-  the process. When ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (the standard env) or
-  the config field ``otlp_endpoint`` is set, spans go to that OTLP/gRPC endpoint through a ``BatchSpanProcessor``
-  (the exporter is the optional ``tokenmill[otlp]`` dependency). The other ``OTEL_*`` variables (sampler,
+  provider where spans have somewhere to go. When ``OTEL_EXPORTER_OTLP_ENDPOINT`` /
+  ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (the standard env) or the config field ``otlp_endpoint`` is set, spans go
+  to that OTLP/gRPC endpoint through a ``BatchSpanProcessor`` (the exporter is the optional ``tokenmill[otlp]``
+  dependency); with ``trace_dir``, to files. By default neither is set and **no provider is installed**: the
+  spans are the API's non-recording ones, which cost a fraction of a recorded span (each service makes several
+  a request, and a gateway refuses hundreds a second under a flood) and still carry a caller's trace context on:
+  a client's ``traceparent`` reaches every service. The other ``OTEL_*`` variables (sampler,
   propagators, resource attributes, exporter headers) keep their standard meaning.
 - Propagation: a caller passes ``metadata=outgoing_metadata()`` on its gRPC call (``traceparent``, ``tracestate``);
   every server built by ``common.rpc.start_server`` has ``TraceContextInterceptor``, which makes the caller's
@@ -73,7 +76,8 @@ def otlp_endpoint(configured: str | None = None, env: Mapping[str, str] | None =
 
 def setup_tracing(service_name: str, endpoint: str | None = None, *, instance_id: str = "",
                   install: bool = True, trace_dir: str | None = None) -> TracingSetup:
-    """Build the process's tracer provider and (``install``) make it the global one.
+    """Build the process's tracer provider and (``install``) make it the global one, unless nothing would receive
+    its spans (no exporter, no ``trace_dir``): then ``installed`` is False and the global provider is left as it is.
 
     ``endpoint`` is the config field ``otlp_endpoint``; without it, the standard OTLP env variables decide.
     A missing exporter package or a bad endpoint is logged, never fatal: tracing must not stop a service.
@@ -110,7 +114,9 @@ def setup_tracing(service_name: str, endpoint: str | None = None, *, instance_id
         except OSError as e:
             log.warning("%s: cannot write spans to %s (%s)", service_name, path, e)
     installed = False
-    if install:
+    if install and exporter is None and not trace_dir:
+        log.debug("%s: no OTLP endpoint and no trace_dir: spans are not recorded", service_name)
+    elif install:
         if isinstance(trace.get_tracer_provider(), TracerProvider):
             log.debug("%s: a tracer provider is installed already; keeping it", service_name)
         else:

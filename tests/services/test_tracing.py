@@ -9,6 +9,7 @@ import contextlib
 
 import grpc
 import pytest
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -210,7 +211,7 @@ def test_prefill_and_decode_workers_add_their_spans_to_the_trace(exporter):
     asyncio.run(body())
 
 
-def test_setup_tracing_exports_only_when_an_endpoint_is_configured(monkeypatch):
+def test_setup_tracing_exports_only_when_an_endpoint_is_configured(monkeypatch, tmp_path):
     for k in telemetry.ENDPOINT_ENV:
         monkeypatch.delenv(k, raising=False)
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there, and nothing connects: no span ends
@@ -242,5 +243,26 @@ def test_setup_tracing_exports_only_when_an_endpoint_is_configured(monkeypatch):
     finally:
         s.provider.shutdown()
     assert telemetry.otlp_endpoint(None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://a:1"}) == "http://a:1"
+
+    # a service's set-up (install) with nowhere to send spans installs nothing: the API's spans pass a caller's
+    # trace context on without recording; with trace_dir it installs its provider
+    installed: list[object] = []
+    monkeypatch.setattr(telemetry.trace, "get_tracer_provider", lambda: trace.ProxyTracerProvider())
+    monkeypatch.setattr(telemetry.trace, "set_tracer_provider", installed.append)
+    s = telemetry.setup_tracing("tokenmill-test")
+    assert not s.installed and installed == []
+    s = telemetry.setup_tracing("tokenmill-test", trace_dir=str(tmp_path))
+    try:
+        assert s.installed and installed == [s.provider]
+    finally:
+        s.provider.shutdown()
+    monkeypatch.undo()
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    token = otel_context.attach(telemetry.incoming_context([("traceparent", parent)]))
+    try:
+        with trace.NoOpTracer().start_as_current_span("x") as sp:
+            assert not sp.is_recording() and telemetry.outgoing_metadata() == (("traceparent", parent),)
+    finally:
+        otel_context.detach(token)
     assert telemetry.otlp_endpoint("http://b:2", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://a:1"}) == "http://b:2"
     assert telemetry.otlp_endpoint(None, {}) is None
