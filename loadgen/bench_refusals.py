@@ -3,7 +3,7 @@ HTTP ``/v1/completions``, by a tenant's in-flight cap (``max_inflight``) and by 
 
 A flooding tenant at its cap retries at once after each refusal (``bench_tenants``: hundreds a second), and the
 CPU the gateway spends refusing delays the other tenants' requests in the same process. This starts a real gateway
-(``GatewayService``, its gRPC server and HTTP API, a recording tracer provider as a service has) in a process of its
+(``GatewayService``, its gRPC server and HTTP API, tracing set up as a service sets it up) in a process of its
 own, with no tokenizer, router or worker behind it: every request sent is refused before any of them is needed.
 Tenant ``capped`` holds its one in-flight slot (taken in the server process); tenant ``quota`` has spent its bucket
 (1 request a minute). The client sends ``--requests`` of each kind, ``--concurrency`` at a time, and reads the
@@ -77,7 +77,7 @@ def _serve(conn: Connection, overrides: dict[str, Any]) -> None:
 
     async def main() -> None:
         cfg = load_cluster_config(overrides=overrides, env={})
-        telemetry.setup_tracing("tokenmill-gateway")  # what serve_until_signalled does: spans are recorded
+        telemetry.setup_tracing("tokenmill-gateway")  # what serve_until_signalled does (no exporter: no provider)
         if cfg.gateway.shared_limits_file:
             HostLimits.create(cfg.gateway.shared_limits_file, cfg)
         gw = GatewayService(cfg.service("gateway", 0))
