@@ -7,7 +7,9 @@ CPU the gateway spends refusing delays the other tenants' requests in the same p
 own, with no tokenizer, router or worker behind it: every request sent is refused before any of them is needed.
 Tenant ``capped`` holds its one in-flight slot (taken in the server process); tenant ``quota`` has spent its bucket
 (1 request a minute). The client sends ``--requests`` of each kind, ``--concurrency`` at a time, and reads the
-server process's CPU time (every thread: gRPC's own too) around each batch.
+server process's CPU time (every thread: gRPC's own too) around each batch. Beside the gateway, in the same process
+and run, a bare gRPC server whose ``Generate`` refuses at once with the same status (``grpc floor``): what
+grpc-aio costs a call before any of our code, the limit a refusal cannot go below.
 
     python -m loadgen.bench_refusals [--shared] [--audit] [--profile N]
 
@@ -28,6 +30,7 @@ import pstats
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -88,13 +91,18 @@ def _serve(conn: Connection, overrides: dict[str, Any]) -> None:
             return True, "ready"  # no tokenizer, router or worker here: the refusals come before them
 
         gw.http.ready = ready  # type: ignore[method-assign]
+        # the floor: a bare gRPC server (no interceptor) whose Generate refuses at once, as the gateway does
+        bare = grpc.aio.server()
+        frontend_pb2_grpc.add_FrontendServicer_to_server(_Refuser(), bare)
+        bare_port = bare.add_insecure_port(f"{HOST}:0")
+        await bare.start()
         gw.admit_in_flight(gw.tenancy.tenants["capped"], "held", "")  # capped's one slot, held from now on
         gw.admit_request(gw.tenancy.tenants["quota"], "spent", "")  # quota's one request of the minute
         loop, stop = asyncio.get_running_loop(), asyncio.Event()
         prof: list[cProfile.Profile] = []
 
         def commands() -> None:
-            conn.send((srv.port, gw.http.port))
+            conn.send((srv.port, gw.http.port, bare_port))
             while True:
                 cmd = conn.recv()
                 if cmd == "cpu":  # the process's CPU time (every thread), and the event loop's thread's
@@ -117,10 +125,22 @@ def _serve(conn: Connection, overrides: dict[str, Any]) -> None:
 
         threading.Thread(target=commands, daemon=True).start()
         await stop.wait()
+        await bare.stop(0.2)
         await srv.drain(0.2)
         await gw.stop()
 
     asyncio.run(main())
+
+
+class _Refuser(frontend_pb2_grpc.FrontendServicer):
+    """``Generate`` refused at once with the gateway's status: what grpc-aio costs a call before any of our code."""
+
+    async def Generate(self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.set_details("refused")
+        return
+        yield  # an async generator, as the gateway's streaming method is
 
 
 async def _grpc(port: int, key: str, n: int, concurrency: int) -> dict[str, int]:
@@ -232,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--audit", action="store_true", help="with gateway.audit_log")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="print the server's N hottest functions")
     p.add_argument("--profile-sort", default="tottime", help="pstats' order: tottime (default), cumulative")
-    p.add_argument("--only", help="only the kinds whose name holds this (grpc, http, rpm, in_flight)")
+    p.add_argument("--only", help="only the kinds whose name holds this (grpc, http, rpm, in_flight, floor)")
     p.add_argument("--direct", action="store_true", help="only the gateway's own code: Generate called in-process")
     a = p.parse_args(argv)
     if a.direct:
@@ -245,8 +265,9 @@ def main(argv: list[str] | None = None) -> None:
         proc.start()
         if not conn.poll(60):
             raise SystemExit("the gateway did not start (its error is above)")
-        grpc_port, http_port = conn.recv()
-        kinds = {"grpc in_flight": (_grpc, grpc_port, "capped", "RESOURCE_EXHAUSTED"),
+        grpc_port, http_port, bare_port = conn.recv()
+        kinds = {"grpc floor": (_grpc, bare_port, "capped", "RESOURCE_EXHAUSTED"),
+                 "grpc in_flight": (_grpc, grpc_port, "capped", "RESOURCE_EXHAUSTED"),
                  "grpc rpm": (_grpc, grpc_port, "quota", "RESOURCE_EXHAUSTED"),
                  "http in_flight": (_http, http_port, "capped", "429"),
                  "http rpm": (_http, http_port, "quota", "429")}
@@ -271,6 +292,10 @@ def main(argv: list[str] | None = None) -> None:
                           f"CPU {us:.0f} µs per refusal, {loop_us:.0f} µs of it in the event loop's thread")
         print("best (µs per refusal, process / event loop): " + ", ".join(
             f"{k} {v[0]:.0f} / {v[1]:.0f}" for k, v in best.items()))
+        if "grpc floor" in best:  # the limit: a bare gRPC server refusing at once, in the same process and run
+            floor = best["grpc floor"][0]
+            print("above the floor (the gateway's own work a gRPC refusal, µs): " + ", ".join(
+                f"{k} {v[0] - floor:.0f}" for k, v in best.items() if k.startswith("grpc ") and k != "grpc floor"))
         if a.profile:
             for name, (send, port, tenant, _) in kinds.items():
                 conn.send("profile-on")
