@@ -232,6 +232,8 @@ class LLMEngine:
         self.async_scheduling = self.runner.device.type == "cuda" if asked is None else asked
         self._inflight: _InFlight | None = None  # async scheduling: the last step, its tokens not read yet
         self._feed_uploads = PinnedUploads(self.runner.device)
+        # the last feed's (decode row, pick row) pairs and their index on the device (``_feed``)
+        self._feed_index: tuple[list[tuple[int, int]], torch.Tensor] | None = None
         self.num_generated_tokens = 0
         self.track_latencies = False  # keep each queue time and time to first token for ``drain_latencies``
         self.reset_step_counters()
@@ -586,7 +588,12 @@ class LLMEngine:
         pairs = [(i, prev.rows[id(d.seq)]) for i, d in enumerate(out.decodes) if d.seq.pending]
         if not pairs:
             return None
-        index = self._feed_uploads.tensor("feed", [[i for i, _ in pairs], [j for _, j in pairs]], torch.long)
+        last = self._feed_index
+        if last is not None and last[0] == pairs:  # a steady batch: the same rows as the step before, not sent again
+            index = last[1]
+        else:
+            index = self._feed_uploads.tensor("feed", [[i for i, _ in pairs], [j for _, j in pairs]], torch.long)
+            self._feed_index = (pairs, index)
         assert prev.picks is not None  # queued by now (``step``)
         return TokenFeed(prev.picks.tokens, index, self.runner.shard)
 

@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 import weakref
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,13 +60,19 @@ log = logging.getLogger(__name__)
 # ops, in the order they happened: (ADD, slot, grammar text, prior tokens), (DROP, slot), and an advance by one
 # token as the int ``slot << 32 | token`` (the hot path: a list append, without the lock, on the engine thread)
 ADD, DROP = 0, 2
-_HEADER = struct.Struct("<Q")  # a message's length, then its pickle
+# a message's length, then its pickle; with RAW set in the length, its body is int64 words instead: the batch's
+# number, then its ops, every one an advance (a step's tokens, the hot path: no pickle)
+_HEADER = struct.Struct("<Q")
+RAW = 1 << 63
 # an answer: the batch's sequence number, when (CLOCK_MONOTONIC ns) the child had read it and had filled its masks,
 # and how many of its masks came from the cache of masks by place (common/mask_cache.py)
 _ANSWER = struct.Struct("<Qqqq")
 # the end of the shared memory, after the rows, on a cache line of its own: the number of the last batch the child
-# has filled masks for (int64; the device reads it in place)
+# has filled masks for (int64; the device reads it in place), and at SENT_OFFSET in it the number of the last batch
+# the engine has written to the pipe (the child spins on that word, not on the pipe: a read of an empty pipe takes
+# the pipe's lock, which the engine's write then waits for)
 READY_BYTES = 64
+SENT_OFFSET = 32
 # ``answered`` once the child is gone: every wait on the device passes (the rows it waits for then are stale; the
 # engine fills inline from then on)
 RELEASED = 1 << 62
@@ -124,6 +131,7 @@ class MaskProcess:
         self.shared = np.frombuffer(self._map, dtype=np.int32)
         self.rows = self.shared[: rows_bytes // 4].reshape(capacity + inline_rows, self.words)
         self.answered = np.frombuffer(self._map, dtype=np.int64, count=1, offset=nbytes - READY_BYTES)
+        self._posted = np.frombuffer(self._map, dtype=np.int64, count=1, offset=nbytes - READY_BYTES + SENT_OFFSET)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdin = self._proc.stdin
         self._answers = self._proc.stdout.fileno()
@@ -131,6 +139,8 @@ class MaskProcess:
         self._lock = threading.Lock()
         self._free = list(range(capacity - 1, -1, -1))
         self._ops: list[Any] = []  # not sent yet: their slots' rows are stale, fill those inline
+        self._mixed = False  # an ADD or DROP among ``_ops``: the batch goes as a pickle
+        self._stdin_fd = self._stdin.fileno()
         self._slot_batch = [0] * capacity  # the batch that carried each slot's last op
         self._sent = 0  # batches sent (numbered from 1)
         self._done = -1  # the last batch the child answered; 0: it is ready
@@ -174,6 +184,7 @@ class MaskProcess:
                 return False
             slot = self._free.pop()
             self._ops.append((ADD, slot, text, [int(t) for t in prior]))
+            self._mixed = True
         m.mirror(self, slot)
         weakref.finalize(m, self._drop, slot)
         return True
@@ -193,6 +204,7 @@ class MaskProcess:
             if self.dead:
                 return
             self._ops.append((DROP, slot))
+            self._mixed = True
             self._free.append(slot)
 
     # -- the engine thread: each step -------------------------------------------------------------------
@@ -207,17 +219,26 @@ class MaskProcess:
                 return
             ops, self._ops = self._ops, []
             self._sent += 1
-            payload = pickle.dumps((self._sent, ops), protocol=pickle.HIGHEST_PROTOCOL)
-            self._sent_at[self._sent] = time.monotonic_ns()
+            batch, sent = self._slot_batch, self._sent
+            if self._mixed:
+                self._mixed = False
+                payload = pickle.dumps((sent, ops), protocol=pickle.HIGHEST_PROTOCOL)
+                message = _HEADER.pack(len(payload)) + payload
+                for op in ops:
+                    batch[op >> 32 if type(op) is int else op[1]] = sent
+            else:
+                message = _HEADER.pack(RAW | 8 * (len(ops) + 1)) + array("q", [sent, *ops]).tobytes()
+                for op in ops:
+                    batch[op >> 32] = sent
+            self._sent_at[sent] = time.monotonic_ns()
             try:
-                self._stdin.write(_HEADER.pack(len(payload)) + payload)
-                self._stdin.flush()
+                view = memoryview(message)
+                while view:  # one write unless the pipe is full
+                    view = view[os.write(self._stdin_fd, view):]
             except OSError as e:
                 self._die(f"could not write to it ({e})")
                 return
-            batch, sent = self._slot_batch, self._sent
-            for op in ops:
-                batch[op >> 32 if type(op) is int else op[1]] = sent
+            self._posted[0] = sent  # after the write: a child that sees it finds the message in the pipe
 
     def locate(self, matchers: Sequence[GrammarMatcher], wait: bool = True) -> tuple[list[int], int]:
         """The slot (row of ``rows``) with each matcher's next mask, -1 where the engine fills it (not mirrored,
@@ -372,23 +393,29 @@ def compute_masks(executor: Any, rows: Sequence[tuple[Any, int]], base: int, row
 
 # -- the child ----------------------------------------------------------------------------------------------
 class _Reader:
-    """The child's end of the pipe: whole messages, read without blocking for up to ``SPIN_S`` after the last one
-    (the next step's tokens come within a step), then asleep in select."""
+    """The child's end of the pipe: whole messages. After the last one it watches the engine's word of the batches
+    it has written (``posted``, in the shared memory) for up to ``SPIN_S`` (the next step's tokens come within a
+    step), then sleeps in select."""
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, posted: np.ndarray) -> None:
         self.fd = fd
+        self.posted = posted
         os.set_blocking(fd, False)
         self.buf = b""
 
     def read(self, n: int) -> bytes:
         """``n`` bytes; b"" at the end of the input."""
         spin = time.monotonic() + SPIN_S
+        posted = self.posted
         while len(self.buf) < n:
+            seen = int(posted[0])  # before the read: a write after it changes the word
             try:
                 chunk = os.read(self.fd, max(n - len(self.buf), 1 << 16))
             except BlockingIOError:
-                if time.monotonic() >= spin:
-                    select.select([self.fd], [], [])
+                while int(posted[0]) == seen:
+                    if time.monotonic() >= spin:
+                        select.select([self.fd], [], [])
+                        break
                 continue
             if not chunk:
                 return b""
@@ -418,13 +445,20 @@ def main(argv: list[str]) -> int:
     # where each sequence is in the JSON it writes, and the masks kept by place
     places = PlaceKeys(token_bytes, token_reach(token_bytes, vocab)) if PLACE_CACHE_MB > 0 else None
     cache = MaskCache(words, PLACE_CACHE_MB << 20)
-    stdin = _Reader(0)
+    stdin = _Reader(0, np.frombuffer(mapped, dtype=np.int64, count=1, offset=len(mapped) - READY_BYTES + SENT_OFFSET))
     os.write(1, _ANSWER.pack(0, 0, 0, 0))  # ready
     while True:
         head = stdin.read(_HEADER.size)
         if not head:
             return 0
-        batch, ops = pickle.loads(stdin.read(_HEADER.unpack(head)[0]))
+        size = _HEADER.unpack(head)[0]
+        ops: Sequence[Any]
+        op: Any
+        if size & RAW:
+            raw = array("q", stdin.read(size ^ RAW))
+            batch, ops = raw[0], raw[1:]
+        else:
+            batch, ops = pickle.loads(stdin.read(size))
         read_ns = time.monotonic_ns()
         touched: dict[int, Any] = {}
         for op in ops:

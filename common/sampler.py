@@ -75,6 +75,7 @@ _U_MAX = 1.0 - 2.0**-23  # u × total stays below total in float32: the pick nev
 _PAD_ROW = [1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
 _GRAPH_MAX_ROWS = 1024
 _PAD_TABLE = np.tile(np.asarray(_PAD_ROW, dtype=np.float32), (_GRAPH_MAX_ROWS, 1))
+_PACK_WORDS = len(_PAD_ROW) // 2 + 2  # a graph's row as int64 words: the table's float32 columns, the seed hash, the position
 
 
 @dataclass(slots=True)
@@ -495,7 +496,18 @@ class _PickGraphs:
         self.failed: set[_GraphKey] = set()
         self.pool: Any = None
         self.x: torch.Tensor | None = None  # [rows, vocab] float32: the logits a replay reads
-        self.prm: torch.Tensor | None = None  # [rows, columns]: the parameter table a replay reads
+        # [rows, 7] int64: what a replay reads of its rows, uploaded in one copy: the parameter table (float32, its
+        # ten columns in the first five words, ``prm``), then each row's seed hash and its position less the tick
+        # (``seeds``), from which the replay draws the row's uniform number into the table (``_body``)
+        self.pack: torch.Tensor | None = None
+        self.prm: torch.Tensor | None = None
+        self.seeds: torch.Tensor | None = None
+        self.tick: torch.Tensor | None = None  # [1] int64: the replays that drew uniforms, counted on the device
+        self.ticks = 0  # the same count on the host
+        self._sent = b""  # the rows last uploaded into ``pack``: a steady batch's are the same, and not sent again
+        self.uploads_skipped = 0
+        # the uniforms drawn on the device (Triton's kernel); without Triton the host's go up with the table
+        self.device_uniforms = _cuda_ops(sampler._ws.device) is not None
         self.tables: tuple[torch.Tensor, ...] | None = None  # the kept tables the graphs read and write
         # what a masked replay reads in place, in host memory (Sampler._device_masks), every index row
         self.mask_src: _DeviceMasks | None = None
@@ -535,11 +547,15 @@ class _PickGraphs:
             rows = max(key.rows, 64)
             self.graphs.clear()
             self.x = torch.zeros(rows, logits.shape[1], dtype=torch.float32, device=logits.device)
-            self.prm = torch.zeros(rows, len(_PAD_ROW), dtype=torch.float32, device=logits.device)
-        assert self.prm is not None
+            self.pack = torch.zeros(rows, _PACK_WORDS, dtype=torch.int64, device=logits.device)
+            self.prm = self.pack[:, : _PACK_WORDS - 2].view(torch.float32)
+            self.seeds = self.pack[:, _PACK_WORDS - 2 :]
+            self._sent = b""
+            if self.tick is None:
+                self.tick = torch.zeros(1, dtype=torch.int64, device=logits.device)
+        assert self.pack is not None
         self._load(logits, key.rows)
-        table = spec.table if key.rows == n else np.concatenate((spec.table, _PAD_TABLE[: key.rows - n]))
-        self.sampler._uploads.copy_into("graph_params", table, self.prm[: key.rows])
+        self._upload(spec, key.rows)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(key)
@@ -548,10 +564,33 @@ class _PickGraphs:
             self._load(logits, key.rows)  # the capture's warm-up ran the pick in place
         graph, out = entry
         graph.replay()
+        if key.any_sampled and self.device_uniforms:
+            self.ticks += 1  # the replay drew its uniforms, and advanced the device's tick
         if constrained is not None:
             self.sampler._masks_read()
         self.replays += 1
         return out[:n].clone()
+
+    def _upload(self, spec: _StepSpec, rows: int) -> None:
+        """The step's rows into ``pack`` (padded to ``rows``), unless it holds them already: a row's entry changes
+        when its parameters, its slot or its place in the batch do, not when its position moves on by a step."""
+        n = len(spec.table)
+        pack = np.zeros((rows, _PACK_WORDS), dtype=np.int64)
+        words = pack[:, : _PACK_WORDS - 2]
+        words[:n] = (spec.table if self.device_uniforms else spec.filled()).view(np.int64)
+        words[n:] = _PAD_TABLE[: rows - n].view(np.int64)
+        if n and self.device_uniforms and spec.any_sampled:
+            pack[:n, _PACK_WORDS - 2] = np.array(spec.seed_hashes, dtype=np.uint64).view(np.int64)
+            pack[:n, _PACK_WORDS - 1] = np.array(spec.positions, dtype=np.int64) - self.ticks
+            if spec.any_greedy:  # a greedy row's number is not used: kept at 0, its entry does not change
+                pack[:n, _PACK_WORDS - 2 :][spec.table[:, _GREEDY] > 0] = 0
+        sent = pack.tobytes()
+        if sent == self._sent:
+            self.uploads_skipped += 1
+            return
+        assert self.pack is not None
+        self.sampler._uploads.copy_into("graph_params", pack, self.pack[:rows])
+        self._sent = sent
 
     def _load(self, logits: torch.Tensor, rows: int) -> None:
         """The replay's logits: ``logits``, then zero rows up to ``rows``."""
@@ -564,8 +603,10 @@ class _PickGraphs:
     def _body(self, key: _GraphKey, fold: bool = True) -> torch.Tensor:
         """The pick; with ``fold``, its tokens folded into the kept tables too (not in the capture's warm-up run,
         which would count them twice)."""
-        assert self.x is not None and self.prm is not None
+        assert self.x is not None and self.prm is not None and self.seeds is not None and self.tick is not None
         x, prm = self.x[: key.rows], self.prm[: key.rows]
+        if key.any_sampled and self.device_uniforms:  # each row's uniform number (the warm-up keeps the tick)
+            _cuda_ops(x.device).row_uniforms_(prm, self.seeds, self.tick, _U, 1 if fold else 0)
         if key.width:
             _penalize(x, prm, self.sampler._slots, key.width, key.any_rep, key.any_freq_pres)
         if key.masked:
@@ -731,7 +772,7 @@ class Sampler:
         dev = logits.device
         n, vocab = logits.shape
         x = self._ws.get("x", n, vocab).copy_(logits)
-        prm = self._uploads.tensor("params", spec.table, torch.float32)
+        prm = self._uploads.tensor("params", spec.filled(), torch.float32)
         if spec.lp_rows:
             spec.lp_index = self._uploads.tensor("lp_rows", spec.lp_rows, torch.long)
             spec.raw_lp = torch.log_softmax(x[spec.lp_index], dim=-1)
@@ -1076,16 +1117,26 @@ class _StepSpec:
         table = np.empty((n, len(_PAD_ROW)), dtype=np.float32)
         if n:
             statics.heads.take(heads, axis=0, out=table)
-            table[:, _U] = np.minimum(_uniforms(hashes, positions), _U_MAX)
+            table[:, _U] = 0.0  # each row's uniform number: ``filled`` (the host's) or the graph's draw on the device
             table[:, _SLOT] = row_slots
             if no_rep:
                 table[no_rep, _REP] = 1.0
         self.table = table
+        self.seed_hashes, self.positions = hashes, positions
+        self._filled = False
         slots.flush(self.max_seen + 1)  # a fold may add a column
         self.count_rows = self.max_seen > 0
         # every sampled row has a small top-k: sample among the top candidates only
         self.candidates = max(self.top_ks) if self.top_ks and all(
             0 < k <= _CANDIDATE_CAP for k in self.top_ks) else 0
+
+    def filled(self) -> np.ndarray:
+        """The table with each row's uniform number, drawn on the host (the eager pick's; a CUDA graph's pick draws
+        the same numbers on the device, ``triton_ops.row_uniforms_``)."""
+        if not self._filled and len(self.table):
+            self.table[:, _U] = np.minimum(_uniforms(self.seed_hashes, self.positions), _U_MAX)
+        self._filled = True
+        return self.table
 
 
 def _penalize(x: torch.Tensor, prm: torch.Tensor, slots: _Slots, width: int, rep: bool, freq_pres: bool) -> None:

@@ -565,6 +565,39 @@ def wait_masks(ready: torch.Tensor, want: torch.Tensor, flag: torch.Tensor, spin
 SAMPLER_BLOCK = 1024
 
 
+@triton.jit(do_not_specialize=["stride_p", "stride_s", "n", "advance"])
+def _row_uniforms_kernel(prm_ptr, stride_p, seeds_ptr, stride_s, tick_ptr, n, advance, U_COL: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    inb = offs < n
+    tick = tl.load(tick_ptr)
+    s = seeds_ptr + offs.to(tl.int64) * stride_s
+    h = tl.load(s, mask=inb, other=0).to(tl.uint64, bitcast=True)
+    pos = (tl.load(s + 1, mask=inb, other=0) + tick).to(tl.uint64, bitcast=True)
+    # splitmix64 of (seed hash ^ position), as the sampler's host side computes it (``sampler._uniforms``)
+    z = (h ^ pos) + 0x9E3779B97F4A7C15
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    u = (z >> 40).to(tl.float32) * (1.0 / 16777216.0)  # 24 bits: exact in float32
+    tl.store(prm_ptr + offs.to(tl.int64) * stride_p + U_COL, tl.minimum(u, 1.0 - 1.0 / 8388608.0), mask=inb)
+    tl.store(tick_ptr, tick + advance)  # one program: every load of the tick above came first
+
+
+def row_uniforms_(prm: torch.Tensor, seeds: torch.Tensor, tick: torch.Tensor, u_col: int, advance: int) -> None:
+    """Each row's uniform number into column ``u_col`` of ``prm`` [N, C] float32, in place: the 24-bit splitmix64
+    draw of (its seed hash, its position), ``seeds`` [N, 2] int64 holding the hash (its 64 bits) and the position
+    less ``tick[0]`` (int64 on the device), which is then advanced by ``advance``. So a steady batch's table stays
+    the same step after step while its rows' positions move on with the tick, and a CUDA graph that replays this
+    draws each step's numbers with no upload. The same numbers as ``sampler._uniforms``, capped at ``_U_MAX``
+    (1 - 2^-23)."""
+    n = prm.shape[0]
+    assert prm.dtype == torch.float32 and prm.stride(1) == 1 and seeds.dtype == torch.int64 and seeds.stride(1) == 1
+    assert n <= 1024 and seeds.shape[0] >= n
+    _row_uniforms_kernel[(1,)](prm, prm.stride(0), seeds, seeds.stride(0), tick, n, advance, u_col,
+                               BLOCK=max(16, triton.next_power_of_2(n)), num_warps=4)
+
+
 @triton.jit(do_not_specialize=["stride_x", "stride_p", "stride_t"])
 def _penalize_kernel(x_ptr, stride_x, prm_ptr, stride_p, ids_ptr, counts_ptr, stride_t, nseen_ptr,
                      REP_COL: tl.constexpr, PRES_COL: tl.constexpr, FREQ_COL: tl.constexpr, SLOT_COL: tl.constexpr,

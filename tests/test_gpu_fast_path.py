@@ -251,10 +251,12 @@ print("ok")
 
 def test_sampler_kernels_in_triton_interpreter():
     """The pick's Triton kernels (penalties, the fold of picked tokens, the pick among candidates) against the
-    sampler's portable path, on the CPU through Triton's interpreter."""
+    sampler's portable path, and the graphs' uniform numbers against the host's, on the CPU through Triton's
+    interpreter."""
     code = """
-from tests.gpu.test_kernels import check_sampler_kernels
+from tests.gpu.test_kernels import check_row_uniforms, check_sampler_kernels
 check_sampler_kernels("cpu")
+check_row_uniforms("cpu")
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -220,7 +220,7 @@ def test_the_step_table_follows_each_rows_parameters_when_they_outgrow_the_kept_
                                top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]),
                                frequency_penalty=rng.choice([0.0, 0.4]), presence_penalty=rng.choice([0.0, 0.2]))
             live.append(SampleRow(p, rng.randrange(1 << 30), 0, [3, 4], [], eos_ids=(0,), key=f"r{step}-{len(live)}"))
-        table = sampler._spec(torch.zeros(len(live), vocab), live).table
+        table = sampler._spec(torch.zeros(len(live), vocab), live).filled()
         for r, t in zip(live, table.tolist()):
             p = r.params
             want = [1.0, 1.0] if p.greedy else [p.temperature, float(p.top_k or 0)]
@@ -400,7 +400,8 @@ def test_a_long_history_grows_the_kept_state(device):
 def test_cuda_graph_picks_equal_eager_picks():
     """The processed pick replayed as CUDA graphs (rows padded, the kept tables read at full width) gives the eager
     pick's tokens, step after step of a changing batch with penalties, top-k/p, min-p and greedy rows; steps with
-    logit_bias or min_tokens run eagerly and agree too."""
+    logit_bias or min_tokens run eagerly and agree too. Then a steady batch: its rows are not uploaded again, each
+    replay draws their uniform numbers on the device (seed, position), and the picks still agree."""
     rng = random.Random(5)
     vocab = 4096
     graphs, eager = Sampler(vocab, "cuda", max_rows=8), Sampler(vocab, "cuda", max_rows=8, cuda_graphs=False)
@@ -409,8 +410,14 @@ def test_cuda_graph_picks_equal_eager_picks():
              dict(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3, min_p=0.05),
              dict(temperature=0.0, repetition_penalty=1.3), dict(temperature=1.0, top_k=2000),
              dict(temperature=1.0, top_p=0.95)]
-    for step in range(40):
-        for _ in range(rng.randrange(0, 4) if len(live) < 40 else 0):
+    for step in range(52):
+        if step == 40:  # then a steady batch: the rows run eagerly (logit_bias, min_tokens) leave, nobody joins
+            for key in [k for k, (g, _) in live.items() if g.params.logit_bias]:
+                graphs.release(key)
+                eager.release(key)
+                del live[key]
+            skipped = graphs._graphs.uploads_skipped if graphs._graphs is not None else 0
+        for _ in range(rng.randrange(0, 4) if len(live) < 40 and step < 40 else 0):
             key = f"r{step}-{len(live)}"
             p = SamplingParams(**kinds[rng.randrange(len(kinds))], seed=rng.randrange(1 << 30))
             if step % 13 == 5:
@@ -427,12 +434,14 @@ def test_cuda_graph_picks_equal_eager_picks():
             for r in (g, e):
                 r.output_ids.append(t)
                 r.position += 1
-        for key in [k for k in live if rng.random() < 0.1]:
+        for key in [k for k in live if rng.random() < 0.1 and step < 40]:
             graphs.release(key)
             eager.release(key)
             del live[key]
     assert graphs._graphs is not None and graphs._graphs.captures > 0 and graphs._graphs.replays > 5
     assert eager._graphs is None
+    # the steady steps after the first drew their numbers on the device from the rows sent before
+    assert graphs._graphs.uploads_skipped - skipped >= 10, (graphs._graphs.uploads_skipped, skipped)
 
 
 def test_top_p_from_candidates_keeps_what_sorting_every_row_keeps():

@@ -408,6 +408,42 @@ def check_sampler_kernels(device: str) -> None:
             assert int(a[i]) in cand[i, : int(prm[i, sm._TOPK])].tolist(), i
 
 
+def check_row_uniforms(device: str) -> None:
+    """``triton_ops.row_uniforms_`` (the uniform numbers a CUDA graph's pick draws from each row's seed hash and its
+    position less the tick) equals the host's ``sampler._uniforms``, capped at ``_U_MAX``, bit for bit: seeds at 0,
+    1 and 2^64 - 1 among random ones, the number of rows not a power of two, a table row's other columns and the
+    rows past ``n`` untouched; the tick moves by ``advance`` only."""
+    import random
+
+    import numpy as np
+
+    from common import sampler as sm
+    from common import triton_ops as tk
+
+    rng = random.Random(11)
+    n = 37
+    seeds = [0, 1, (1 << 64) - 1, *(rng.getrandbits(64) for _ in range(n - 3))]
+    positions = [0, 5, (1 << 31) + 3, *(rng.randrange(1 << 20) for _ in range(n - 3))]
+    hashes = [sm._mix64(s) for s in seeds]
+    want = torch.from_numpy(np.minimum(sm._uniforms(hashes, positions), sm._U_MAX).astype(np.float32))
+    pack = torch.full((n + 3, sm._PACK_WORDS), -7, dtype=torch.int64)
+    pack[:, : sm._PACK_WORDS - 2] = torch.rand(n + 3, sm._PACK_WORDS * 2 - 4).view(torch.int64)  # a table's floats
+    pack[:n, -2] = torch.from_numpy(np.array(hashes, dtype=np.uint64).view(np.int64))
+    for tick_at, advance in ((0, 1), (123_456, 0), (1 << 40, 1)):
+        pack[:n, -1] = torch.tensor(positions, dtype=torch.int64) - tick_at
+        dev = pack.to(device)
+        prm = dev[:, : sm._PACK_WORDS - 2].view(torch.float32)
+        tick = torch.tensor([tick_at], dtype=torch.int64, device=device)
+        tk.row_uniforms_(prm[:n], dev[:, sm._PACK_WORDS - 2 :], tick, sm._U, advance)
+        got = prm[:, sm._U].cpu()
+        assert torch.equal(got[:n], want), (tick_at, (got[:n] != want).nonzero()[:5])
+        assert int(tick[0]) == tick_at + advance
+        other = torch.ones(sm._PACK_WORDS * 2 - 4, dtype=torch.bool)
+        other[sm._U] = False
+        assert torch.equal(prm[:n, other].cpu(), pack[:n, : sm._PACK_WORDS - 2].view(torch.float32)[:, other])
+        assert torch.equal(dev[n:].cpu(), pack[n:]) and torch.equal(dev[:, -2:].cpu(), pack[:, -2:])
+
+
 def check_scaled_division(device: str) -> None:
     """``triton_ops._scaled`` (x / t from t's reciprocal and one fused multiply-add correction, the pick's z) is
     IEEE division, bit for bit: against PyTorch's ``x / t`` on 2^18 logits (spread over many binades, with the
@@ -545,6 +581,7 @@ def test_grammar_mask_kernels():
 
 def test_sampler_kernels():
     check_sampler_kernels("cuda")
+    check_row_uniforms("cuda")
 
 
 def test_pick_full():
