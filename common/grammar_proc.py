@@ -64,9 +64,10 @@ ADD, DROP = 0, 2
 # number, then its ops, every one an advance (a step's tokens, the hot path: no pickle)
 _HEADER = struct.Struct("<Q")
 RAW = 1 << 63
-# an answer: the batch's sequence number, when (CLOCK_MONOTONIC ns) the child had read it and had filled its masks,
-# and how many of its masks came from the cache of masks by place (common/mask_cache.py)
-_ANSWER = struct.Struct("<Qqqq")
+# an answer: the batch's sequence number, when (CLOCK_MONOTONIC ns) the child had read it, had advanced its matchers
+# and had filled its masks, how many of its masks came from the cache of masks by place (common/mask_cache.py) and
+# how many llguidance computed
+_ANSWER = struct.Struct("<Qqqqqq")
 # the end of the shared memory, after the rows, on a cache line of its own: the number of the last batch the child
 # has filled masks for (int64; the device reads it in place), and at SENT_OFFSET in it the number of the last batch
 # the engine has written to the pipe (the child spins on that word, not on the pipe: a read of an empty pipe takes
@@ -153,8 +154,9 @@ class MaskProcess:
         self.cached_rows = 0  # of the child's rows, those it took from its cache of masks by place
         self._sent_at: dict[int, int] = {}  # batch → when it was sent (monotonic ns), until its answer
         # per answered batch: (seconds from sending it to the child having read it, seconds the child then took to
-        # advance its matchers and fill the masks), the latest ones, for the benchmark
-        self.batch_times: deque[tuple[float, float]] = deque(maxlen=4096)
+        # advance its matchers and fill the masks, of them the advance's, the masks llguidance computed), the latest
+        # ones, for the benchmark
+        self.batch_times: deque[tuple[float, float, float, int]] = deque(maxlen=4096)
         # every answered batch: how many, the child's seconds to advance and fill them, those over SLOW_FILL_S
         self.batches = self.slow_batches = 0
         self.fill_seconds = 0.0
@@ -306,7 +308,7 @@ class MaskProcess:
         data = self._pending + data
         n = len(data) // _ANSWER.size
         for k in range(n):
-            self._done, read_ns, filled_ns, cached = _ANSWER.unpack_from(data, k * _ANSWER.size)
+            self._done, read_ns, advanced_ns, filled_ns, cached, computed = _ANSWER.unpack_from(data, k * _ANSWER.size)
             self.cached_rows += cached
             fill = (filled_ns - read_ns) * 1e-9
             if self._done > 0:  # batch 0: the child's word that it is ready
@@ -315,7 +317,7 @@ class MaskProcess:
                 self.slow_batches += fill > SLOW_FILL_S
             sent = self._sent_at.pop(self._done, None)
             if sent is not None:
-                self.batch_times.append(((read_ns - sent) * 1e-9, fill))
+                self.batch_times.append(((read_ns - sent) * 1e-9, fill, (advanced_ns - read_ns) * 1e-9, computed))
         self._pending = data[n * _ANSWER.size:]
         return True
 
@@ -446,7 +448,7 @@ def main(argv: list[str]) -> int:
     places = PlaceKeys(token_bytes, token_reach(token_bytes, vocab)) if PLACE_CACHE_MB > 0 else None
     cache = MaskCache(words, PLACE_CACHE_MB << 20)
     stdin = _Reader(0, np.frombuffer(mapped, dtype=np.int64, count=1, offset=len(mapped) - READY_BYTES + SENT_OFFSET))
-    os.write(1, _ANSWER.pack(0, 0, 0, 0))  # ready
+    os.write(1, _ANSWER.pack(0, 0, 0, 0, 0, 0))  # ready
     while True:
         head = stdin.read(_HEADER.size)
         if not head:
@@ -493,6 +495,7 @@ def main(argv: list[str]) -> int:
                 touched.pop(op[1], None)
                 if places is not None:
                     places.drop(op[1])
+        advanced_ns = time.monotonic_ns()
         # a stopped (complete) or failed matcher's mask allows EOS only: the engine ends its sequence on it
         fill, keep = [], []
         for s, m in touched.items():
@@ -507,7 +510,7 @@ def main(argv: list[str]) -> int:
         for s, key in keep:
             cache.put(key, rows[s])
         answered[0] = batch  # after the rows (x86 keeps stores in order): a device reading this may read them
-        os.write(1, _ANSWER.pack(batch, read_ns, time.monotonic_ns(), len(touched) - len(fill)))
+        os.write(1, _ANSWER.pack(batch, read_ns, advanced_ns, time.monotonic_ns(), len(touched) - len(fill), len(fill)))
 
 
 if __name__ == "__main__":

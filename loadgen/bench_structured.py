@@ -446,7 +446,7 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
 
     masked_fill: list[float] = []
     masked_advance: list[float] = []
-    child_times: list[tuple[float, float]] = []  # the mask process's (read after sending, fill) per batch
+    child_times: list[tuple[float, float, float, int]] = []  # the mask process's batches (MaskProcess.batch_times)
     masks: Any = None  # the engine's MaskProcess, once its child is ready
     try:
         with torch.inference_mode():
@@ -506,9 +506,29 @@ def bench_engine(dtype: str, steps: int, rounds: int, temperature: float = 0.0, 
             "child_fill_ms": med(c[1] for c in child_times) * 1e3 if child_times else None,
             "child_fill_p90_ms": (sorted(c[1] for c in child_times)[int(0.9 * len(child_times))] * 1e3
                                   if child_times else None),
+            # the process's advance of its matchers (median), and its batches' fill (advance included) by whether
+            # llguidance computed any of their masks (the rest came from the cache): the share of such batches,
+            # their p50 / p90, and the others' p90
+            "child_advance_ms": med(c[2] for c in child_times) * 1e3 if child_times else None,
+            **_fill_by_computed(child_times),
             # of the rows the process served, the share it took from its masks by place (common/mask_cache.py)
             "child_cached_share": masks.cached_rows / masks.remote_rows if masks is not None and masks.remote_rows
             else None}
+
+
+def _fill_by_computed(child_times: list[tuple[float, float, float, int]]) -> dict[str, float | None]:
+    """The mask process's batches split by whether llguidance computed a mask of theirs: the share that did, their
+    fill p50 / p90 and the others' p90 (ms); the mean of masks it computed a batch."""
+    some = sorted(c[1] for c in child_times if c[3])
+    none = sorted(c[1] for c in child_times if not c[3])
+
+    def q(xs: list[float], f: float) -> float | None:
+        return xs[int(f * len(xs))] * 1e3 if xs else None
+
+    return {"child_llg_share": len(some) / len(child_times) if child_times else None,
+            "child_llg_rows_mean": statistics.fmean(c[3] for c in child_times) if child_times else None,
+            "child_fill_llg_p50_ms": q(some, 0.5), "child_fill_llg_p90_ms": q(some, 0.9),
+            "child_fill_cached_p90_ms": q(none, 0.9)}
 
 
 def run(a: argparse.Namespace) -> int:
@@ -577,6 +597,15 @@ def run(a: argparse.Namespace) -> int:
         none, con = e["phases_ms"]["none"], e["phases_ms"]["constrained"]
         for k in dict.fromkeys([*none, *con]):
             print(f"| {k} | {none.get(k, 0.0):.3f} | {con.get(k, 0.0):.3f} |")
+    for e in runs:
+        if e.get("child_advance_ms") is not None:
+            def ms(x: float | None) -> str:
+                return "-" if x is None else f"{x:.3f}"
+            print(f"\nthe mask process: advance {ms(e['child_advance_ms'])} ms (median); "
+                  f"{e['child_llg_share'] * 100:.0f}% of batches had masks from llguidance "
+                  f"({e['child_llg_rows_mean']:.1f} a batch on average): fill p50 / p90 "
+                  f"{ms(e['child_fill_llg_p50_ms'])} / {ms(e['child_fill_llg_p90_ms'])} ms; the others' p90 "
+                  f"{ms(e['child_fill_cached_p90_ms'])} ms")
     e = runs[-1]
     met = e["end_to_end"] < TARGET_OVERHEAD
     print(f"\ntarget {'met' if met else 'NOT met'} (masks filled {e['fill']}): all 32 rows constrained make the step "
