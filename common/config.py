@@ -201,7 +201,7 @@ class EngineConfig:
     # the engine runs its next step; False: inline, on the engine thread
     grammar_process: bool = True
     # Structured outputs: threads that fill a step's masks in parallel (in the mask process, or inline);
-    # 0: llguidance's default, 80% of the cores up to 32
+    # 0: llguidance's default, 80% of the cores up to 32; 1: one after the other on the filling thread, no pool
     grammar_threads: int = 0
 
     def __post_init__(self) -> None:

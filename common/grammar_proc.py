@@ -377,19 +377,21 @@ def make_tokenizer(tokenizer_json: str, vocab_size: int, eos_ids: Sequence[int])
 
 
 def make_executor(threads: int) -> Any:
-    """llguidance's parallel executor of ``threads`` threads (0: its default, 80% of the cores up to 32)."""
+    """llguidance's parallel executor of ``threads`` threads (0: its default, 80% of the cores up to 32); None for
+    1: the masks are filled one after the other on the calling thread."""
     import llguidance as llg
 
-    return llg.LLExecutor(threads or None)
+    return None if threads == 1 else llg.LLExecutor(threads or None)
 
 
 def compute_masks(executor: Any, rows: Sequence[tuple[Any, int]], base: int, row_bytes: int) -> None:
     """llguidance's masks of ``rows`` (matcher, row) into the bitmask at address ``base``, ``row_bytes`` a row:
-    one row on this thread, several in parallel on ``executor`` (an ``LLExecutor``), without the GIL. The child
-    and the engine's inline fill (``common/structured.py``) both fill through here."""
-    if len(rows) == 1:
-        m, i = rows[0]
-        m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
+    one row, or every row without an ``executor`` (an ``LLExecutor``), on this thread; several in parallel on
+    ``executor``, without the GIL. The child and the engine's inline fill (``common/structured.py``) both fill
+    through here."""
+    if len(rows) == 1 or executor is None:
+        for m, i in rows:
+            m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
     elif rows:
         executor.unsafe_compute_mask_ptr(list(rows), base, row_bytes, max(i for _, i in rows) + 1)
 

@@ -113,7 +113,7 @@ class MaskTable:
 
     def __init__(self, words: int, inline: int, remote: MaskProcess | None, threads: int) -> None:
         self.remote, self.inline = remote, inline
-        self.executor = _Executor(threads)
+        self.executor = _Executor(threads) if threads != 1 else None
         self.filled_here = 0  # masks filled by the engine's thread (rows the mask process does not serve), summed
         if remote is not None:
             self.shared, self.host, self.answered, self.base = remote.shared, remote.rows, remote.answered, remote.capacity

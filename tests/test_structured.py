@@ -365,12 +365,16 @@ MIXED = [SamplingParams(max_tokens=40, temperature=0, structured=PERSON_SO),
              "choice", choices=("yes", "no", "maybe")))]
 
 
-def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_engine):
+@pytest.mark.parametrize("threads", [0, 1], ids=["pool", "one-thread"])
+def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_engine, threads):
+    """With llguidance's thread pool (0) and with the masks filled one after the other on the filling thread (1),
+    in the mask process and inline."""
     prompts = [chat(engine, q) for q in ("A person as JSON.", "An order as JSON.", "A code?", "Say hi.", "Yes?")]
-    inline = make_engine(dtype="float32", grammar_process=False)
+    inline = make_engine(dtype="float32", grammar_process=False, grammar_threads=threads)
     want = [r.token_ids for r in inline.generate(prompts, MIXED)]
     assert inline.grammars.masks is None
-    eng = _mirrored_engine(make_engine)
+    assert (inline.grammars.table.executor is None) == (threads == 1)
+    eng = _mirrored_engine(make_engine, grammar_threads=threads)
     got = [r.token_ids for r in eng.generate(prompts, MIXED)]
     assert got == want
     masks = eng.grammars.masks
