@@ -90,6 +90,10 @@ _COMPILED_CAPACITY = 256  # the child's compiled grammars, by text (LRU)
 # The child's masks kept by place in a JSON document (common/mask_cache.py), in MiB; 0 keeps none.
 # TOKENMILL_GRAMMAR_PLACE_CACHE_MB sets it.
 PLACE_CACHE_MB = int(os.environ.get("TOKENMILL_GRAMMAR_PLACE_CACHE_MB", "32"))
+# Up to this many masks at once are filled one after the other on the filling thread, more on llguidance's pool:
+# waking the pool's threads costs more than it saves on a few masks (`tokenmill bench structured`'s batches of k
+# masks; docs/benchmarks.md). TOKENMILL_GRAMMAR_SERIAL_ROWS sets it.
+SERIAL_ROWS = int(os.environ.get("TOKENMILL_GRAMMAR_SERIAL_ROWS", "4"))
 
 
 # a batch whose fill took longer than this is "slow" (tokenmill:grammar_mask_slow_batches): about a small model's
@@ -386,10 +390,10 @@ def make_executor(threads: int) -> Any:
 
 def compute_masks(executor: Any, rows: Sequence[tuple[Any, int]], base: int, row_bytes: int) -> None:
     """llguidance's masks of ``rows`` (matcher, row) into the bitmask at address ``base``, ``row_bytes`` a row:
-    one row, or every row without an ``executor`` (an ``LLExecutor``), on this thread; several in parallel on
-    ``executor``, without the GIL. The child and the engine's inline fill (``common/structured.py``) both fill
-    through here."""
-    if len(rows) == 1 or executor is None:
+    up to ``SERIAL_ROWS``, or every row without an ``executor`` (an ``LLExecutor``), one after the other on this
+    thread; more in parallel on ``executor``, without the GIL. The child and the engine's inline fill
+    (``common/structured.py``) both fill through here."""
+    if len(rows) <= SERIAL_ROWS or executor is None:
         for m, i in rows:
             m.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
     elif rows:

@@ -162,6 +162,60 @@ def bench_llguidance(tok: Any, vocab: int, eos: int) -> dict[str, Any]:
             "fill_par_busy_us_mean": statistics.mean(contended) * 1e6, "switch_interval_ms": sys.getswitchinterval() * 1e3}
 
 
+def bench_batches(tok: Any, vocab: int, eos: int, gap_s: float = 1e-3, reps: int = 200,
+                  sizes: tuple[int, ...] = (1, 2, 3, 4, 8), pools: tuple[int, ...] = (0, 2, 4)) -> dict[str, Any]:
+    """A batch of k llguidance masks as the mask process fills them between decode steps (``gap_s`` apart, so a
+    pool's threads go idle as they do there): one after the other on this thread, and on ``LLExecutor`` pools of
+    n threads (0: llguidance's default). Each batch's rows: copies of the five schemas' matchers, walked to
+    different places of their instances. Returns µs per batch, p50 and p90, by k and fill."""
+    import llguidance as llg
+    import numpy as np
+
+    from common.grammar_proc import make_tokenizer
+    from common.structured import _JSON_OPTIONS
+
+    words = (vocab + 31) // 32
+    lltok = make_tokenizer(tok.tk.to_str(), vocab, [eos])
+    bases = {k: llg.LLMatcher(lltok, llg.LLMatcher.grammar_from_json_schema(s, defaults=_JSON_OPTIONS), log_level=0)
+             for k, s in SCHEMAS.items()}
+    walks, names = _walks(tok, eos), list(SCHEMAS)
+    bm = np.zeros((max(sizes), words), dtype=np.int32)
+
+    def rows(k: int, rep: int) -> list[tuple[Any, int]]:
+        out = []
+        for i in range(k):
+            w = walks[names[i % len(names)]]
+            m = bases[names[i % len(names)]].deep_copy()
+            for t in w[: (rep * 7 + i * 3) % (len(w) - 1)]:
+                assert m.consume_token(t)
+            out.append((m, i))
+        return out
+
+    def timed(k: int, ex: Any, n: int) -> tuple[float, float]:
+        ts = []
+        for rep in range(n):
+            rs = rows(k, rep)
+            time.sleep(gap_s)
+            t = time.perf_counter()
+            if ex is None:
+                for m, i in rs:
+                    m.unsafe_compute_mask_ptr(bm.ctypes.data + i * words * 4, words * 4)
+            else:
+                ex.unsafe_compute_mask_ptr(rs, bm.ctypes.data, words * 4, k)
+            ts.append((time.perf_counter() - t) * 1e6)
+        ts.sort()
+        return ts[len(ts) // 2], ts[int(len(ts) * 0.9)]
+
+    timed(max(sizes), None, reps)  # the lexers' states built, as in a running mask process
+    fills: dict[str, Any] = {"serial": None, **{f"pool {n or 'default'}": llg.LLExecutor(n or None) for n in pools}}
+    out: dict[str, dict[int, tuple[float, float]]] = {name: {} for name in fills}
+    for i, k in enumerate(sizes):
+        print(f"  batches of {k} masks ({i + 1}/{len(sizes)}) ...", flush=True)
+        for name, ex in fills.items():
+            out[name][k] = timed(k, ex, reps)
+    return {"gap_ms": gap_s * 1e3, "reps": reps, "us_p50_p90": out}
+
+
 # documents of long lists (an extraction's output): a list of up to 50 records, 8-30 in each document
 PEOPLE = {"type": "object", "properties": {"people": {"type": "array", "minItems": 1, "maxItems": 50, "items": {
     "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
@@ -557,12 +611,18 @@ def run(a: argparse.Namespace) -> int:
               f" | {r['fill_us_mean']:.1f} | {r['fill_us_p50']:.1f} | {r['fill_us_max']:.0f} | {par} | {busy} |")
     if xg is None:
         print("(xgrammar left out: " + ("--skip-libraries)" if a.skip_libraries else "not installed)"))
-    places = None
+    places = batches = None
     if not a.skip_libraries:
         places = bench_places(tok, vocab, eos)
         print(f"\nmasks by place, one row through {places['documents']} documents of long lists (8-30 records): "
               f"{places['masks']} masks, {places['cached_share'] * 100:.0f}% from the cache; the cache and "
               f"llguidance {places['ms_cache']:.0f} ms, llguidance alone {places['ms_llguidance']:.0f} ms")
+        print("\na batch of k llguidance masks, filled 1 ms after the last (as between decode steps) ...", flush=True)
+        batches = bench_batches(tok, vocab, eos)
+        fills = list(batches["us_p50_p90"])
+        print("| k | " + " | ".join(f"{f} µs p50 / p90" for f in fills) + " |\n|---|" + "---|" * len(fills))
+        for k in batches["us_p50_p90"]["serial"]:
+            print(f"| {k} | " + " | ".join("{:.0f} / {:.0f}".format(*batches["us_p50_p90"][f][k]) for f in fills) + " |")
     dtype = a.dtype or default_dtype(a.device)
     print(f"\nengine step at batch {BATCH} on {a.device} ({a.model or 'SmolLM2-135M-Instruct'}, {dtype}, temperature {a.temperature}, {a.steps} steps × "
           f"{a.rounds} "
@@ -613,6 +673,7 @@ def run(a: argparse.Namespace) -> int:
           f"{e['overhead'] * 100:.1f}% of the step)")
     if a.output:
         Path(a.output).write_text(json.dumps({"libraries": [*libs, *([xg] if xg else [])], "places": places,
+                                              "mask_batches": batches,
                                               "engine": runs}, indent=1))
     return 0
 

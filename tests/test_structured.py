@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import torch
 
+from common import grammar_proc
 from common.engine import RequestError
 from common.grammar_proc import RELEASED
 from common.loader import load_tokenizer
@@ -366,9 +367,11 @@ MIXED = [SamplingParams(max_tokens=40, temperature=0, structured=PERSON_SO),
 
 
 @pytest.mark.parametrize("threads", [0, 1], ids=["pool", "one-thread"])
-def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_engine, threads):
-    """With llguidance's thread pool (0) and with the masks filled one after the other on the filling thread (1),
-    in the mask process and inline."""
+def test_an_engine_with_the_mask_process_gives_the_inline_outputs(engine, make_engine, threads, monkeypatch):
+    """With llguidance's thread pool (0; here for any batch of two masks or more) and with every mask filled one
+    after the other on the filling thread (1), in the mask process and inline."""
+    monkeypatch.setenv("TOKENMILL_GRAMMAR_SERIAL_ROWS", "1")  # the child's
+    monkeypatch.setattr(grammar_proc, "SERIAL_ROWS", 1)  # the inline fill's
     prompts = [chat(engine, q) for q in ("A person as JSON.", "An order as JSON.", "A code?", "Say hi.", "Yes?")]
     inline = make_engine(dtype="float32", grammar_process=False, grammar_threads=threads)
     want = [r.token_ids for r in inline.generate(prompts, MIXED)]

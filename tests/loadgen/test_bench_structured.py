@@ -34,3 +34,18 @@ def test_the_cache_of_masks_by_place_serves_most_masks_of_long_lists():
     assert r["documents"] == 4 and r["masks"] > 4 * 8 * 10  # at least 8 records of ~10 tokens a document
     assert r["cached_share"] > 0.8, r  # with a place per item index: 0.47
     assert r["ms_cache"] > 0 and r["ms_llguidance"] > 0
+
+
+def test_batches_of_masks_are_timed_serial_and_on_pools():
+    """The libraries section's batches of k masks: every size timed each way, p50 ≤ p90, a batch of more masks no
+    faster than one of a single mask on this thread."""
+    from common.loader import load_tokenizer
+    from loadgen.bench_structured import bench_batches
+
+    tok = load_tokenizer()
+    r = bench_batches(tok, tok.vocab_size, tok.tk.token_to_id(tok.eos_token), gap_s=1e-4, reps=8, sizes=(1, 4),
+                      pools=(2,))
+    assert set(r["us_p50_p90"]) == {"serial", "pool 2"}
+    for fill in r["us_p50_p90"].values():
+        assert set(fill) == {1, 4} and all(0 < p50 <= p90 for p50, p90 in fill.values())
+    assert r["us_p50_p90"]["serial"][4][1] >= r["us_p50_p90"]["serial"][1][0]
