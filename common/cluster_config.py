@@ -70,6 +70,28 @@ def as_role(name: str) -> Role:
 
 
 @dataclass(frozen=True, slots=True)
+class ClassStreamIntervals:
+    """How often the gateway sends a streaming request of each priority class its new text, in ms: 0, every
+    message its decode worker sends (an engine step's tokens); more, at most once an interval, every token since
+    the last send in one message (vLLM's and SGLang's ``--stream-interval``, in time and per class). A batch
+    request's client gets the same tokens in fewer messages, and the gateway relays it for a fraction of the work.
+    The first message goes at once: a class's time to the first token is not held back."""
+
+    interactive: float = 0.0
+    standard: float = 0.0
+    batch: float = 50.0
+
+    def __post_init__(self) -> None:
+        for name in ("interactive", "standard", "batch"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 ms, got {getattr(self, name)}")
+
+    def seconds(self, klass: int) -> float:
+        """The interval of a ``common_pb2.PriorityClass`` value (unspecified: standard), in seconds."""
+        return (self.standard, self.interactive, self.standard, self.batch)[klass if 0 <= klass <= 3 else 0] / 1000
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """The public edge: the gRPC ``Frontend`` and the OpenAI HTTP API."""
 
@@ -98,6 +120,8 @@ class GatewayConfig:
     # requests to a decode worker share one DecodeStream call per worker: one message per engine step carries every
     # request's tokens (services/gateway/decode_stream.py); false: one Decode call per request
     decode_stream: bool = True
+    # on that stream, how often a streaming request of each class is sent its new tokens (ClassStreamIntervals)
+    class_stream_interval_ms: ClassStreamIntervals = field(default_factory=ClassStreamIntervals)
     # API keys in plain text, for both front doors: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to;
     # a tenant the tenants: section names gets its settings). Hashed at start-up, as tenants.NAME.keys_sha256 are
     # stored; no key here nor there: no auth. From the environment: TOKENMILL_GATEWAY__API_KEYS=team-a:sk-1,sk-2

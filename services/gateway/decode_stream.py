@@ -8,7 +8,9 @@ their API server the same way.
 
 A request that falls behind its worker (this process busy relaying other streams) gets the deltas waiting in its
 queue merged into one, as a worker merges a slow stream's tokens: each message sent to a client costs this event
-loop about as much as a delta received, so the messages it has to send shrink when it is busiest.
+loop about as much as a delta received, so the messages it has to send shrink when it is busiest. A request given a
+stream interval (``gateway.class_stream_interval_ms``: batch requests by default) waits that long after each
+message but the last, so each carries every token that came meanwhile.
 
 What a request sees is what its own ``Decode`` call would give (``DecodeStreams.decode``): its deltas in order,
 then the end of its iterator at the finish reason, or a ``grpc.aio.AioRpcError`` with the status its call would have
@@ -59,6 +61,11 @@ def _merge(d: decode_pb2.TokenDelta, q: asyncio.Queue[decode_pb2.TokenDelta | Ba
     return d, None
 
 
+def _wake(f: asyncio.Future[None] | None) -> None:
+    if f is not None and not f.done():
+        f.set_result(None)
+
+
 class _Stream:
     """One open ``DecodeStream`` call: a writer task sends requests and cancels in order, a reader task hands each
     delta to its request's queue."""
@@ -67,6 +74,9 @@ class _Stream:
         self.address = address
         self.call = stub.DecodeStream()
         self.queues: dict[str, asyncio.Queue[decode_pb2.TokenDelta | BaseException]] = {}
+        # a request waiting out its stream interval: woken early by its end (a finish, an error, its deadline)
+        self.waiting: dict[str, asyncio.Future[None]] = {}
+        self.ended: set[str] = set()  # requests whose end is in their queue
         self.outgoing: asyncio.Queue[decode_pb2.DecodeStreamRequest] = asyncio.Queue()
         self.error: AioRpcError | None = None
         loop = asyncio.get_running_loop()
@@ -92,6 +102,9 @@ class _Stream:
                     q = self.queues.get(d.request_id)
                     if q is not None:
                         q.put_nowait(d)
+                        if d.finish_reason or d.HasField("error"):
+                            self.ended.add(d.request_id)
+                            _wake(self.waiting.get(d.request_id))
         except AioRpcError as e:
             err = e
         except asyncio.CancelledError:
@@ -101,9 +114,11 @@ class _Stream:
             self.error = err
             for q in self.queues.values():
                 q.put_nowait(err)
+            for f in self.waiting.values():
+                _wake(f)
             self._writer.cancel()
 
-    async def decode(self, req: decode_pb2.DecodeRequest, timeout: float | None
+    async def decode(self, req: decode_pb2.DecodeRequest, timeout: float | None, interval: float = 0.0
                      ) -> AsyncIterator[decode_pb2.TokenDelta]:
         if self.error is not None:
             raise self.error
@@ -116,9 +131,9 @@ class _Stream:
         trace = dict(telemetry.outgoing_metadata() or ())
         self.outgoing.put_nowait(decode_pb2.DecodeStreamRequest(request=req, trace=trace))
         timer = None
+        loop = asyncio.get_running_loop()
         if timeout is not None:
-            timer = asyncio.get_running_loop().call_later(
-                timeout, q.put_nowait, _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            timer = loop.call_later(timeout, self._expire, rid, q)
         done = False
         held: decode_pb2.TokenDelta | BaseException | None = None
         try:
@@ -136,13 +151,28 @@ class _Stream:
                 if d.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     done = True
                     return
+                if interval > 0 and held is None and rid not in self.ended and self.error is None:
+                    # what comes meanwhile is merged into the next message; the request's end wakes it
+                    f = self.waiting[rid] = loop.create_future()
+                    h = loop.call_later(interval, _wake, f)
+                    try:
+                        await f
+                    finally:
+                        h.cancel()
+                        del self.waiting[rid]
         finally:
             if timer is not None:
                 timer.cancel()
             if self.queues.get(rid) is q:
                 del self.queues[rid]
+                self.ended.discard(rid)
             if not done and self.error is None:  # the consumer left early: free the request on the worker
                 self.outgoing.put_nowait(decode_pb2.DecodeStreamRequest(cancel_request_id=rid))
+
+    def _expire(self, rid: str, q: asyncio.Queue[decode_pb2.TokenDelta | BaseException]) -> None:
+        q.put_nowait(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        self.ended.add(rid)
+        _wake(self.waiting.get(rid))
 
     async def close(self) -> None:
         self.call.cancel()
@@ -158,14 +188,15 @@ class DecodeStreams:
         self._stubs = stubs
         self._streams: dict[str, _Stream] = {}
 
-    def decode(self, address: str, req: decode_pb2.DecodeRequest, timeout: float | None
+    def decode(self, address: str, req: decode_pb2.DecodeRequest, timeout: float | None, interval: float = 0.0
                ) -> AsyncIterator[decode_pb2.TokenDelta]:
-        """The request's deltas from the worker at ``address``, as its own ``Decode`` call would stream them.
-        ``req.meta.request_id`` must be set (unique on the worker)."""
+        """The request's deltas from the worker at ``address``, as its own ``Decode`` call would stream them;
+        with an ``interval`` (s), at most one message an interval after the first, each with every token since the
+        last. ``req.meta.request_id`` must be set (unique on the worker)."""
         s = self._streams.get(address)
         if s is None or s.error is not None:
             s = self._streams[address] = _Stream(self._stubs.get(address, decode_pb2_grpc.DecodeStub), address)
-        return s.decode(req, timeout)
+        return s.decode(req, timeout, interval)
 
     async def close(self) -> None:
         streams, self._streams = list(self._streams.values()), {}

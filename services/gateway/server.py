@@ -260,6 +260,7 @@ class GatewayService:
         self.routers = ChannelPool(c.addresses("router"), router_pb2_grpc.RouterStub, limit)
         self.workers = rpc.StubCache()
         self.decode_streams = DecodeStreams(self.workers) if c.gateway.decode_stream else None
+        self.stream_intervals = c.gateway.class_stream_interval_ms
         self._background = rpc.Background()
         window = c.gateway.resume_window_s
         self.streams: ResumableStreams | None = ResumableStreams(window) if window > 0 else None
@@ -610,7 +611,8 @@ class GatewayService:
             dreq.kv.CopyFrom(st.pre.kv)
         call: Any
         if self.decode_streams is not None:  # on the gateway's one stream to this worker
-            call = self.decode_streams.decode(ref.address, dreq, _left(deadline))
+            call = self.decode_streams.decode(ref.address, dreq, _left(deadline),
+                                              self.stream_intervals.seconds(meta.priority_class))
         else:
             call = self.workers.get(ref.address, decode_pb2_grpc.DecodeStub).Decode(
                 dreq, timeout=_left(deadline), metadata=telemetry.outgoing_metadata())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -56,7 +57,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         if self.mode == "invalid":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is 9000 tokens; this model accepts 8192")
-        for i in range(10**6 if self.mode == "slow" else self.tokens):  # "pause": tokens 0.3 s apart
+        for i in range(10**6 if self.mode == "slow" else self.tokens):  # "pause": tokens 0.3 s apart, "paced" 20 ms
             fails = self.mode == "fail_after" or (self.mode == "fail_fresh" and not request.prior_output_ids)
             if fails and i == 2:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost its GPU")
@@ -66,7 +67,7 @@ class FakeDecode(decode_pb2_grpc.DecodeServicer):
                 text=f"<{i}>", token_ids=[100 + i], finish_reason=STOP if last else 0,
                 usage=common_pb2.Usage(prompt_tokens=len(request.prompt_token_ids), completion_tokens=i + 1)
                 if last else None)
-            await asyncio.sleep({"slow": 0.02, "pause": 0.3}.get(self.mode, 0))
+            await asyncio.sleep({"slow": 0.02, "paced": 0.02, "pause": 0.3}.get(self.mode, 0))
 
 
     async def DecodeStream(self, requests, context):
@@ -264,6 +265,26 @@ def test_on_the_decode_stream_the_callers_deadline_cancels_the_request_on_the_wo
             out = await generate(st.gateway, prompt="hi")
             assert [r.text for r in out] == ["<0>", "<1>", "<2>"]
             assert st.gw.decode_streams is not None and list(st.gw.decode_streams.open_streams().values()) == [0]
+
+    asyncio.run(body())
+
+
+def test_a_batch_request_streams_at_its_class_interval_and_ends_without_waiting_it_out(tok):
+    """gateway.class_stream_interval_ms: a batch request gets its first token at once, then every token since in
+    one message per interval; its end wakes the wait (the stream does not sit out the interval). Interactive and
+    standard requests get a message per delta (their interval 0)."""
+    async def body():
+        d = FakeDecode(mode="paced", tokens=10)  # a token every 20 ms
+        async with stack(tok, {"decode-a": d}, **{"gateway.class_stream_interval_ms.batch": 500}) as st:
+            t0 = time.monotonic()
+            out = await generate(st.gateway, prompt="hi", priority_class=common_pb2.PRIORITY_CLASS_BATCH)
+            took = time.monotonic() - t0
+            assert [t for r in out for t in r.token_ids] == list(range(100, 110)) and out[-1].finish_reason == STOP
+            assert [len(r.token_ids) for r in out] == [1, 9], [len(r.token_ids) for r in out]
+            assert took < 0.45, f"the batch stream waited out its 0.5 s interval: {took:.2f} s"
+            for klass in (common_pb2.PRIORITY_CLASS_INTERACTIVE, common_pb2.PRIORITY_CLASS_STANDARD):
+                out = await generate(st.gateway, prompt="hi", priority_class=klass)
+                assert [len(r.token_ids) for r in out] == [1] * 10
 
     asyncio.run(body())
 
