@@ -66,6 +66,53 @@ class RequestError(ValueError):
     """A request the engine refuses; the message names the value and the limit."""
 
 
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The engine's checks of a request that read only what is fixed once it is up (its vocabulary, context and KV
+    pool), so a worker's front runs them in its own process (``WorkerBase.validate``); a grammar's compile is the
+    engine's (``LLMEngine.validate``)."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    has_tokenizer: bool
+
+    def check(self, prompt_ids: Seq[int], params: SamplingParams) -> int:
+        """Check a request; return its effective max_tokens. Raises RequestError."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty; send at least one token")
+        vocab = self.vocab_size
+        lo, hi = min(prompt_ids), max(prompt_ids)  # one pass each in C, not a Python loop per token
+        if lo < 0 or hi >= vocab:
+            raise RequestError(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
+        try:
+            params.validate(vocab)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        limit = self.max_model_len
+        if n >= limit:
+            raise RequestError(
+                f"the prompt is {n} tokens; this model accepts at most {limit} tokens including the output"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
+        if n + max_tokens > limit:
+            raise RequestError(
+                f"the prompt is {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} exceeds this "
+                f"model's context of {limit} tokens"
+            )
+        blocks = -(-(n + max_tokens) // self.block_size)
+        if blocks > self.num_blocks:
+            raise RequestError(
+                f"the request needs {n + max_tokens} tokens of KV cache ({blocks} blocks) but the pool holds "
+                f"{self.num_blocks} blocks; lower max_tokens or raise --kv-cache-memory"
+            )
+        if params.stop and not self.has_tokenizer:
+            raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        return max_tokens
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     token_id: int
@@ -257,38 +304,16 @@ class LLMEngine:
         self.close()
 
     # -- intake ----------------------------------------------------------------------------------------
+    @property
+    def limits(self) -> RequestLimits:
+        """The checks of a request that read only what is fixed once the engine is up."""
+        return RequestLimits(self.model_cfg.vocab_size, self.max_model_len, self.block_manager.block_size,
+                             self.block_manager.num_blocks, self.tokenizer is not None)
+
     def validate(self, prompt_ids: Seq[int], params: SamplingParams) -> int:
-        """Check a request; return its effective max_tokens. Raises RequestError."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise RequestError("the prompt is empty; send at least one token")
-        vocab = self.model_cfg.vocab_size
-        lo, hi = min(prompt_ids), max(prompt_ids)  # one pass each in C, not a Python loop per token
-        if lo < 0 or hi >= vocab:
-            raise RequestError(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab})")
-        try:
-            params.validate(vocab)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
-        limit = self.max_model_len
-        if n >= limit:
-            raise RequestError(
-                f"the prompt is {n} tokens; this model accepts at most {limit} tokens including the output"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n
-        if n + max_tokens > limit:
-            raise RequestError(
-                f"the prompt is {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} exceeds this "
-                f"model's context of {limit} tokens"
-            )
-        blocks = self.block_manager.blocks_needed(n + max_tokens)
-        if blocks > self.block_manager.num_blocks:
-            raise RequestError(
-                f"the request needs {n + max_tokens} tokens of KV cache ({blocks} blocks) but the pool holds "
-                f"{self.block_manager.num_blocks} blocks; lower max_tokens or raise --kv-cache-memory"
-            )
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        """Check a request (``RequestLimits.check``, then its grammar compiled and cached); return its effective
+        max_tokens. Raises RequestError."""
+        max_tokens = self.limits.check(prompt_ids, params)
         if params.structured is not None:
             try:  # compiled (and cached) here, off the engine thread in the workers: a bad one is refused
                 self.grammars.compile(params.structured)

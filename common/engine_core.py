@@ -48,7 +48,7 @@ import torch
 from tokenmill.v1 import router_pb2
 
 from common.cluster_config import ServiceConfig
-from common.engine import LLMEngine, OutputBatch, RequestOutput
+from common.engine import LLMEngine, OutputBatch, RequestLimits, RequestOutput
 from common.engine_loop import EngineLoop
 from common.gc_watch import GcTimer, freeze_startup_heap
 from common.kv_transfer import KvCompat, KvHandshake, KvTransferAgent
@@ -125,6 +125,7 @@ class CoreInfo:
     agent_name: str
     bytes_per_block: int
     tokenizer: TokenizerParts | None
+    limits: RequestLimits  # the front checks requests against these itself (``WorkerBase.validate``)
 
 
 # While the engine works its counters go to the front at most this often: a report is ~60 counters gathered and
@@ -157,7 +158,8 @@ class WorkerCore:
         assert self.engine is not None and self.agent is not None
         tok = self.engine.tokenizer
         return CoreInfo(self.engine.source.model_id, self.engine.block_manager.num_blocks, self.agent.name,
-                        self.agent.bytes_per_block, TokenizerParts.of(tok) if tok is not None else None)
+                        self.agent.bytes_per_block, TokenizerParts.of(tok) if tok is not None else None,
+                        self.engine.limits)
 
     # -- hooks of the engine loop (engine thread) ---------------------------------------------------------
     def on_outputs(self, outs: list[RequestOutput]) -> None:

@@ -257,8 +257,12 @@ class WorkerBase:
         self.core.now(method, *args)
 
     async def validate(self, prompt: list[int], params: SamplingParams) -> int:
-        """The engine's checks of a request (off the engine thread); raises RequestError."""
-        assert self.core is not None
+        """The engine's checks of a request; raises RequestError. Checked here against the engine's fixed limits
+        (``CoreInfo.limits``), with no round trip to the engine's process on the request's way in; only a grammar
+        goes to the core, which compiles and caches it off the engine thread."""
+        assert self.core is not None and self.info is not None
+        if params.structured is None:
+            return self.info.limits.check(prompt, params)
         return await asyncio.wrap_future(self.core.validate(prompt, params))
 
     async def start(self) -> None:

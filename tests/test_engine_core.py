@@ -4,6 +4,7 @@ decode worker's (services/decode/core.py) on a real engine (a tiny dummy Llama o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import gc
@@ -22,9 +23,10 @@ from common.cluster_config import ServiceConfig
 from common.config import EngineConfig
 from common.engine import LLMEngine, OutputBatch, RequestError, RequestOutput, TokenLogprob
 from common.engine_core import CoreInfo, ProcessCore, ThreadCore
-from common.sampling import SamplingParams
+from common.sampling import SamplingParams, StructuredOutput
 from common.sequence import FinishReason, Tenancy
 from services.decode.core import DecodeCore
+from services.decode.server import DecodeWorker
 from tests.services.harness import cluster
 
 MODEL = "dummy:tiny-llama"
@@ -151,6 +153,57 @@ def test_calls_results_errors_and_events_cross_to_the_core(handle: type[ProcessC
         assert load.free_blocks == load.total_blocks == info.num_blocks and load.running == 0
         assert front.stats["steps"] >= len(want) and front.stats["kv_free"] == info.num_blocks
         assert "stats" in front.kinds[front.kinds.index("outputs"):] and not front.failures  # counters after a step
+
+
+def test_the_front_checks_a_request_itself_and_sends_only_a_grammar_to_the_core() -> None:
+    """A worker's front checks a request against the limits its core reported (``CoreInfo.limits``) in its own
+    process, with the engine's messages: no round trip to the core's process on a request's way in. A grammar still
+    goes to the core, which compiles it. The core here is a real engine process (the tiny model)."""
+    kv = 1 << 19  # a pool smaller than the context
+    cfg = cluster(**{"model": MODEL, "engine.kv_cache_memory": kv}).service("decode")
+    engine = LLMEngine.from_spec(MODEL, EngineConfig(kv_cache_memory=kv))  # the same engine, here
+    pool = engine.block_manager.num_blocks * engine.block_manager.block_size
+    assert pool < engine.max_model_len  # so a request can exceed the pool within the context
+    n = pool // 2
+    cases = [
+        ([], PARAMS),
+        ([10**9], PARAMS),
+        ([-1, 3], PARAMS),
+        (PROMPT, SamplingParams(temperature=-1.0)),
+        ([3] * engine.max_model_len, PARAMS),
+        (PROMPT, SamplingParams(max_tokens=engine.max_model_len)),
+        ([3] * n, SamplingParams(max_tokens=pool)),  # within the context, beyond the KV pool
+    ]
+
+    async def body() -> None:
+        worker = DecodeWorker(cfg)
+        await worker.start()
+        try:
+            assert isinstance(worker.core, ProcessCore)
+            sent: list[Any] = []
+            to_core = worker.core.validate
+
+            def counted(prompt: list[int], params: SamplingParams) -> Any:
+                sent.append(params)
+                return to_core(prompt, params)
+
+            worker.core.validate = counted  # type: ignore[method-assign]
+            assert await worker.validate(PROMPT, PARAMS) == PARAMS.max_tokens
+            for prompt, params in cases:
+                with pytest.raises(RequestError) as here:
+                    engine.validate(prompt, params)
+                with pytest.raises(RequestError) as front:
+                    await worker.validate(prompt, params)
+                assert str(front.value) == str(here.value)
+            assert sent == []  # every check above ran in this process
+            grammar = SamplingParams(max_tokens=8, structured=StructuredOutput("regex", "[ab]+"))
+            with pytest.raises(RequestError) as e:  # the tiny model has no tokenizer to compile a grammar with
+                await worker.validate(PROMPT, grammar)
+            assert sent == [grammar] and "tokenizer" in str(e.value)
+        finally:
+            await worker.stop()
+
+    asyncio.run(body())
 
 
 def test_counters_go_to_the_front_at_intervals_while_busy_and_at_once_when_idle(monkeypatch) -> None:
