@@ -120,6 +120,9 @@ class GatewayConfig:
     # requests to a decode worker share one DecodeStream call per worker: one message per engine step carries every
     # request's tokens (services/gateway/decode_stream.py); false: one Decode call per request
     decode_stream: bool = True
+    # placements share one PlaceStream call per router: a message each way, not a call
+    # (services/gateway/place_stream.py); false: one Place call per request
+    place_stream: bool = True
     # on that stream, how often a streaming request of each class is sent its new tokens (ClassStreamIntervals)
     class_stream_interval_ms: ClassStreamIntervals = field(default_factory=ClassStreamIntervals)
     # API keys in plain text, for both front doors: `KEY` or `TENANT:KEY` (the tenant its requests are accounted to;

@@ -34,6 +34,14 @@ class ChannelPool:
             self._stubs = [self._stub_cls(ch) for ch in self._channels]
             self._sems = [asyncio.Semaphore(self._max_inflight) for _ in self.addresses]
 
+    def stubs(self, what: str) -> list[Any]:
+        """A stub per address, in the order of ``addresses`` (for calls that manage their own streams). Raises
+        Unavailable without addresses."""
+        if not self.addresses:
+            raise Unavailable(f"no {what} address is configured")
+        self._open()
+        return self._stubs
+
     async def call(self, fn: Callable[[Any], Awaitable[T]], what: str) -> T:
         """``await fn(stub)`` on the next channel. Raises the RPC's error, or Unavailable without addresses."""
         n = len(self.addresses)

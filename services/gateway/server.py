@@ -64,6 +64,7 @@ from services.gateway.accounting import Accounting, AuditRecord
 from services.gateway.decode_stream import DecodeStreams
 from services.gateway.host_limits import HostLimits, in_flight_capped
 from services.gateway.http import RETRY_AFTER_S, HttpFrontend
+from services.gateway.place_stream import PlaceStreams
 from services.gateway.pools import ChannelPool
 from services.gateway.response_cache import CacheMetrics, ResponseCache, cacheable
 from services.gateway.resume import ResumableStreams, StreamGone
@@ -260,6 +261,7 @@ class GatewayService:
         self.routers = ChannelPool(c.addresses("router"), router_pb2_grpc.RouterStub, limit)
         self.workers = rpc.StubCache()
         self.decode_streams = DecodeStreams(self.workers) if c.gateway.decode_stream else None
+        self.placements = PlaceStreams(self.routers) if c.gateway.place_stream else None
         self.stream_intervals = c.gateway.class_stream_interval_ms
         self._background = rpc.Background()
         window = c.gateway.resume_window_s
@@ -308,6 +310,8 @@ class GatewayService:
         await self._background.drain(timeout=2)
         if self.decode_streams is not None:
             await self.decode_streams.close()
+        if self.placements is not None:
+            await self.placements.close()
         await self.tokenizers.close()
         await self.routers.close()
         await self.workers.close()
@@ -563,6 +567,8 @@ class GatewayService:
         pause = 0.05
         while True:
             try:
+                if self.placements is not None:
+                    return await self.placements.place(place, _left(deadline))
                 return await self.routers.call(lambda stub: stub.Place(place, timeout=_left(deadline),
                                                                        metadata=telemetry.outgoing_metadata()),
                                                "router")

@@ -1,5 +1,8 @@
 """The Router service: ``Report`` streams in, ``Place`` and ``ListWorkers`` out. The policy is in ``placement.py``.
 
+``PlaceStream`` is ``Place`` for many requests on one call: a gateway keeps one open per router (one message each
+way a placement, not a call: services/gateway/place_stream.py).
+
 Router replicas are stateless towards each other: every worker streams its load to every router.
 """
 
@@ -9,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -76,6 +80,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             span.set_attributes({"request_id": request.meta.request_id, "decode_worker": p.decode.worker_id,
                                  "prefill_worker": p.prefill.worker_id, "cached_blocks": p.cached_blocks})
         return p
+
+    @rpc.translate_errors
+    async def PlaceStream(self, request_iterator: AsyncIterator[router_pb2.PlaceStreamRequest],
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[router_pb2.PlaceStreamReply]:
+        """``Place`` for each request on the call, answered in order; a request's error is its reply's, and the
+        call goes on."""
+        async for m in request_iterator:
+            yield self.app.place_streamed(m)
 
     @rpc.translate_errors
     async def Report(self, request_iterator, context: grpc.aio.ServicerContext) -> router_pb2.ReportAck:
@@ -155,6 +167,22 @@ class RouterService:
         if d.prefill is not None:
             out.prefill.CopyFrom(_ref(d.prefill))
         return out
+
+    def place_streamed(self, m: router_pb2.PlaceStreamRequest) -> router_pb2.PlaceStreamReply:
+        """One request of a ``PlaceStream``: its placement, or the status ``Place`` would have ended with; its
+        ``route`` span a child of the request's trace."""
+        req = m.request
+        span = telemetry.start_span("route", parent=telemetry.incoming_context(list(m.trace.items())),
+                                    kind=telemetry.SERVER)
+        try:
+            p = self.place(req)
+        except Exception as e:
+            code, message = rpc.status_for(e)
+            telemetry.finish(span, attributes={"request_id": req.meta.request_id}, error=e)
+            return router_pb2.PlaceStreamReply(id=m.id, error_code=code.value[0], error_message=message)
+        telemetry.finish(span, attributes={"request_id": req.meta.request_id, "decode_worker": p.decode.worker_id,
+                                           "prefill_worker": p.prefill.worker_id, "cached_blocks": p.cached_blocks})
+        return router_pb2.PlaceStreamReply(id=m.id, placement=p)
 
     def update_gauges(self) -> None:
         for role in Role:

@@ -204,3 +204,47 @@ def test_a_worker_in_a_long_step_sends_heartbeats_and_is_not_forgotten():
             await task
 
     asyncio.run(body())
+
+
+def test_place_stream_answers_each_request_by_its_id_as_place_would():
+    """``PlaceStream``: each request's reply carries its id and what ``Place`` gives for it (a placement, or the
+    status ``Place`` would have ended with), and a refused request does not end the call."""
+    async def body():
+        port = free_port()
+        cfg = cluster(**{"router.port": port})
+        async with serving(RouterService(cfg.service("router", 0)), cfg, "router", port):
+            addr = f"{HOST}:{port}"
+            async with grpc.aio.insecure_channel(addr) as ch:
+                stub = router_pb2_grpc.RouterStub(ch)
+                call = stub.PlaceStream()
+
+                def req(i: int, prompt: list[int]) -> router_pb2.PlaceStreamRequest:
+                    return router_pb2.PlaceStreamRequest(id=i, request=router_pb2.PlaceRequest(
+                        meta=common_pb2.RequestMeta(request_id=f"r{i}"), prompt_token_ids=prompt, max_tokens=16))
+
+                await call.write(req(7, PROMPT))  # no worker yet
+                r = await call.read()
+                assert r.id == 7 and not r.HasField("placement")
+                assert r.error_code == grpc.StatusCode.UNAVAILABLE.value[0]
+                assert "no decode worker has registered" in r.error_message
+
+                rep = Reporter(addr)
+                await rep.send(worker_id="decode-a", address="127.0.0.1:1", role=router_pb2.WORKER_ROLE_DECODE,
+                               model_id=MODEL, block_size=BS, free_blocks=1000, total_blocks=1000,
+                               kv_events=router_pb2.KvEvents(stored=HASHES[:3]))
+                await wait_for_workers(addr, 1)
+                for i, prompt in ((8, PROMPT), (9, []), (10, PROMPT)):
+                    await call.write(req(i, prompt))
+                got = {r.id: r for r in [await call.read() for _ in range(3)]}
+                assert sorted(got) == [8, 9, 10]
+                for i in (8, 10):
+                    p = got[i].placement
+                    assert got[i].error_code == 0 and (p.decode.worker_id, p.cached_blocks) == ("decode-a", 3)
+                    assert p == await stub.Place(req(i, PROMPT).request)  # what Place gives for it
+                assert got[9].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert "prompt_token_ids is empty" in got[9].error_message
+                await call.done_writing()
+                assert await call.read() is grpc.aio.EOF
+                await rep.close()
+
+    asyncio.run(body())

@@ -25,31 +25,39 @@ _sym_db = _symbol_database.Default()
 from tokenmill.v1 import common_pb2 as tokenmill_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmill/v1/router.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"~\n\x0cPlaceRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x65xclude_workers\x18\x04 \x03(\t\"/\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x96\x01\n\tPlacement\x12-\n\x07prefill\x18\x01 \x01(\x0b\x32\x17.tokenmill.v1.WorkerRefH\x00\x88\x01\x01\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x17.tokenmill.v1.WorkerRef\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\tB\n\n\x08_prefill\":\n\x08KvEvents\x12\x0e\n\x06stored\x18\x01 \x03(\x04\x12\x0f\n\x07removed\x18\x02 \x03(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\"\xba\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x04role\x18\x03 \x01(\x0e\x32\x18.tokenmill.v1.WorkerRole\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\x05\x12\x0f\n\x07running\x18\x08 \x01(\x05\x12\x0f\n\x07waiting\x18\t \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\n \x01(\x03\x12)\n\tkv_events\x18\x0b \x01(\x0b\x32\x16.tokenmill.v1.KvEvents\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x11\n\theartbeat\x18\r \x01(\x08\"\x0b\n\tReportAck\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.tokenmill.v1.WorkerLoad*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xd9\x01\n\x06Router\x12<\n\x05Place\x12\x1a.tokenmill.v1.PlaceRequest\x1a\x17.tokenmill.v1.Placement\x12=\n\x06Report\x12\x18.tokenmill.v1.WorkerLoad\x1a\x17.tokenmill.v1.ReportAck(\x01\x12R\n\x0bListWorkers\x12 .tokenmill.v1.ListWorkersRequest\x1a!.tokenmill.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tokenmill/v1/router.proto\x12\x0ctokenmill.v1\x1a\x19tokenmill/v1/common.proto\"~\n\x0cPlaceRequest\x12\'\n\x04meta\x18\x01 \x01(\x0b\x32\x19.tokenmill.v1.RequestMeta\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x65xclude_workers\x18\x04 \x03(\t\"\xb7\x01\n\x12PlaceStreamRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12+\n\x07request\x18\x02 \x01(\x0b\x32\x1a.tokenmill.v1.PlaceRequest\x12:\n\x05trace\x18\x03 \x03(\x0b\x32+.tokenmill.v1.PlaceStreamRequest.TraceEntry\x1a,\n\nTraceEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"u\n\x10PlaceStreamReply\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\tplacement\x18\x02 \x01(\x0b\x32\x17.tokenmill.v1.Placement\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"/\n\tWorkerRef\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x96\x01\n\tPlacement\x12-\n\x07prefill\x18\x01 \x01(\x0b\x32\x17.tokenmill.v1.WorkerRefH\x00\x88\x01\x01\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x17.tokenmill.v1.WorkerRef\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\tB\n\n\x08_prefill\":\n\x08KvEvents\x12\x0e\n\x06stored\x18\x01 \x03(\x04\x12\x0f\n\x07removed\x18\x02 \x03(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\"\xba\x02\n\nWorkerLoad\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12&\n\x04role\x18\x03 \x01(\x0e\x32\x18.tokenmill.v1.WorkerRole\x12\x10\n\x08model_id\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\x05\x12\x0f\n\x07running\x18\x08 \x01(\x05\x12\x0f\n\x07waiting\x18\t \x01(\x05\x12\x1d\n\x15queued_prefill_tokens\x18\n \x01(\x03\x12)\n\tkv_events\x18\x0b \x01(\x0b\x32\x16.tokenmill.v1.KvEvents\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x11\n\theartbeat\x18\r \x01(\x08\"\x0b\n\tReportAck\"\x14\n\x12ListWorkersRequest\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.tokenmill.v1.WorkerLoad*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xae\x02\n\x06Router\x12<\n\x05Place\x12\x1a.tokenmill.v1.PlaceRequest\x1a\x17.tokenmill.v1.Placement\x12S\n\x0bPlaceStream\x12 .tokenmill.v1.PlaceStreamRequest\x1a\x1e.tokenmill.v1.PlaceStreamReply(\x01\x30\x01\x12=\n\x06Report\x12\x18.tokenmill.v1.WorkerLoad\x1a\x17.tokenmill.v1.ReportAck(\x01\x12R\n\x0bListWorkers\x12 .tokenmill.v1.ListWorkersRequest\x1a!.tokenmill.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tokenmill.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=878
-  _globals['_WORKERROLE']._serialized_end=968
+  _globals['_PLACESTREAMREQUEST_TRACEENTRY']._loaded_options = None
+  _globals['_PLACESTREAMREQUEST_TRACEENTRY']._serialized_options = b'8\001'
+  _globals['_WORKERROLE']._serialized_start=1183
+  _globals['_WORKERROLE']._serialized_end=1273
   _globals['_PLACEREQUEST']._serialized_start=70
   _globals['_PLACEREQUEST']._serialized_end=196
-  _globals['_WORKERREF']._serialized_start=198
-  _globals['_WORKERREF']._serialized_end=245
-  _globals['_PLACEMENT']._serialized_start=248
-  _globals['_PLACEMENT']._serialized_end=398
-  _globals['_KVEVENTS']._serialized_start=400
-  _globals['_KVEVENTS']._serialized_end=458
-  _globals['_WORKERLOAD']._serialized_start=461
-  _globals['_WORKERLOAD']._serialized_end=775
-  _globals['_REPORTACK']._serialized_start=777
-  _globals['_REPORTACK']._serialized_end=788
-  _globals['_LISTWORKERSREQUEST']._serialized_start=790
-  _globals['_LISTWORKERSREQUEST']._serialized_end=810
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=812
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=876
-  _globals['_ROUTER']._serialized_start=971
-  _globals['_ROUTER']._serialized_end=1188
+  _globals['_PLACESTREAMREQUEST']._serialized_start=199
+  _globals['_PLACESTREAMREQUEST']._serialized_end=382
+  _globals['_PLACESTREAMREQUEST_TRACEENTRY']._serialized_start=338
+  _globals['_PLACESTREAMREQUEST_TRACEENTRY']._serialized_end=382
+  _globals['_PLACESTREAMREPLY']._serialized_start=384
+  _globals['_PLACESTREAMREPLY']._serialized_end=501
+  _globals['_WORKERREF']._serialized_start=503
+  _globals['_WORKERREF']._serialized_end=550
+  _globals['_PLACEMENT']._serialized_start=553
+  _globals['_PLACEMENT']._serialized_end=703
+  _globals['_KVEVENTS']._serialized_start=705
+  _globals['_KVEVENTS']._serialized_end=763
+  _globals['_WORKERLOAD']._serialized_start=766
+  _globals['_WORKERLOAD']._serialized_end=1080
+  _globals['_REPORTACK']._serialized_start=1082
+  _globals['_REPORTACK']._serialized_end=1093
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1095
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1115
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1117
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1181
+  _globals['_ROUTER']._serialized_start=1276
+  _globals['_ROUTER']._serialized_end=1578
 # @@protoc_insertion_point(module_scope)

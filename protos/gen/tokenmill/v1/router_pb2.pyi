@@ -29,6 +29,35 @@ class PlaceRequest(_message.Message):
     exclude_workers: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, meta: _Optional[_Union[_common_pb2.RequestMeta, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., exclude_workers: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class PlaceStreamRequest(_message.Message):
+    __slots__ = ("id", "request", "trace")
+    class TraceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: PlaceRequest
+    trace: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[PlaceRequest, _Mapping]] = ..., trace: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class PlaceStreamReply(_message.Message):
+    __slots__ = ("id", "placement", "error_code", "error_message")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    placement: Placement
+    error_code: int
+    error_message: str
+    def __init__(self, id: _Optional[int] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class WorkerRef(_message.Message):
     __slots__ = ("worker_id", "address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]

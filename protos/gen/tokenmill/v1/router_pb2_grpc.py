@@ -40,6 +40,11 @@ class RouterStub:
                 request_serializer=tokenmill_dot_v1_dot_router__pb2.PlaceRequest.SerializeToString,
                 response_deserializer=tokenmill_dot_v1_dot_router__pb2.Placement.FromString,
                 _registered_method=True)
+        self.PlaceStream = channel.stream_stream(
+                '/tokenmill.v1.Router/PlaceStream',
+                request_serializer=tokenmill_dot_v1_dot_router__pb2.PlaceStreamRequest.SerializeToString,
+                response_deserializer=tokenmill_dot_v1_dot_router__pb2.PlaceStreamReply.FromString,
+                _registered_method=True)
         self.Report = channel.stream_unary(
                 '/tokenmill.v1.Router/Report',
                 request_serializer=tokenmill_dot_v1_dot_router__pb2.WorkerLoad.SerializeToString,
@@ -58,6 +63,14 @@ class RouterServicer:
 
     def Place(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlaceStream(self, request_iterator, context):
+        """Many placements on one call: a gateway keeps one open per router, so a placement costs a message each way
+        instead of a call. Each reply answers the request of the same id, in any order.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -82,6 +95,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Place,
                     request_deserializer=tokenmill_dot_v1_dot_router__pb2.PlaceRequest.FromString,
                     response_serializer=tokenmill_dot_v1_dot_router__pb2.Placement.SerializeToString,
+            ),
+            'PlaceStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PlaceStream,
+                    request_deserializer=tokenmill_dot_v1_dot_router__pb2.PlaceStreamRequest.FromString,
+                    response_serializer=tokenmill_dot_v1_dot_router__pb2.PlaceStreamReply.SerializeToString,
             ),
             'Report': grpc.stream_unary_rpc_method_handler(
                     servicer.Report,
@@ -122,6 +140,33 @@ class Router:
             '/tokenmill.v1.Router/Place',
             tokenmill_dot_v1_dot_router__pb2.PlaceRequest.SerializeToString,
             tokenmill_dot_v1_dot_router__pb2.Placement.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlaceStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokenmill.v1.Router/PlaceStream',
+            tokenmill_dot_v1_dot_router__pb2.PlaceStreamRequest.SerializeToString,
+            tokenmill_dot_v1_dot_router__pb2.PlaceStreamReply.FromString,
             options,
             channel_credentials,
             insecure,
