@@ -1,10 +1,9 @@
 """One ``PlaceStream`` per router: every placement this gateway asks of a router shares one gRPC call.
 
-A unary ``Place`` is a call each: its set-up, the router's per-call handling and the teardown cost more than the
-placement itself (on the 2-core VM a unary round trip on loopback measured 0.62-0.72 ms against 0.24-0.35 ms for a
-message each way on an open stream, `docs/benchmarks.md`, "A request's way in"), and every request of the
-cluster pays it before its prompt can start. On one stream per router a placement is a message each way, tagged
-with an id the reply carries.
+A unary ``Place`` is a call each: its set-up, the router's per-call handling and the teardown, which every request
+pays before its prompt can start. On one stream per router a placement is a message each way, tagged with an id
+the reply carries: 0.55-0.7 ms shorter and a fifth less of the router's CPU (``python -m loadgen.bench_placement``,
+docs/benchmarks.md, "A request's way in").
 
 What a caller sees is what its ``Place`` call would give: the ``Placement``, or a ``grpc.aio.AioRpcError`` with the
 status the call would have ended with (the router's own refusals travel in the reply; a stream that breaks fails
