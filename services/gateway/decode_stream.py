@@ -22,23 +22,15 @@ leaves early (the client went away) is cancelled on the worker with a ``cancel_r
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc.aio import AioRpcError, Metadata
+from grpc.aio import AioRpcError
 from tokenmill.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 from common import rpc, telemetry
-
-log = logging.getLogger(__name__)
-
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def _error(code: grpc.StatusCode, details: str) -> AioRpcError:
-    return AioRpcError(code, Metadata(), Metadata(), details=details)
+from services.gateway.pools import STATUS_CODES, CallStream, rpc_error
 
 
 def _merge(d: decode_pb2.TokenDelta, q: asyncio.Queue[decode_pb2.TokenDelta | BaseException]
@@ -66,57 +58,33 @@ def _wake(f: asyncio.Future[None] | None) -> None:
         f.set_result(None)
 
 
-class _Stream:
-    """One open ``DecodeStream`` call: a writer task sends requests and cancels in order, a reader task hands each
-    delta to its request's queue."""
+class _Stream(CallStream):
+    """One open ``DecodeStream`` call: the writer sends requests and cancels in order, the reader hands each delta
+    to its request's queue."""
+
+    kind, peer = "DecodeStream", "decode worker"
 
     def __init__(self, stub: decode_pb2_grpc.DecodeStub, address: str) -> None:
-        self.address = address
-        self.call = stub.DecodeStream()
         self.queues: dict[str, asyncio.Queue[decode_pb2.TokenDelta | BaseException]] = {}
         # a request waiting out its stream interval: woken early by its end (a finish, an error, its deadline)
         self.waiting: dict[str, asyncio.Future[None]] = {}
         self.ended: set[str] = set()  # requests whose end is in their queue
-        self.outgoing: asyncio.Queue[decode_pb2.DecodeStreamRequest] = asyncio.Queue()
-        self.error: AioRpcError | None = None
-        loop = asyncio.get_running_loop()
-        self._writer = loop.create_task(self._write())
-        self._reader = loop.create_task(self._read())
+        super().__init__(stub.DecodeStream(), address)
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self.call.write(await self.outgoing.get())
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the call ended or broke: ended here too, the reader fails every request on it
-            if not self.call.done():
-                log.warning("DecodeStream to %s: a write failed; closing the stream", self.address, exc_info=True)
-            self.call.cancel()
+    def _received(self, batch: decode_pb2.TokenDeltaBatch) -> None:
+        for d in batch.deltas:
+            q = self.queues.get(d.request_id)
+            if q is not None:
+                q.put_nowait(d)
+                if d.finish_reason or d.HasField("error"):
+                    self.ended.add(d.request_id)
+                    _wake(self.waiting.get(d.request_id))
 
-    async def _read(self) -> None:
-        err = _error(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.address} ended its DecodeStream")
-        try:
-            async for batch in self.call:
-                for d in batch.deltas:
-                    q = self.queues.get(d.request_id)
-                    if q is not None:
-                        q.put_nowait(d)
-                        if d.finish_reason or d.HasField("error"):
-                            self.ended.add(d.request_id)
-                            _wake(self.waiting.get(d.request_id))
-        except AioRpcError as e:
-            err = e
-        except asyncio.CancelledError:
-            err = _error(grpc.StatusCode.UNAVAILABLE, "the gateway closed its DecodeStream")
-            raise
-        finally:
-            self.error = err
-            for q in self.queues.values():
-                q.put_nowait(err)
-            for f in self.waiting.values():
-                _wake(f)
-            self._writer.cancel()
+    def _ended(self, error: AioRpcError) -> None:
+        for q in self.queues.values():
+            q.put_nowait(error)
+        for f in self.waiting.values():
+            _wake(f)
 
     async def decode(self, req: decode_pb2.DecodeRequest, timeout: float | None, interval: float = 0.0
                      ) -> AsyncIterator[decode_pb2.TokenDelta]:
@@ -124,7 +92,7 @@ class _Stream:
             raise self.error
         rid = req.meta.request_id
         if rid in self.queues:  # as the worker refuses a request id already streaming there
-            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+            raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT,
                          f"request id {rid!r} is already streaming on decode worker {self.address}")
         q: asyncio.Queue[decode_pb2.TokenDelta | BaseException] = asyncio.Queue()
         self.queues[rid] = q
@@ -146,7 +114,7 @@ class _Stream:
                     raise d
                 if d.HasField("error"):
                     done = True  # the worker ended it
-                    raise _error(_CODES.get(d.error.code, grpc.StatusCode.UNKNOWN), d.error.message)
+                    raise rpc_error(STATUS_CODES.get(d.error.code, grpc.StatusCode.UNKNOWN), d.error.message)
                 yield d
                 if d.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     done = True
@@ -170,15 +138,10 @@ class _Stream:
                 self.outgoing.put_nowait(decode_pb2.DecodeStreamRequest(cancel_request_id=rid))
 
     def _expire(self, rid: str, q: asyncio.Queue[decode_pb2.TokenDelta | BaseException]) -> None:
-        q.put_nowait(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+        q.put_nowait(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
         self.ended.add(rid)
         _wake(self.waiting.get(rid))
 
-    async def close(self) -> None:
-        self.call.cancel()
-        for t in (self._reader, self._writer):
-            t.cancel()
-        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
 
 
 class DecodeStreams:

@@ -20,70 +20,39 @@ import logging
 from typing import Any
 
 import grpc
-from grpc.aio import AioRpcError, Metadata
+from grpc.aio import AioRpcError
 from tokenmill.v1 import router_pb2
 
 from common import telemetry
-from services.gateway.pools import ChannelPool
+from services.gateway.pools import STATUS_CODES, CallStream, ChannelPool, rpc_error
 
 log = logging.getLogger(__name__)
 
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
+class _Stream(CallStream):
+    """One open ``PlaceStream`` call: the writer sends the requests in order, the reader resolves each request's
+    future by the id its reply carries."""
 
-
-def _error(code: grpc.StatusCode, details: str) -> AioRpcError:
-    return AioRpcError(code, Metadata(), Metadata(), details=details)
-
-
-class _Stream:
-    """One open ``PlaceStream`` call: a writer task sends the requests in order, a reader task resolves each
-    request's future by the id its reply carries."""
+    kind, peer = "PlaceStream", "router"
 
     def __init__(self, stub: Any, address: str) -> None:
-        self.address = address
-        self.call = stub.PlaceStream()
         self.pending: dict[int, asyncio.Future[router_pb2.Placement]] = {}
-        self.outgoing: asyncio.Queue[router_pb2.PlaceStreamRequest] = asyncio.Queue()
-        self.error: AioRpcError | None = None
         self._ids = itertools.count(1)
-        loop = asyncio.get_running_loop()
-        self._writer = loop.create_task(self._write())
-        self._reader = loop.create_task(self._read())
+        super().__init__(stub.PlaceStream(), address)
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self.call.write(await self.outgoing.get())
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # the call ended or broke: ended here too, the reader fails what waits on it
-            if not self.call.done():
-                log.warning("PlaceStream to %s: a write failed; closing the stream", self.address, exc_info=True)
-            self.call.cancel()
+    def _received(self, r: router_pb2.PlaceStreamReply) -> None:
+        f = self.pending.pop(r.id, None)
+        if f is None or f.done():  # its caller left (cancelled, or past its deadline)
+            return
+        if r.error_code:
+            f.set_exception(rpc_error(STATUS_CODES.get(r.error_code, grpc.StatusCode.UNKNOWN), r.error_message))
+        else:
+            f.set_result(r.placement)
 
-    async def _read(self) -> None:
-        err = _error(grpc.StatusCode.UNAVAILABLE, f"router {self.address} ended its PlaceStream")
-        try:
-            async for r in self.call:
-                f = self.pending.pop(r.id, None)
-                if f is None or f.done():  # its caller left (cancelled, or past its deadline)
-                    continue
-                if r.error_code:
-                    f.set_exception(_error(_CODES.get(r.error_code, grpc.StatusCode.UNKNOWN), r.error_message))
-                else:
-                    f.set_result(r.placement)
-        except AioRpcError as e:
-            err = e
-        except asyncio.CancelledError:
-            err = _error(grpc.StatusCode.UNAVAILABLE, "the gateway closed its PlaceStream")
-            raise
-        finally:
-            self.error = err
-            pending, self.pending = self.pending, {}
-            for f in pending.values():
-                if not f.done():
-                    f.set_exception(err)
-            self._writer.cancel()
+    def _ended(self, error: AioRpcError) -> None:
+        pending, self.pending = self.pending, {}
+        for f in pending.values():
+            if not f.done():
+                f.set_exception(error)
 
     async def place(self, req: router_pb2.PlaceRequest, timeout: float | None) -> router_pb2.Placement:
         if self.error is not None:
@@ -96,15 +65,10 @@ class _Stream:
         try:
             return await asyncio.wait_for(f, timeout)
         except TimeoutError:
-            raise _error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         finally:
             self.pending.pop(i, None)
 
-    async def close(self) -> None:
-        self.call.cancel()
-        for t in (self._reader, self._writer):
-            t.cancel()
-        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
 
 
 class PlaceStreams:

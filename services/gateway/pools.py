@@ -3,15 +3,86 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from grpc.aio import AioRpcError, Metadata
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.rpc import GRPC_OPTIONS, Unavailable
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
+
+STATUS_CODES = {c.value[0]: c for c in grpc.StatusCode}  # a status code's number (``code.value[0]``) → the code
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> AioRpcError:
+    """The error a call that ended with ``code`` raises, for a request on a shared call to raise in its place."""
+    return AioRpcError(code, Metadata(), Metadata(), details=details)
+
+
+class CallStream:
+    """A bidi call the gateway keeps open to one server for many of its requests (``DecodeStream``,
+    ``PlaceStream``): a writer task sends what is put on ``outgoing``, in order; the subclass's ``_read`` hands out
+    what comes back (``_received``), and when the call ends ``error`` says how and ``_ended`` fails what still
+    waits on it. Create inside the event loop; ``kind`` names the call and ``peer`` the server in logs and errors."""
+
+    kind = "stream"
+
+    def __init__(self, call: Any, address: str) -> None:
+        self.address = address
+        self.call = call
+        self.outgoing: asyncio.Queue[Any] = asyncio.Queue()
+        self.error: AioRpcError | None = None
+        loop = asyncio.get_running_loop()
+        self._writer = loop.create_task(self._write())
+        self._reader = loop.create_task(self._read())
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self.outgoing.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the call ended or broke: ended here too, the reader fails what waits on it
+            if not self.call.done():
+                log.warning("%s to %s: a write failed; closing the stream", self.kind, self.address, exc_info=True)
+            self.call.cancel()
+
+    peer = "server"  # what the other end is, in the error of a call that it ended
+
+    async def _read(self) -> None:
+        err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.peer} {self.address} ended its {self.kind}")
+        try:
+            async for m in self.call:
+                self._received(m)
+        except AioRpcError as e:
+            err = e
+        except asyncio.CancelledError:
+            err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the gateway closed its {self.kind}")
+            raise
+        finally:
+            self.error = err
+            self._ended(err)
+            self._writer.cancel()
+
+    def _received(self, message: Any) -> None:
+        """A message from the server: hand it to whatever waits for it."""
+        raise NotImplementedError
+
+    def _ended(self, error: AioRpcError) -> None:
+        """The call is over (``error`` says how): fail everything still waiting on it."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        self.call.cancel()
+        for t in (self._reader, self._writer):
+            t.cancel()
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
 
 
 class ChannelPool:

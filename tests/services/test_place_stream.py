@@ -78,6 +78,18 @@ async def _fake(servicer: router_pb2_grpc.RouterServicer) -> AsyncIterator[str]:
         await server.stop(0)
 
 
+@contextlib.asynccontextmanager
+async def _placing(*addresses: str) -> AsyncIterator[PlaceStreams]:
+    """The gateway's placements over routers at ``addresses``, closed afterwards."""
+    pool = ChannelPool(list(addresses), router_pb2_grpc.RouterStub, 8)
+    streams = PlaceStreams(pool)
+    try:
+        yield streams
+    finally:
+        await streams.close()
+        await pool.close()
+
+
 def test_placements_share_one_stream_and_equal_what_place_gives():
     async def body() -> None:
         port = free_port()
@@ -112,20 +124,14 @@ def test_placements_share_one_stream_and_equal_what_place_gives():
 def test_a_broken_stream_fails_what_waits_and_the_next_placement_opens_another():
     async def body() -> None:
         fake = _FakeRouter("break")
-        async with _fake(fake) as addr:
-            pool = ChannelPool([addr], router_pb2_grpc.RouterStub, 8)
-            streams = PlaceStreams(pool)
-            try:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await streams.place(_req("a"), 10)
-                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-                assert streams.open_streams() == {}
-                fake.mode = "answer"
-                p = await streams.place(_req("b"), 10)
-                assert p.decode.worker_id == "decode-fake" and fake.stream_calls == 2
-            finally:
-                await streams.close()
-                await pool.close()
+        async with _fake(fake) as addr, _placing(addr) as streams:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await streams.place(_req("a"), 10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert streams.open_streams() == {}
+            fake.mode = "answer"
+            p = await streams.place(_req("b"), 10)
+            assert p.decode.worker_id == "decode-fake" and fake.stream_calls == 2
 
     asyncio.run(body())
 
@@ -133,17 +139,11 @@ def test_a_broken_stream_fails_what_waits_and_the_next_placement_opens_another()
 def test_a_placement_past_its_deadline_ends_deadline_exceeded():
     async def body() -> None:
         fake = _FakeRouter("silent")
-        async with _fake(fake) as addr:
-            pool = ChannelPool([addr], router_pb2_grpc.RouterStub, 8)
-            streams = PlaceStreams(pool)
-            try:
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await streams.place(_req("a"), 0.3)
-                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and fake.seen.is_set()
-                assert streams.open_streams() == {addr: 0}  # nothing left waiting; the stream stays
-            finally:
-                await streams.close()
-                await pool.close()
+        async with _fake(fake) as addr, _placing(addr) as streams:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await streams.place(_req("a"), 0.3)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and fake.seen.is_set()
+            assert streams.open_streams() == {addr: 0}  # nothing left waiting; the stream stays
 
     asyncio.run(body())
 
@@ -151,16 +151,10 @@ def test_a_placement_past_its_deadline_ends_deadline_exceeded():
 def test_a_router_without_place_stream_is_asked_with_place():
     async def body() -> None:
         old = _OldRouter()
-        async with _fake(old) as addr:
-            pool = ChannelPool([addr], router_pb2_grpc.RouterStub, 8)
-            streams = PlaceStreams(pool)
-            try:
-                for rid in ("a", "b"):
-                    assert (await streams.place(_req(rid), 10)).decode.worker_id == "decode-fake"
-                assert old.unary_calls == 2 and streams.open_streams() == {}
-            finally:
-                await streams.close()
-                await pool.close()
+        async with _fake(old) as addr, _placing(addr) as streams:
+            for rid in ("a", "b"):
+                assert (await streams.place(_req(rid), 10)).decode.worker_id == "decode-fake"
+            assert old.unary_calls == 2 and streams.open_streams() == {}
 
     asyncio.run(body())
 
@@ -168,15 +162,9 @@ def test_a_router_without_place_stream_is_asked_with_place():
 def test_a_router_that_is_down_is_skipped_for_the_next():
     async def body() -> None:
         fake = _FakeRouter("answer")
-        async with _fake(fake) as addr:
-            down = f"{HOST}:{free_port()}"  # nothing listens there
-            pool = ChannelPool([down, addr], router_pb2_grpc.RouterStub, 8)
-            streams = PlaceStreams(pool)
-            try:
-                p = await streams.place(_req("a"), 10)  # the first router in turn is down: the second answers
-                assert p.decode.worker_id == "decode-fake" and fake.stream_calls == 1
-            finally:
-                await streams.close()
-                await pool.close()
+        down = f"{HOST}:{free_port()}"  # nothing listens there
+        async with _fake(fake) as addr, _placing(down, addr) as streams:
+            p = await streams.place(_req("a"), 10)  # the first router in turn is down: the second answers
+            assert p.decode.worker_id == "decode-fake" and fake.stream_calls == 1
 
     asyncio.run(body())
