@@ -93,7 +93,7 @@ class _Stream(CallStream):
         rid = req.meta.request_id
         if rid in self.queues:  # as the worker refuses a request id already streaming there
             raise rpc_error(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"request id {rid!r} is already streaming on decode worker {self.address}")
+                            f"request id {rid!r} is already streaming on decode worker {self.address}")
         q: asyncio.Queue[decode_pb2.TokenDelta | BaseException] = asyncio.Queue()
         self.queues[rid] = q
         trace = dict(telemetry.outgoing_metadata() or ())
@@ -141,7 +141,6 @@ class _Stream(CallStream):
         q.put_nowait(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
         self.ended.add(rid)
         _wake(self.waiting.get(rid))
-
 
 
 class DecodeStreams:

@@ -28,6 +28,7 @@ from services.gateway.pools import STATUS_CODES, CallStream, ChannelPool, rpc_er
 
 log = logging.getLogger(__name__)
 
+
 class _Stream(CallStream):
     """One open ``PlaceStream`` call: the writer sends the requests in order, the reader resolves each request's
     future by the id its reply carries."""
@@ -68,7 +69,6 @@ class _Stream(CallStream):
             raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
         finally:
             self.pending.pop(i, None)
-
 
 
 class PlaceStreams:

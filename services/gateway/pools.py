@@ -32,6 +32,7 @@ class CallStream:
     waits on it. Create inside the event loop; ``kind`` names the call and ``peer`` the server in logs and errors."""
 
     kind = "stream"
+    peer = "server"  # what the other end is, in the error of a call that it ended
 
     def __init__(self, call: Any, address: str) -> None:
         self.address = address
@@ -52,8 +53,6 @@ class CallStream:
             if not self.call.done():
                 log.warning("%s to %s: a write failed; closing the stream", self.kind, self.address, exc_info=True)
             self.call.cancel()
-
-    peer = "server"  # what the other end is, in the error of a call that it ended
 
     async def _read(self) -> None:
         err = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.peer} {self.address} ended its {self.kind}")
