@@ -10,7 +10,8 @@ the way the gateway does (``services/gateway/place_stream.py``):
 
 Each way is timed one placement at a time, after a ``--gap`` of idle (the event loops asleep, as between a
 lightly loaded cluster's requests) and back to back, then ``--requests`` at once (a busy gateway), where the
-router process's CPU per placement is read from ``/proc`` (Linux). Rounds alternate the two ways.
+router process's CPU per placement is read from ``/proc`` (Linux). Rounds alternate the two ways. Last, the
+placement itself (``RouterService.place``, in this process): how much of the router's CPU is not the call's.
 
     python -m loadgen.bench_placement [--requests 2000] [--rounds 3]
 
@@ -31,9 +32,12 @@ from collections.abc import Awaitable, Callable
 import grpc
 from tokenmill.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from common.cluster_config import ClusterConfig
 from loadgen.proc_cpu import process_table
 from services.gateway.place_stream import PlaceStreams
 from services.gateway.pools import ChannelPool
+from services.router.placement import LoadReport, Role
+from services.router.server import RouterService
 
 HOST = "127.0.0.1"
 WORKER = "decode-bench"
@@ -114,6 +118,24 @@ async def _measure(addr: str, pid: int, a: argparse.Namespace) -> dict[str, dict
     return out
 
 
+def placement_cpu_us(prompt: int, n: int = 2000) -> float:
+    """The router's own work a placement (``RouterService.place`` on a message's prompt, one decode worker
+    registered), in this process: µs, the median of 5 runs of ``n``."""
+    app = RouterService(ClusterConfig().service("router", 0))
+    load = LoadReport(worker_id=WORKER, address=f"{HOST}:1", role=Role.DECODE, model_id="m", block_size=16,
+                      free_blocks=10**6, total_blocks=10**6)
+    req = router_pb2.PlaceRequest(meta=common_pb2.RequestMeta(request_id="b"),
+                                  prompt_token_ids=list(range(1, prompt + 1)), max_tokens=16)
+    runs = []
+    for _ in range(5):
+        app.report(load, WORKER)  # a report resets the placements counted since the last one
+        t = time.perf_counter()
+        for _ in range(n):
+            assert app.place(req).decode.worker_id == WORKER
+        runs.append((time.perf_counter() - t) / n * 1e6)
+    return statistics.median(runs)
+
+
 def _pct(v: list[float], q: float) -> float:
     s = sorted(v)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -144,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, o in out.items():
         print(f"| {name} | {_pct(o['idle'], .5):.3f} / {_pct(o['idle'], .9):.3f} | {_pct(o['busy'], .5):.3f} / "
               f"{_pct(o['busy'], .9):.3f} | {statistics.median(o['rate']):,.0f} | {statistics.median(o['cpu_us']):.0f} |")
+    print(f"\nof which the placement itself (RouterService.place, in process): {placement_cpu_us(a.prompt):.0f} µs")
 
 
 if __name__ == "__main__":

@@ -256,6 +256,8 @@ class _HashCache:
     def of(self, w: WorkerState) -> list[int]:
         key = (w.last.model_id, w.block_size)
         if key not in self._by_key:
+            if not isinstance(self.prompt, list):  # a message's repeated field: one copy, not a copy per block
+                self.prompt = list(self.prompt)
             self._by_key[key] = prefix_block_hashes(self.prompt, w.block_size,
                                                     HashKeys(w.last.model_id, cache_salt=self.salt))
         return self._by_key[key]

@@ -18,3 +18,5 @@ def test_both_ways_of_placing_are_timed_against_a_real_router(capsys) -> None:
         assert all(float(x) > 0 for x in idle.split(" / ") + busy.split(" / "))
         assert float(rate.replace(",", "")) > 0 and float(cpu) >= 0
     assert out.count("placements,") == 2  # a round of each, all answered with the registered worker
+    itself = [line for line in out.splitlines() if line.startswith("of which the placement itself")]
+    assert len(itself) == 1 and float(itself[0].split(": ")[1].split()[0]) > 0
