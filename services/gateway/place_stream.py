@@ -2,8 +2,8 @@
 
 A unary ``Place`` is a call each: its set-up, the router's per-call handling and the teardown, which every request
 pays before its prompt can start. On one stream per router a placement is a message each way, tagged with an id
-the reply carries: 0.55-0.7 ms shorter and a fifth less of the router's CPU (``python -m loadgen.bench_placement``,
-docs/benchmarks.md, "A request's way in").
+the reply carries: 0.45-0.7 ms shorter and a fifth to a quarter less of the router's CPU
+(``python -m loadgen.bench_placement``, docs/benchmarks.md, "A request's way in").
 
 What a caller sees is what its ``Place`` call would give: the ``Placement``, or a ``grpc.aio.AioRpcError`` with the
 status the call would have ended with (the router's own refusals travel in the reply; a stream that breaks fails
