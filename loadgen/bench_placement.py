@@ -48,7 +48,7 @@ def _cpu(pid: int) -> float:
 
 
 async def _ready(addr: str, timeout: float = 60.0) -> None:
-    """Wait for the router to answer, then register the worker and keep its Report stream open."""
+    """Wait until the router answers."""
     deadline = time.monotonic() + timeout
     async with grpc.aio.insecure_channel(addr) as ch:
         stub = router_pb2_grpc.RouterStub(ch)

@@ -86,9 +86,10 @@ class PlaceStreams:
         """The router's placement for ``req``, as ``Place`` would answer it. Raises its error."""
         stubs = self.routers.stubs("router")
         n = len(stubs)
-        for attempt in range(n):
-            i = self._next
-            self._next = (i + 1) % n
+        start = self._next
+        self._next = (start + 1) % n
+        for attempt in range(n):  # each router once, from this placement's turn (others move the turn meanwhile)
+            i = (start + attempt) % n
             address, stub = self.routers.addresses[i], stubs[i]
             try:
                 return await self._one(address, stub, req, timeout)

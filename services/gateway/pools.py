@@ -1,4 +1,5 @@
-"""Client-side channels of the gateway: round-robin pools with bounded in-flight calls, and per-worker stubs."""
+"""Client-side channels of the gateway: round-robin pools with bounded in-flight calls, per-worker stubs, and
+``CallStream``, the base of the calls it keeps open for many requests (``DecodeStream``, ``PlaceStream``)."""
 
 from __future__ import annotations
 
@@ -118,9 +119,10 @@ class ChannelPool:
         if n == 0:
             raise Unavailable(f"no {what} address is configured")
         self._open()
-        for attempt in range(n):
-            i = self._next
-            self._next = (i + 1) % n
+        start = self._next
+        self._next = (start + 1) % n
+        for attempt in range(n):  # each address once, from this call's turn (other calls move the turn meanwhile)
+            i = (start + attempt) % n
             async with self._sems[i]:
                 try:
                     return await fn(self._stubs[i])

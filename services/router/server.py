@@ -77,8 +77,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     ) -> router_pb2.Placement:
         with telemetry.span("route", telemetry.SERVER) as span:
             p = self.app.place(request)
-            span.set_attributes({"request_id": request.meta.request_id, "decode_worker": p.decode.worker_id,
-                                 "prefill_worker": p.prefill.worker_id, "cached_blocks": p.cached_blocks})
+            span.set_attributes(route_attributes(request, p))
         return p
 
     @rpc.translate_errors
@@ -180,8 +179,7 @@ class RouterService:
             code, message = rpc.status_for(e)
             telemetry.finish(span, attributes={"request_id": req.meta.request_id}, error=e)
             return router_pb2.PlaceStreamReply(id=m.id, error_code=code.value[0], error_message=message)
-        telemetry.finish(span, attributes={"request_id": req.meta.request_id, "decode_worker": p.decode.worker_id,
-                                           "prefill_worker": p.prefill.worker_id, "cached_blocks": p.cached_blocks})
+        telemetry.finish(span, attributes=route_attributes(req, p))
         return router_pb2.PlaceStreamReply(id=m.id, placement=p)
 
     def update_gauges(self) -> None:
@@ -196,6 +194,12 @@ class RouterService:
             for wid in self.table.forget_silent(time.monotonic()):
                 log.warning("worker %s silent for over %.1f s: forgotten", wid, self.table.policy.worker_timeout_s)
                 self.update_gauges()
+
+
+def route_attributes(req: router_pb2.PlaceRequest, p: router_pb2.Placement) -> dict[str, str | int]:
+    """A placement's ``route`` span attributes, whichever call asked for it."""
+    return {"request_id": req.meta.request_id, "decode_worker": p.decode.worker_id,
+            "prefill_worker": p.prefill.worker_id, "cached_blocks": p.cached_blocks}
 
 
 def _ref(w: WorkerState) -> router_pb2.WorkerRef:

@@ -166,5 +166,25 @@ def test_a_router_that_is_down_is_skipped_for_the_next():
         async with _fake(fake) as addr, _placing(down, addr) as streams:
             p = await streams.place(_req("a"), 10)  # the first router in turn is down: the second answers
             assert p.decode.worker_id == "decode-fake" and fake.stream_calls == 1
+            got = await asyncio.gather(*(streams.place(_req(f"r{i}"), 10) for i in range(20)))
+            assert {g.decode.worker_id for g in got} == {"decode-fake"}
+            assert (fake.stream_calls, fake.unary_calls) == (1, 0)  # twenty more on the same call, none unary
+
+    asyncio.run(body())
+
+
+def test_concurrent_unary_calls_skip_a_router_that_is_down_each_once():
+    """``ChannelPool.call``, as ``PlaceStreams``: each call tries every router once from its own turn, however the
+    calls beside it move the round-robin turn meanwhile."""
+    async def body() -> None:
+        fake = _FakeRouter("answer")
+        async with _fake(fake) as addr:
+            pool = ChannelPool([f"{HOST}:{free_port()}", addr], router_pb2_grpc.RouterStub, 8)
+            try:
+                got = await asyncio.gather(*(pool.call(lambda stub, i=i: stub.Place(_req(f"r{i}")), "router")
+                                             for i in range(20)))
+                assert {g.decode.worker_id for g in got} == {"decode-fake"} and fake.unary_calls == 20
+            finally:
+                await pool.close()
 
     asyncio.run(body())
