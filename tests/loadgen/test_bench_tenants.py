@@ -8,10 +8,11 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from common.cluster_config import load_cluster_config
 from common.config import EngineConfig
-from loadgen.bench_tenants import _late, _outcomes, _was_sent, flood_processes, up_command
+from loadgen.bench_tenants import _late, _outcomes, _was_sent, flood_processes, tenants_config, up_command
 from loadgen.metrics import RequestRecord, stats
 from services.cli import build_parser
 
@@ -38,9 +39,16 @@ def test_the_floods_outcomes_are_counted_by_how_each_request_ended():
     assert [_was_sent(r) for r in recs[:2]] == [True, False]  # cancelled while due: never sent, not "0 ms late"
 
 
-def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up():
+def test_defaults_are_sampled_and_the_model_reaches_tokenmill_up(tmp_path: Path):
     a = build_parser().parse_args(["bench", "tenants"])
     assert (a.temperature, a.interactive_rate, a.model, a.tokenizer) == (1.0, 5.0, None, None)
+    # the flood is held by its requests in flight, not a quota, and the p99s pool 10 rounds
+    assert (a.flood_max_inflight, a.flood_rpm, a.flood_max_running, a.rounds) == (16, 0, 0, 10)
+    written = tmp_path / "tenants.yaml"  # what the bench gives `tokenmill up --config`
+    written.write_text(yaml.safe_dump(tenants_config(a, {"interactive": "i", "flood": "f", "probe": "p"})))
+    flood = load_cluster_config(written, env={}).tenants["flood"]
+    assert (flood.max_inflight, flood.rpm, flood.rpm_burst, flood.max_running) == (16, 0, 0, 0)
+    assert flood.max_class == flood.default_class == "batch"
     cmd = up_command(a, Path("/w/c.yaml"), 20000, Path("/w"))
     assert "--model" not in cmd and "--tokenizer" not in cmd
     assert cmd[cmd.index("--gateway-port") + 1] == "20450" and cmd[cmd.index("--http-port") + 1] == "20451"
