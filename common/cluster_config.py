@@ -135,8 +135,12 @@ class GatewayConfig:
     tenant_max_inflight: int | None = None  # per-tenant in-flight quota (None: none); above: 429 with Retry-After
     # the file in which the gateways of one host share the tenants' quotas and in-flight counts
     # (services/gateway/host_limits.py); `tokenmill up` sets it when it starts several gateways on its host. None:
-    # each gateway counts its own (gateway.hosts, compose, Helm, Ray: a quota then holds per gateway)
+    # each gateway counts its own (gateway.hosts, compose, Helm, Ray: each then holds gateway.quota_shares' share)
     shared_limits_file: str | None = None
+    # the gateways (pods, hosts) that split each tenant's quotas and in-flight cap between them when they do not share
+    # a file: each holds 1/N of the rates, bursts and cap (the Helm chart sets gateway.replicas), so N gateways
+    # behind one load balancer admit a tenant's quota once, not N times; 1: this gateway (or host) holds it whole
+    quota_shares: int = 1
     # JSON lines, one per finished or refused request: time, tenant, request id, model, class, token counts,
     # status, latency, migrations (services/gateway/accounting.py); None: no audit log
     audit_log: str | None = None
@@ -370,6 +374,9 @@ class ClusterConfig:
                 raise ConfigError(f"{role}.count must be >= 0, got {self.pool(role).count}")
         if self.grace_s < 0:
             raise ConfigError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.gateway.quota_shares < 1:
+            raise ConfigError(f"gateway.quota_shares must be >= 1 (the gateways that split each tenant's quotas), got "
+                              f"{self.gateway.quota_shares}")
         if self.gateway.tenant_max_inflight is not None and self.gateway.tenant_max_inflight < 1:
             raise ConfigError("gateway.tenant_max_inflight must be >= 1 (or unset: no quota), got "
                               f"{self.gateway.tenant_max_inflight}")

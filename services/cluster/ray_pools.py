@@ -142,13 +142,17 @@ def member_configs(cluster: ClusterConfig, members: list[tuple[str, int, str]], 
 
     Every service listens on its node's IP at the role's port for its index (so two on one node never collide);
     the gateway listens on ``gateway_host``. ``router.hosts`` / ``tokenizer.hosts`` point at the nodes. A worker
-    that asks for a fraction of a GPU (``gpus``, per role) budgets that fraction of ``gpu_memory_utilization``."""
+    that asks for a fraction of a GPU (``gpus``, per role) budgets that fraction of ``gpu_memory_utilization``.
+    Gateways on several nodes count their own quotas, so each holds 1/N of every tenant's (``gateway.quota_shares``
+    = the gateways, unless the config sets it)."""
     hosts: dict[str, list[str]] = {}
     for role, index, ip in members:
         hosts.setdefault(role, []).append(f"{ip}:{cluster.ports(role, index)[0]}")
     base = cluster.to_dict()
     for role in ("router", "tokenizer"):
         base[role]["hosts"] = hosts.get(role, [])
+    if cluster.gateway.quota_shares == 1:
+        base["gateway"] = {**base["gateway"], "quota_shares": max(1, len(hosts.get("gateway", [])))}
     out = {}
     for role, index, ip in members:
         d = {**base, "host": gateway_host if role == "gateway" else ip, "advertise_host": ip}

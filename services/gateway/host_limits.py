@@ -5,8 +5,8 @@ one memory-mapped file, so that N gateways behind one port hold a tenant to its 
 quotas or in-flight caps configured (``has_limits``) creates the file, zeroed, in its run directory and names it in
 ``gateway.shared_limits_file``; every gateway maps it. A gateway counts its requests in flight in the file only
 where a cap reads the counts (``in_flight_capped``).
-Gateways on several hosts (``gateway.hosts``: compose, Helm replicas, Ray) keep their own state, and there a quota
-holds per gateway.
+Gateways on several hosts (``gateway.hosts``: compose, Helm replicas, Ray) keep their own state, each holding
+``1 / gateway.quota_shares`` of every quota (``tenancy``).
 
 The layout follows from the config, which every gateway of the cluster reads (a size check catches a file made for
 another config):

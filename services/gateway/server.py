@@ -333,19 +333,23 @@ class GatewayService:
         ``max_inflight``, else ``gateway.tenant_max_inflight``), one count for both front doors. Checks them and
         counts the request in flight in one step (a tenant's count shared by the host's gateways: under the file's
         lock), so requests arriving together cannot all pass a cap one below; the caller then runs the request in
-        ``in_flight(tenant, admitted=True)``, which releases the count however it ends. Raises QuotaExceeded (HTTP
+        ``in_flight(tenant, admitted=True)``, which releases the count however it ends. With
+        ``gateway.quota_shares`` N a tenant's cap here is 1/N of it, rounded up. Raises QuotaExceeded (HTTP
         429, gRPC RESOURCE_EXHAUSTED, Retry-After), counting nothing; the refusal is counted and audited. Checked
         before the request's quota takes anything."""
         g = self.cfg.cluster.gateway
         cap, key = g.tenant_max_inflight, "gateway.tenant_max_inflight"
         if tenant.cfg.max_inflight:
             cap, key = tenant.cfg.max_inflight, f"tenants.{tenant.name}.max_inflight"
+        share = cap if cap is None else -(-cap // g.quota_shares)  # this gateway's share of the cap, rounded up
         if self.inflight >= g.max_inflight_requests:
             msg, code = (f"the gateway queue is full ({self.inflight} requests in flight); retry after the "
                          "Retry-After seconds", "queue_full")
-        elif not self._count(tenant.name, 1, cap):
+        elif not self._count(tenant.name, 1, share):
+            split = (f", {share} at each of the {g.quota_shares} gateways that split it (gateway.quota_shares)"
+                     if g.quota_shares > 1 else "")
             msg, code = (f"tenant {tenant.name or '(default)'} is over its quota of {cap} requests in flight "
-                         f"({key}); retry after the Retry-After seconds", "quota_exceeded")
+                         f"({key}){split}; retry after the Retry-After seconds", "quota_exceeded")
         else:
             self.inflight += 1
             return

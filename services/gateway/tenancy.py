@@ -14,7 +14,8 @@ placement) it takes its input tokens plus ``max_tokens`` (without ``max_tokens``
 charged when it is known, so the bucket may end below zero and later requests wait for it). At the end the bill is
 settled with the real output: the unused part goes back. A refused request takes nothing: its request token is
 given back, and it never reaches the router or a worker. The gateways ``tokenmill up`` starts on one host keep the
-buckets (and the in-flight counts) in one shared file (``host_limits``); elsewhere each gateway keeps its own.
+buckets (and the in-flight counts) in one shared file (``host_limits``); elsewhere each gateway keeps its own, holding
+1/N of each quota's rate and burst with ``gateway.quota_shares`` N (the gateways behind one load balancer).
 """
 
 from __future__ import annotations
@@ -95,14 +96,17 @@ class TokenBucket:
     (``host_limits``), each operation then under the file's lock.
 
     ``take`` either takes all it is asked or nothing; ``charge`` and ``give`` settle a bill afterwards, and may
-    leave the level below zero (a debt the refill pays first) but never above ``capacity``."""
+    leave the level below zero (a debt the refill pays first) but never above ``capacity``. ``most``: the largest
+    take it ever admits (default ``capacity``); one larger than ``capacity`` waits for a full bucket and leaves the
+    rest as a debt (a gateway's share of a quota admits what the whole quota would, at the share's rate)."""
 
     def __init__(self, per_minute: float, capacity: float, clock: Clock = time.monotonic,
-                 cell: BucketCell | None = None) -> None:
+                 cell: BucketCell | None = None, most: float | None = None) -> None:
         if per_minute <= 0 or capacity <= 0:
             raise ValueError(f"a bucket needs a rate and a capacity > 0, got {per_minute}/min and {capacity}")
         self.rate = per_minute / 60.0
         self.capacity = float(capacity)
+        self.most = max(self.capacity, float(most if most is not None else capacity))
         self._clock = clock
         self._cell: BucketCell = cell if cell is not None else LocalCell(float(capacity), clock())
 
@@ -113,16 +117,16 @@ class TokenBucket:
         return c.level
 
     def _wait(self, c: BucketCell, n: float) -> float:
-        if n > self.capacity:
+        if n > self.most:
             return math.inf
-        return max(0.0, (n - self._refill(c)) / self.rate)
+        return max(0.0, (min(n, self.capacity) - self._refill(c)) / self.rate)
 
     def level(self) -> float:
         with self._cell as c:
             return self._refill(c)
 
     def wait_s(self, n: float) -> float:
-        """Seconds until ``n`` tokens are there (0: now; inf: never, ``n`` is over the capacity)."""
+        """Seconds until ``n`` tokens can be taken (0: now; inf: never, ``n`` is over ``most``)."""
         with self._cell as c:
             return self._wait(c, n)
 
@@ -176,6 +180,18 @@ class Tenant:
     label: str  # the name when the config names this tenant, else OTHER_TENANT: bounded metrics
     requests: TokenBucket | None = None
     tokens: TokenBucket | None = None
+    shares: int = 1  # gateway.quota_shares: this gateway's buckets hold 1/shares of the quotas
+
+    def remaining(self, b: TokenBucket) -> tuple[int, float]:
+        """What is left of a quota, whole-quota terms (this gateway's level times the shares; the others are
+        assumed alike), and the seconds until it is full."""
+        level, reset = b.level_and_reset_s()
+        return max(0, min(math.floor(b.most), math.floor(level * self.shares))), reset
+
+    def share_note(self) -> str:
+        """A refusal's words on the split, when the quota is split between gateways."""
+        return (f"; each of the {self.shares} gateways that split it holds 1/{self.shares} (gateway.quota_shares)"
+                if self.shares > 1 else "")
 
     @property
     def has_quotas(self) -> bool:
@@ -186,9 +202,9 @@ class Tenant:
         h = {}
         for what, b in (("requests", self.requests), ("tokens", self.tokens)):
             if b is not None:
-                level, reset = b.level_and_reset_s()
-                h[f"x-ratelimit-limit-{what}"] = str(int(b.capacity))
-                h[f"x-ratelimit-remaining-{what}"] = str(max(0, math.floor(level)))
+                left, reset = self.remaining(b)
+                h[f"x-ratelimit-limit-{what}"] = str(int(b.most))
+                h[f"x-ratelimit-remaining-{what}"] = str(left)
                 h[f"x-ratelimit-reset-{what}"] = go_duration(reset)
         return h
 
@@ -213,8 +229,10 @@ class Tenancy:
     @classmethod
     def from_config(cls, cluster: ClusterConfig, clock: Clock = time.monotonic,
                     shared: HostLimits | None = None) -> Tenancy:
-        """Every configured tenant, its buckets full; ``shared``: the buckets live in the host's shared file."""
-        tenants = {name: _tenant(name, t, clock, shared) for name, t in cluster.tenants.items()}
+        """Every configured tenant, its buckets full; ``shared``: the buckets live in the host's shared file. With
+        ``gateway.quota_shares`` N each bucket holds 1/N of its quota's rate and burst."""
+        shares = cluster.gateway.quota_shares
+        tenants = {name: _tenant(name, t, clock, shared, shares) for name, t in cluster.tenants.items()}
         keys = {bytes.fromhex(h): name for name, t in cluster.tenants.items() for h in t.keys_sha256}
         for i, entry in enumerate(cluster.gateway.api_keys):
             name, sep, key = entry.rpartition(":")
@@ -253,7 +271,7 @@ class Tenancy:
         wait = t.requests.take(1)
         if wait:
             raise self._refused(t, "requests", f"tenant {t.name} is over its quota of {t.cfg.rpm} requests per "
-                                f"minute (rpm, burst {int(t.requests.capacity)})", wait)
+                                f"minute (rpm, burst {int(t.requests.most)}){t.share_note()}", wait)
 
     def refund_request(self, t: Tenant) -> None:
         """Give back the request token of a request that was refused later (nothing is half-admitted)."""
@@ -270,12 +288,12 @@ class Tenancy:
         if wait == math.inf:
             raise RequestTooLarge(
                 f"the request needs {n} tokens ({prompt_tokens} input + {max_tokens} max_tokens) and tenant "
-                f"{t.name}'s quota of tokens per minute (tpm) holds at most {int(t.tokens.capacity)}; lower "
+                f"{t.name}'s quota of tokens per minute (tpm) holds at most {int(t.tokens.most)}; lower "
                 "max_tokens or shorten the prompt")
         if wait:
             raise self._refused(t, "tokens", f"tenant {t.name} is over its quota of {t.cfg.tpm} tokens per minute "
                                 f"(tpm): this request needs {n} ({prompt_tokens} input + {max_tokens} max_tokens), "
-                                f"{max(0, math.floor(t.tokens.level()))} are left", wait)
+                                f"{t.remaining(t.tokens)[0]} are left{t.share_note()}", wait)
         return Charge(t, n)
 
     def settle(self, c: Charge, used: int) -> None:
@@ -324,13 +342,14 @@ class Tenancy:
         meta.cache_salt = self.cache_salt(t, meta.cache_salt)
 
 
-def _tenant(name: str, cfg: TenantConfig, clock: Clock, shared: HostLimits | None = None) -> Tenant:
+def _tenant(name: str, cfg: TenantConfig, clock: Clock, shared: HostLimits | None = None, shares: int = 1
+            ) -> Tenant:
     def bucket(quota: str, rate: int, capacity: int) -> TokenBucket | None:
         if not rate:
             return None
-        cell = shared.bucket_cell(name, quota, capacity, clock) if shared is not None else None
-        return TokenBucket(rate, capacity, clock, cell)
+        cell = shared.bucket_cell(name, quota, capacity / shares, clock) if shared is not None else None
+        return TokenBucket(rate / shares, capacity / shares, clock, cell, most=capacity)
 
     return Tenant(name, cfg, name, bucket("requests", cfg.rpm, cfg.rpm_capacity),
-                  bucket("tokens", cfg.tpm, cfg.tpm_capacity))
+                  bucket("tokens", cfg.tpm, cfg.tpm_capacity), shares)
 

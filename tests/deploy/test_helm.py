@@ -149,6 +149,16 @@ def test_config_wires_every_address_to_a_service_by_dns_and_ports_agree(tmp_path
                                ).gateway.api_keys == ("team-a:sk-1", "sk-2")
 
 
+def test_gateway_replicas_split_each_tenants_quotas(tmp_path):
+    """The gateway pods count their own quotas, so the chart tells each it holds 1/replicas of every quota."""
+    for replicas in (1, 3):
+        docs = render(deep_merge(ALL_ON, {"gateway": {"replicas": replicas}}))
+        assert by_kind(docs, "Deployment")[f"{RELEASE}-tokenmill-gateway"]["spec"]["replicas"] == replicas
+        f = tmp_path / "cluster.yaml"
+        f.write_text(cluster_yaml(docs))
+        assert load_cluster_config(f, env={}).gateway.quota_shares == replicas
+
+
 def test_autoscalers_pdbs_and_service_monitor():
     default = render()
     assert not by_kind(default, "HorizontalPodAutoscaler") and not by_kind(default, "ServiceMonitor")

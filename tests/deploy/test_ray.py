@@ -111,6 +111,21 @@ def tokenmill(args: list[str], env: dict[str, str], timeout: float = 240) -> sub
                           env=env, timeout=timeout)
 
 
+def test_gateways_on_ray_nodes_split_each_tenants_quotas(tmp_path):
+    """Each gateway actor counts its own quotas: its config says it holds 1/N of them, unless the config set N."""
+    from common.cluster_config import load_cluster_config
+    from services.cluster.ray_pools import member_configs
+
+    members = [("gateway", 0, HEAD_IP), ("gateway", 1, WORKER_IP), ("router", 0, HEAD_IP), ("decode", 0, WORKER_IP)]
+    for overrides, shares in (({}, 2), ({"gateway.quota_shares": 5}, 5)):
+        configs = member_configs(load_cluster_config(overrides={"gateway.count": 2, **overrides}, env={}), members,
+                                 "0.0.0.0")
+        for (role, index), (text, _) in configs.items():
+            f = tmp_path / f"{role}-{index}.yaml"
+            f.write_text(text)  # what the member's actor loads
+            assert load_cluster_config(f, env={}).gateway.quota_shares == shares, (role, index)
+
+
 def test_ray_up_streams_a_request_through_pools_on_two_nodes_then_down(ray_cluster):
     env, address = ray_cluster["env"], ray_cluster["address"]
     base = free_base_port()

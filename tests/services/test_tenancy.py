@@ -8,7 +8,7 @@ import math
 import pytest
 from tokenmill.v1 import common_pb2
 
-from common.cluster_config import load_cluster_config
+from common.cluster_config import ConfigError, load_cluster_config
 from common.rpc import Unauthenticated
 from services.gateway.tenancy import (
     QuotaExceeded,
@@ -120,6 +120,40 @@ def test_quota_refusals_name_the_quota_and_take_nothing():
     assert not free.has_quotas and free.ratelimit_headers() == {}
     ten.admit_request(free)
     ten.settle(ten.charge(free, 10**6, 10**6), 5)
+
+
+def test_gateways_that_split_a_quota_each_hold_their_share():
+    """With ``gateway.quota_shares`` N each gateway refills at 1/N of a quota's rate and holds 1/N of its burst, so
+    N gateways behind one load balancer admit the quota once; a request the whole quota could take is still
+    admitted (at a full share, leaving a debt), one over it is still too large, and the headers and messages speak
+    of the whole quota."""
+    clock = Clock()
+    ten = _tenancy(clock, **{"tenants.acme.rpm": 8, "tenants.acme.rpm_burst": 8, "gateway.quota_shares": 4})
+    acme = ten.get("acme")
+    assert acme.shares == 4 and (acme.requests.capacity, acme.requests.rate * 60) == (2, 2)
+    assert (acme.tokens.capacity, acme.tokens.rate * 60, acme.tokens.most) == (25, 150, 100)
+    ten.admit_request(acme)
+    ten.admit_request(acme)  # this gateway's 2 of the burst of 8
+    with pytest.raises(QuotaExceeded, match=r"quota of 8 requests per minute \(rpm, burst 8\); each of the 4 "
+                                            r"gateways that split it holds 1/4 \(gateway.quota_shares\)") as e:
+        ten.admit_request(acme)
+    h = e.value.headers
+    assert h["Retry-After"] == "30"  # 2 a minute here: the next request token in 30 s
+    assert h["x-ratelimit-limit-requests"] == "8" and h["x-ratelimit-remaining-requests"] == "0"
+    assert h["x-ratelimit-limit-tokens"] == "100" and h["x-ratelimit-remaining-tokens"] == "100"
+    c = ten.charge(acme, 20, 40)  # 60 > this gateway's 25, within the quota's 100: taken from a full share
+    assert acme.tokens.level() == -35
+    with pytest.raises(QuotaExceeded, match=r"this request needs 1 .* 0 are left; each of the 4 gateways"):
+        ten.charge(acme, 1, 0)
+    clock.t += 24  # 150 a minute: the debt of 35 and 25 more
+    assert acme.tokens.level() == pytest.approx(25)
+    assert acme.ratelimit_headers()["x-ratelimit-remaining-tokens"] == "100"
+    with pytest.raises(RequestTooLarge, match=r"needs 101 tokens .* holds at most 100"):
+        ten.charge(acme, 1, 100)
+    ten.settle(c, 20 + 5)  # 35 of the 40 max_tokens unused
+    assert acme.tokens.level() == 25  # a refund never lifts a share past its burst
+    with pytest.raises(ConfigError, match=r"gateway\.quota_shares must be >= 1"):
+        load_cluster_config(overrides={"gateway.quota_shares": 0}, env={})
 
 
 def test_classes_and_what_the_workers_are_told():
