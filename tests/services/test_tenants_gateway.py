@@ -176,31 +176,24 @@ def test_in_flight_caps_hold_on_both_front_doors(tok):
             assert st.gw.tenant_inflight == {"acme": 1}
             for c in burst:
                 c.cancel()
-        limits = {"tenants.beta.max_inflight": 2, "gateway.tenant_max_inflight": 1}
-        async with (stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS, **limits) as st,
-                    grpc.aio.insecure_channel(st.gateway) as ch):
-            stub = frontend_pb2_grpc.FrontendStub(ch)
-            calls = [call(stub, beta) for _ in range(2)]
-            for c in calls:
-                await c.read()
-            e = await refused(stub, beta)
-            assert "quota of 2 requests in flight (tenants.beta.max_inflight)" in e.details()
-            for c in calls:
-                c.cancel()
-        # three gateways split beta's cap of 4: this one admits 2 (4 / 3, rounded up)
-        limits = {"tenants.beta.max_inflight": 4, "gateway.quota_shares": 3}
-        async with (stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS, **limits) as st,
-                    grpc.aio.insecure_channel(st.gateway) as ch):
-            stub = frontend_pb2_grpc.FrontendStub(ch)
-            calls = [call(stub, beta) for _ in range(2)]
-            for c in calls:
-                await c.read()
-            e = await refused(stub, beta)
-            assert ("quota of 4 requests in flight (tenants.beta.max_inflight), 2 at each of the 3 gateways that "
-                    "split it (gateway.quota_shares)") in e.details()
-            assert st.gw.tenant_inflight == {"beta": 2}
-            for c in calls:
-                c.cancel()
+        # beta's own cap wins over the default; three gateways that split beta's cap of 4 admit 2 each (rounded up)
+        for limits, says in (
+                ({"tenants.beta.max_inflight": 2, "gateway.tenant_max_inflight": 1},
+                 "quota of 2 requests in flight (tenants.beta.max_inflight);"),
+                ({"tenants.beta.max_inflight": 4, "gateway.quota_shares": 3},
+                 "quota of 4 requests in flight (tenants.beta.max_inflight), 2 at each of the 3 gateways that split "
+                 "it (gateway.quota_shares)")):
+            async with (stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS, **limits) as st,
+                        grpc.aio.insecure_channel(st.gateway) as ch):
+                stub = frontend_pb2_grpc.FrontendStub(ch)
+                calls = [call(stub, beta) for _ in range(2)]
+                for c in calls:
+                    await c.read()
+                e = await refused(stub, beta)
+                assert says in e.details()
+                assert st.gw.tenant_inflight == {"beta": 2}
+                for c in calls:
+                    c.cancel()
         async with (stack(tok, {"decode-a": FakeDecode("slow")}, **TENANTS,
                           **{"gateway.max_inflight_requests": 1}) as st,
                     grpc.aio.insecure_channel(st.gateway) as ch):
