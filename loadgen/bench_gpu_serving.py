@@ -137,7 +137,7 @@ def parse_sampled(text: str) -> Sampling:
 
 
 def samplings(a: argparse.Namespace) -> tuple[Sampling, Sampling]:
-    """The run's two settings: greedy, and ``--sampled`` (default the issue's: temperature 1, top_p 0.9, top_k 50,
+    """The run's two settings: greedy, and ``--sampled`` (default: temperature 1, top_p 0.9, top_k 50,
     repetition_penalty 1.1)."""
     return SAMPLINGS[0], getattr(a, "sampled", None) or SAMPLINGS[1]
 
