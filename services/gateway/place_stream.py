@@ -73,28 +73,23 @@ class _Stream(CallStream):
 
 class PlaceStreams:
     """The gateway's placements: on a stream per router (opened on first use and again after one breaks), the
-    routers taken round-robin, and a router found UNAVAILABLE tried again once on each other router, as
-    ``ChannelPool.call`` does for a unary call."""
+    routers taken in the pool's turn (``ChannelPool.turn``, as its unary calls), and a placement whose router is
+    UNAVAILABLE tried once on each other router."""
 
     def __init__(self, routers: ChannelPool) -> None:
         self.routers = routers
         self._streams: dict[str, _Stream] = {}
         self._unary: set[str] = set()  # routers that do not serve PlaceStream
-        self._next = 0
 
     async def place(self, req: router_pb2.PlaceRequest, timeout: float | None) -> router_pb2.Placement:
         """The router's placement for ``req``, as ``Place`` would answer it. Raises its error."""
+        order = self.routers.turn("router")
         stubs = self.routers.stubs("router")
-        n = len(stubs)
-        start = self._next
-        self._next = (start + 1) % n
-        for attempt in range(n):  # each router once, from this placement's turn (others move the turn meanwhile)
-            i = (start + attempt) % n
-            address, stub = self.routers.addresses[i], stubs[i]
+        for i in order:
             try:
-                return await self._one(address, stub, req, timeout)
+                return await self._one(self.routers.addresses[i], stubs[i], req, timeout)
             except AioRpcError as e:
-                if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == n - 1:
+                if e.code() != grpc.StatusCode.UNAVAILABLE or i == order[-1]:
                     raise
         raise AssertionError("unreachable")
 

@@ -113,21 +113,24 @@ class ChannelPool:
         self._open()
         return self._stubs
 
-    async def call(self, fn: Callable[[Any], Awaitable[T]], what: str) -> T:
-        """``await fn(stub)`` on the next channel. Raises the RPC's error, or Unavailable without addresses."""
-        n = len(self.addresses)
-        if n == 0:
-            raise Unavailable(f"no {what} address is configured")
-        self._open()
+    def turn(self, what: str) -> list[int]:
+        """The address indices one call tries, in order: each once, from the next in round-robin (its own order:
+        the calls running meanwhile move the pool's turn). Raises Unavailable without addresses."""
+        n = len(self.stubs(what))
         start = self._next
         self._next = (start + 1) % n
-        for attempt in range(n):  # each address once, from this call's turn (other calls move the turn meanwhile)
-            i = (start + attempt) % n
+        return [(start + k) % n for k in range(n)]
+
+    async def call(self, fn: Callable[[Any], Awaitable[T]], what: str) -> T:
+        """``await fn(stub)`` on the next channel, the others in turn while one is UNAVAILABLE. Raises the RPC's
+        error, or Unavailable without addresses."""
+        order = self.turn(what)
+        for i in order:
             async with self._sems[i]:
                 try:
                     return await fn(self._stubs[i])
                 except grpc.aio.AioRpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE or attempt == n - 1:
+                    if e.code() != grpc.StatusCode.UNAVAILABLE or i == order[-1]:
                         raise
         raise AssertionError("unreachable")
 
